@@ -1,0 +1,95 @@
+// Attention over a varlen batch or a batched KV cache (SPEC.md §2, §3).
+// The device of the tensors selects the implementation: cpu -> reference, cuda -> kernels.
+#pragma once
+
+#include <cstdint>
+
+#include "flashserve/plan.hpp"
+#include "flashserve/tensor.hpp"
+
+namespace flashserve {
+
+// Paged-cache layout. NHD: [num_blocks, block_size, H_kv, D]; HND: [num_blocks, H_kv,
+// block_size, D]. Any strides, last dim contiguous.
+enum class KvLayout : uint8_t { nhd, hnd };
+
+// Visibility window around the query's aligned position i' (SPEC.md §2.4); -1 = unbounded.
+struct Window {
+  int left = -1;
+  int right = -1;
+  bool unbounded() const { return left < 0 && right < 0; }
+};
+
+// Every feature is a named field. Shapes use: B batch, H query heads, H_kv KV heads,
+// D QK head size, Dv V head size, total_q/total_k varlen totals, sq queries per sequence in
+// batched calls. "varlen" = varlen_attention, "batched" = kvcache_attention.
+struct AttentionParams {
+  // ---- queries and outputs
+  TensorRef q;      // varlen [total_q, H, D]; batched [B, sq, H, D]. f16/bf16/f32, fp8
+                    // (with q_descale) or int8 (with q_scale)
+  OptTensor q_v;    // [.., H, Dv] (shaped like q, width Dv): adds q_v·v_j to the score (MLA
+                    // absorbed decode, D=64 + Dv=512). may be absent
+  TensorRef out;    // [.., H, Dv]: q's dtype; f16/bf16 when q is fp8 or int8
+  OptTensor lse;    // fp32; varlen [H, total_q], batched [B, H, sq]. may be absent
+
+  // ---- keys and values
+  TensorRef k;      // varlen contiguous [total_k, H_kv, D]; batched contiguous
+                    // [B_cache, S_cache, H_kv, D]; paged: see kv_layout
+  TensorRef v;      // as k, last dim Dv
+  KvLayout kv_layout = KvLayout::nhd;  // paged caches only
+
+  // ---- batch description (int32)
+  OptTensor cu_seqlens_q;     // [B+1], varlen only; cu_seqlens_q[0] == 0, non-decreasing
+  OptTensor cu_seqlens_k;     // [B+1], varlen contiguous KV
+  OptTensor seqused_k;        // [B]: KV length per sequence. Paged (required) or contiguous
+                              // (overrides the length from cu_seqlens_k / S_cache).
+                              // Batched calls: cache_seqlens
+  OptTensor block_table;      // [B, max_blocks]; its presence makes the KV paged
+  OptTensor cache_batch_idx;  // [B], batched contiguous cache: cache row of each sequence
+  int64_t max_seqlen_q = 0;   // bounds on the lengths (validated); varlen only
+  int64_t max_seqlen_k = 0;
+
+  // ---- score modifiers, applied in this order (SPEC.md §2)
+  float softmax_scale = 0.0f;   // 0 -> D^-0.5, or (D + Dv)^-0.5 with q_v
+  float softcap = 0.0f;         // > 0 enables s = softcap * tanh(s / softcap)
+  OptTensor alibi_slopes;       // fp32 [H] or [B, H]
+  bool alibi_sqrt = false;      // use sqrt(|i' - j|)
+  bool causal = false;          // j <= i'
+  Window window{};              // i' - left <= j <= i' + right
+  int64_t chunk_size = 0;       // > 0: chunked local attention, j / c == i' / c
+  OptTensor s_aux;              // [H] fp32/f16/bf16: sink logit per head
+
+  // ---- quantized operands (SPEC.md §5)
+  OptTensor q_descale;          // fp8 q: fp32 [B, H_kv] (stride-0 broadcasts allowed)
+  OptTensor k_descale;          // fp8 k cache: fp32 [B, H_kv]
+  OptTensor v_descale;          // fp8 v cache: fp32 [B, H_kv]
+  OptTensor q_scale;            // int8 q: fp32 per (token, head): varlen [total_q, H],
+                                // batched [B, sq, H]
+  OptTensor k_scale_cache;      // int8 k: fp32 per (token, KV head): paged
+                                // [num_blocks, H_kv, block_size]; contiguous shaped like k
+                                // without D ([total_k, H_kv] / [B_cache, S_cache, H_kv])
+  OptTensor v_scale;            // int8 v (K8V8): fp32 [H_kv, Dv], static per (head, channel)
+
+  // ---- execution
+  int num_splits = 0;           // 0 heuristic, 1 none (deterministic, batch-invariant), >1 forced
+};
+
+// Varlen attention (flash_attn_varlen_func): q varlen; KV contiguous (cu_seqlens_k) or paged
+// (block_table + seqused_k).
+void varlen_attention(const AttentionParams& p, const ExecContext& ctx = {});
+
+// Batched attention over a KV cache (flash_attn_with_kvcache): q [B, sq, H, D]; KV paged
+// (block_table) or contiguous [B_cache, S_cache, H_kv, D]; seqused_k = cache_seqlens.
+void kvcache_attention(const AttentionParams& p, const ExecContext& ctx = {});
+
+// The plan for a call (split count, workspace) without running it: a dry run of the same
+// selection and sizing that the call performs. Reads shapes only, never tensor contents.
+Plan plan_varlen_attention(const AttentionParams& p, const DeviceProps& dev);
+Plan plan_kvcache_attention(const AttentionParams& p, const DeviceProps& dev);
+
+// Why this problem is unsupported on `dev` (empty when supported): the same checks the
+// call makes, as a string instead of an exception.
+std::string attention_unsupported_reason(const AttentionParams& p, bool batched,
+                                         const DeviceProps& dev);
+
+}  // namespace flashserve

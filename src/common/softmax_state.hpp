@@ -1,0 +1,34 @@
+// The partial softmax state of one query row and head, and its exact merge (SPEC.md §4).
+// Split-KV combine, cascade, speculative-verify expansion and context parallelism all reduce
+// to `merge_lse`. Usable from host and device code.
+#pragma once
+
+#include <cmath>
+
+#if defined(__CUDACC__)
+#define FS_HD __host__ __device__ __forceinline__
+#else
+#define FS_HD inline
+#endif
+
+namespace flashserve {
+
+// An LSE of +inf is what some producers write for "no keys": treat it as -inf.
+FS_HD float normalize_lse(float lse) { return (lse == INFINITY) ? -INFINITY : lse; }
+
+// Weights of two states to merge: w_a, w_b with w_a + w_b > 0 unless both are empty.
+struct MergeWeights {
+  float w_a, w_b, lse;  // lse of the merged state (-inf when both are empty)
+};
+
+FS_HD MergeWeights merge_lse(float lse_a, float lse_b) {
+  lse_a = normalize_lse(lse_a);
+  lse_b = normalize_lse(lse_b);
+  const float m = fmaxf(lse_a, lse_b);
+  if (m == -INFINITY) return {0.0f, 0.0f, -INFINITY};
+  const float ea = expf(lse_a - m), eb = expf(lse_b - m);
+  const float sum = ea + eb;
+  return {ea / sum, eb / sum, m + logf(sum)};
+}
+
+}  // namespace flashserve

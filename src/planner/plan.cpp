@@ -1,0 +1,85 @@
+// Split-KV planning: how many KV splits per (sequence, head) and the workspace they need.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "flashserve/plan.hpp"
+#include "flashserve/status.hpp"
+
+namespace flashserve {
+
+DeviceProps DeviceProps::cpu() {
+  DeviceProps d;
+  d.device = Device{DeviceType::cpu, 0};
+  d.num_sms = std::max(1, omp_get_max_threads());
+  d.cc_major = d.cc_minor = 0;
+  return d;
+}
+
+int WorkspaceSpec::add(std::string_view name, size_t bytes) {
+  if (count == kMaxWorkspaceBuffers)
+    throw RuntimeError(detail::cat("workspace: more than ", kMaxWorkspaceBuffers, " buffers (adding ", name, ")"));
+  const size_t offset = (total_bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+  buffers[count] = WorkspaceBuffer{name, offset, bytes};
+  total_bytes = offset + bytes;
+  return count++;
+}
+
+const WorkspaceBuffer& WorkspaceSpec::get(std::string_view name) const {
+  for (int i = 0; i < count; ++i)
+    if (buffers[i].name == name) return buffers[i];
+  throw RuntimeError(detail::cat("workspace: no buffer named ", name));
+}
+
+namespace {
+// KV tokens per split granule: the kernels' KV tile on the GPU; finer on the CPU so small
+// problems can still be split (tests exercise every split count).
+int64_t split_granularity(const DeviceProps& dev) {
+  return dev.device.type == DeviceType::cuda ? 128 : 16;
+}
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+}  // namespace
+
+int choose_num_splits(const ProblemShape& s, const DeviceProps& dev, int requested) {
+  if (requested < 0) fail_arg("num_splits", ">= 0", requested);
+  const int64_t granules = std::max<int64_t>(1, ceil_div(s.max_seqlen_k, split_granularity(dev)));
+  const int64_t cap = std::min<int64_t>(kMaxSplits, granules);
+  if (requested >= 1) return int(std::min<int64_t>(requested, cap));
+
+  // Heuristic (wave efficiency, as flash-decoding): work units are (sequence, KV head, 64
+  // packed query rows); split only when they leave SMs idle.
+  const int64_t group = s.num_kv_heads > 0 ? s.num_heads / s.num_kv_heads : 1;
+  const int64_t units = s.batch * s.num_kv_heads * ceil_div(std::max<int64_t>(1, s.max_seqlen_q) * group, 64);
+  const int64_t sms = std::max(1, dev.num_sms);
+  if (units == 0 || units * 10 >= sms * 8 || granules < 2) return 1;
+  const int64_t max_s = std::min<int64_t>(cap, 2 * sms);
+  double best = 0.0;
+  std::array<double, kMaxSplits + 1> eff{};
+  auto eligible = [&](int64_t n) { return n == 1 || ceil_div(granules, n) != ceil_div(granules, n - 1); };
+  for (int64_t n = 1; n <= max_s; ++n) {
+    if (!eligible(n)) continue;
+    const double waves = double(units * n) / double(sms);
+    eff[n] = waves / std::ceil(waves);
+    best = std::max(best, eff[n]);
+  }
+  for (int64_t n = 1; n <= max_s; ++n)
+    if (eligible(n) && eff[n] >= 0.85 * best) return int(n);
+  return 1;
+}
+
+Plan make_plan(const ProblemShape& shape, const DeviceProps& dev, int requested_splits) {
+  Plan plan;
+  plan.shape = shape;
+  plan.num_splits = choose_num_splits(shape, dev, requested_splits);
+  plan.split_granularity = int(split_granularity(dev));
+  if (plan.num_splits > 1 && dev.device.type == DeviceType::cuda) {
+    // The CPU reference merges splits in registers; the kernels combine through these.
+    const size_t rows = size_t(shape.total_q) * size_t(shape.num_heads);
+    plan.workspace.add("o_partial", size_t(plan.num_splits) * rows * size_t(shape.head_dim_v) * sizeof(float));
+    plan.workspace.add("lse_partial", size_t(plan.num_splits) * rows * sizeof(float));
+  }
+  return plan;
+}
+
+}  // namespace flashserve
