@@ -70,6 +70,11 @@ struct AttentionParams {
                                 // without D ([total_k, H_kv] / [B_cache, S_cache, H_kv])
   OptTensor v_scale;            // int8 v (K8V8): fp32 [H_kv, Dv], static per (head, channel)
 
+  // ---- context parallelism: this rank holds KV tokens t at global positions t * world + rank
+  int cp_world_size = 1;
+  int cp_rank = 0;
+  OptTensor cp_tot_seqused_k;   // int32 [B]: global KV lengths (required when cp_world_size > 1)
+
   // ---- execution
   int num_splits = 0;           // 0 heuristic, 1 none (deterministic, batch-invariant), >1 forced
 };

@@ -51,6 +51,7 @@ struct AttnProblem {
   OptTensor seqused_k;        // [B]
   OptTensor block_table;      // [B, max_blocks]
   OptTensor cache_batch_idx;  // [B]
+  OptTensor cp_tot_seqused_k; // [B], context parallelism: global KV lengths
 
   int64_t group() const { return num_heads / num_kv_heads; }
 };

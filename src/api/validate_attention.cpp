@@ -130,6 +130,17 @@ void check_modifiers(AttnProblem& pr, const AttentionParams& p) {
     fail_arg("window", "left and right >= -1", cat("(", p.window.left, ", ", p.window.right, ")"));
   if (p.chunk_size < 0) fail_arg("chunk_size", ">= 0", p.chunk_size);
   if (p.num_splits < 0) fail_arg("num_splits", ">= 0", p.num_splits);
+  if (p.cp_world_size < 1) fail_arg("cp_world_size", ">= 1", p.cp_world_size);
+  if (p.cp_rank < 0 || p.cp_rank >= p.cp_world_size)
+    fail_arg("cp_rank", cat("a rank in [0, ", p.cp_world_size, ")"), p.cp_rank);
+  if (p.cp_world_size > 1) {
+    if (!p.cp_tot_seqused_k) fail_arg("cp_tot_seqused_k", "an int32 [B] tensor of global KV lengths", "none");
+    check_operand(*p.cp_tot_seqused_k, "cp_tot_seqused_k", 1, {DType::i32}, dev, "q");
+    check_dim(*p.cp_tot_seqused_k, "cp_tot_seqused_k", 0, pr.batch, "B");
+    pr.cp_tot_seqused_k = p.cp_tot_seqused_k;
+  } else if (p.cp_tot_seqused_k) {
+    fail_arg("cp_tot_seqused_k", "absent when cp_world_size is 1", "a tensor");
+  }
   if (p.alibi_slopes) {
     const TensorRef& a = *p.alibi_slopes;
     check_rank_in(a, "alibi_slopes", 1, 2);

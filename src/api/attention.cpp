@@ -1,0 +1,81 @@
+// The attention entry points: validate, plan (or check the caller's plan), dispatch by device.
+#include "flashserve/attention.hpp"
+
+#include "api/problem.hpp"
+#include "flashserve/status.hpp"
+#include "reference/attention.hpp"
+
+namespace flashserve {
+
+namespace {
+
+// "batch=2 max_seqlen_q=7 max_seqlen_k=300 heads=8/2 head_dim=128/128 total_q=9 paged(16) causal"
+std::string shape_summary(const ProblemShape& s) {
+  return detail::cat("batch=", s.batch, " max_seqlen_q=", s.max_seqlen_q, " max_seqlen_k=", s.max_seqlen_k,
+                     " heads=", s.num_heads, "/", s.num_kv_heads, " head_dim=", s.head_dim, "/", s.head_dim_v,
+                     " total_q=", s.total_q,
+                     s.page_size ? detail::cat(" paged(", s.page_size, ")") : std::string(" contiguous"),
+                     s.causal ? " causal" : "", s.local ? " local" : "");
+}
+
+// The caller's plan (scheduler metadata) must be one made for this very shape.
+void check_plan(const Plan& plan, const ProblemShape& shape) {
+  if (!(plan.shape == shape))
+    fail_arg("scheduler_metadata", "a plan made for " + shape_summary(shape),
+             "one made for " + shape_summary(plan.shape));
+  if (plan.num_splits < 1 || plan.num_splits > kMaxSplits)
+    fail_arg("scheduler_metadata", detail::cat("num_splits in [1, ", kMaxSplits, "]"), plan.num_splits);
+  if (plan.split_granularity < 1)
+    fail_arg("scheduler_metadata", "split_granularity >= 1", plan.split_granularity);
+}
+
+[[noreturn]] void fail_cuda() {
+#if FLASHSERVE_WITH_CUDA
+  fail_not_implemented("attention on CUDA (the CUDA attention kernels are not written yet)");
+#else
+  fail_not_implemented("attention on CUDA (this build has no CUDA: FLASHSERVE_WITH_CUDA=0)");
+#endif
+}
+
+void run_attention(const AttentionParams& p, bool batched, const ExecContext& ctx) {
+  const detail::AttnProblem pr = detail::validate_attention(p, batched);
+  const ProblemShape shape = detail::shape_of(pr);
+  if (ctx.plan) check_plan(*ctx.plan, shape);
+  if (pr.q.device.type == DeviceType::cuda) fail_cuda();
+  const Plan plan = ctx.plan ? *ctx.plan : make_plan(shape, DeviceProps::cpu(), p.num_splits);
+  reference::attention(pr, plan);
+}
+
+Plan plan_attention(const AttentionParams& p, bool batched, const DeviceProps& dev) {
+  const detail::AttnProblem pr = detail::validate_attention(p, batched);
+  return make_plan(detail::shape_of(pr), dev, p.num_splits);
+}
+
+}  // namespace
+
+void varlen_attention(const AttentionParams& p, const ExecContext& ctx) { run_attention(p, false, ctx); }
+
+void kvcache_attention(const AttentionParams& p, const ExecContext& ctx) { run_attention(p, true, ctx); }
+
+Plan plan_varlen_attention(const AttentionParams& p, const DeviceProps& dev) {
+  return plan_attention(p, false, dev);
+}
+
+Plan plan_kvcache_attention(const AttentionParams& p, const DeviceProps& dev) {
+  return plan_attention(p, true, dev);
+}
+
+std::string attention_unsupported_reason(const AttentionParams& p, bool batched, const DeviceProps& dev) {
+  try {
+    const detail::AttnProblem pr = detail::validate_attention(p, batched);
+    make_plan(detail::shape_of(pr), dev, p.num_splits);
+    if (pr.q.device.type == DeviceType::cuda || dev.device.type == DeviceType::cuda) fail_cuda();
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const NotImplemented& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace flashserve

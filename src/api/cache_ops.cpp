@@ -1,0 +1,80 @@
+// Public entry points of cache.hpp: validate, then dispatch by device (cpu -> reference).
+#include <array>
+#include <utility>
+
+#include "api/validate_cache.hpp"
+#include "flashserve/cache.hpp"
+#include "flashserve/status.hpp"
+#include "reference/cache_ops.hpp"
+
+namespace flashserve {
+
+namespace {
+
+constexpr std::array<std::pair<std::string_view, KvCacheDType>, 7> kCacheDTypeNames = {{
+    {"auto", KvCacheDType::auto_},
+    {"fp8", KvCacheDType::fp8_e4m3},
+    {"fp8_e4m3", KvCacheDType::fp8_e4m3},
+    {"fp8_e5m2", KvCacheDType::fp8_e5m2},
+    {"int8", KvCacheDType::int8_k8v8},
+    {"int8_k8v8", KvCacheDType::int8_k8v8},
+    {"int8_k8v16", KvCacheDType::int8_k8v16},
+}};
+
+void require_cpu(Device d, std::string_view op) {
+  if (d.type == DeviceType::cuda) fail_not_implemented(op, " on CUDA tensors (the CUDA kernels are not built yet)");
+}
+
+}  // namespace
+
+KvCacheDType parse_kv_cache_dtype(std::string_view s, std::string_view arg) {
+  for (const auto& [name, t] : kCacheDTypeNames)
+    if (name == s) return t;
+  throw Error(detail::cat(arg, ": expected one of auto, fp8, fp8_e4m3, fp8_e5m2, int8, int8_k8v16, got '", s, "'"));
+}
+
+std::string_view kv_cache_dtype_name(KvCacheDType t) {
+  switch (t) {
+    case KvCacheDType::auto_: return "auto";
+    case KvCacheDType::fp8_e4m3: return "fp8_e4m3";
+    case KvCacheDType::fp8_e5m2: return "fp8_e5m2";
+    case KvCacheDType::int8_k8v8: return "int8_k8v8";
+    case KvCacheDType::int8_k8v16: return "int8_k8v16";
+  }
+  return "?";
+}
+
+void reshape_and_cache(const CacheWriteParams& p, const ExecContext&) {
+  const detail::CacheWriteProblem pr = detail::validate_cache_write(p);
+  require_cpu(pr.device, "reshape_and_cache");
+  detail::check_cache_write_contents(pr);
+  reference::reshape_and_cache(pr);
+}
+
+void copy_blocks(std::span<const TensorRef> caches, const TensorRef& block_mapping, const ExecContext&) {
+  const Device dev = detail::validate_copy_blocks(caches, block_mapping);
+  require_cpu(dev, "copy_blocks");
+  detail::check_block_mapping(block_mapping, caches.empty() ? 0 : caches[0].size(0),
+                              caches.empty() ? 0 : caches[0].size(0));
+  reference::copy_blocks(caches, block_mapping);
+}
+
+void swap_blocks(const TensorRef& src, const TensorRef& dst, const TensorRef& block_mapping, const ExecContext&) {
+  if (detail::validate_swap_blocks(src, dst, block_mapping))
+    fail_not_implemented("swap_blocks with a cache on a CUDA device (the CUDA copies are not built yet)");
+  detail::check_block_mapping(block_mapping, src.size(0), dst.size(0));
+  reference::swap_blocks(src, dst, block_mapping);
+}
+
+void advance_step(const AdvanceStepParams& p, const ExecContext&) {
+  require_cpu(detail::validate_advance_step(p), "advance_step");
+  detail::check_advance_step_contents(p);
+  reference::advance_step(p);
+}
+
+void quantize_int8(const TensorRef& x, const TensorRef& out, const TensorRef& scale, const ExecContext&) {
+  require_cpu(detail::validate_quantize_int8(x, out, scale), "quantize_int8");
+  reference::quantize_int8(x, out, scale);
+}
+
+}  // namespace flashserve

@@ -1,0 +1,16 @@
+// Public entry point of merge.hpp: validate, then dispatch by device (cpu -> reference).
+#include "api/validate_merge.hpp"
+#include "flashserve/merge.hpp"
+#include "flashserve/status.hpp"
+#include "reference/merge.hpp"
+
+namespace flashserve {
+
+void merge_states(const MergeParams& p, const ExecContext&) {
+  const detail::MergeProblem pr = detail::validate_merge(p);
+  if (pr.device.type == DeviceType::cuda)
+    fail_not_implemented("merge_states on CUDA tensors (the CUDA kernels are not built yet)");
+  reference::merge_states(pr);
+}
+
+}  // namespace flashserve

@@ -1,0 +1,82 @@
+// Validation of the KV-cache maintenance calls (cache.hpp): shapes, dtypes and devices first
+// (no tensor contents read), then, for CPU calls, the contents that index memory (slots, block
+// indices, sequence lengths). Everything throws flashserve::Error naming the argument before
+// any write. Also the small argument checks shared with merge validation (namespace opargs).
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <span>
+#include <string_view>
+
+#include "flashserve/cache.hpp"
+#include "flashserve/tensor.hpp"
+
+namespace flashserve::detail {
+
+namespace opargs {
+
+// A named tensor argument; t == nullptr for an absent optional one.
+struct Arg {
+  std::string_view name;
+  const TensorRef* t;
+};
+
+// The device all present tensors share; throws naming the first one that differs from the
+// first present one ("value_cache: expected device cpu (as key), got cuda:0").
+Device common_device(std::initializer_list<Arg> args);
+
+// "key: expected float16, bfloat16 or float32, got int8"
+void require_dtype(std::string_view name, const TensorRef& t, std::initializer_list<DType> ok);
+// "key: expected 3 dims [num_tokens, H_kv, D], got [4, 8]"
+void require_ndim(std::string_view name, const TensorRef& t, int ndim, std::string_view dims);
+// "key: expected last dim contiguous (stride 1), got stride 2"
+void require_last_dim_contiguous(std::string_view name, const TensorRef& t);
+// Exact shape; -1 entries match anything. "what" names the dims in the message.
+void require_shape(std::string_view name, const TensorRef& t,
+                   std::initializer_list<int64_t> shape, std::string_view what);
+
+}  // namespace opargs
+
+// How one of K or V is stored into its cache.
+enum class StoreKind : uint8_t {
+  plain,         // store_float in the cache's own dtype (auto_, and v of int8_k8v16)
+  fp8,           // encode(x / scale[h]) saturated, format k_format / v_format
+  int8_dynamic,  // per (token, head) absmax / 127 scale, written to k_scale_cache
+  int8_static,   // nearbyint(x / v_scale[h][c]) clamped to ±127
+};
+
+// reshape_and_cache after validation. Views are normalized to NHD.
+struct CacheWriteProblem {
+  int64_t num_tokens = 0, num_kv_heads = 0, head_dim = 0, head_dim_v = 0;
+  int64_t num_blocks = 0, block_size = 0;
+  Device device{};
+  TensorRef key, value;              // [>= num_tokens, H_kv, D | Dv]
+  TensorRef key_cache, value_cache;  // [num_blocks, block_size, H_kv, D | Dv]
+  TensorRef slot_mapping;            // int64 [num_tokens]
+  StoreKind k_kind = StoreKind::plain, v_kind = StoreKind::plain;
+  DType k_format = DType::f32, v_format = DType::f32;  // stored element format (fp8: the f8 format)
+  OptTensor k_scale;                 // fp8 k: fp32 [H_kv] (stride 0 for a single scale)
+  OptTensor v_scale;                 // fp8 v: fp32 [H_kv]; int8_static: fp32 [H_kv, Dv]
+  OptTensor k_scale_cache;           // int8 k: fp32 [num_blocks, block_size, H_kv]
+};
+
+CacheWriteProblem validate_cache_write(const CacheWriteParams& p);
+// CPU contents: every slot < num_blocks * block_size (negative slots are skipped).
+void check_cache_write_contents(const CacheWriteProblem& pr);
+
+// copy_blocks: caches share num_blocks and device; block_mapping int64 [n, 2] on that device.
+Device validate_copy_blocks(std::span<const TensorRef> caches, const TensorRef& block_mapping);
+// swap_blocks: same dtype and block shape; block_mapping int64 [n, 2] on the CPU. Returns
+// whether either cache is on a CUDA device.
+bool validate_swap_blocks(const TensorRef& src, const TensorRef& dst, const TensorRef& block_mapping);
+// CPU contents: 0 <= src < src_blocks and 0 <= dst < dst_blocks in every row.
+void check_block_mapping(const TensorRef& block_mapping, int64_t src_blocks, int64_t dst_blocks);
+
+Device validate_advance_step(const AdvanceStepParams& p);
+// CPU contents: 0 <= seq_lens[i] < INT32_MAX and every next position's block within the row.
+void check_advance_step_contents(const AdvanceStepParams& p);
+
+Device validate_quantize_int8(const TensorRef& x, const TensorRef& out, const TensorRef& scale);
+
+}  // namespace flashserve::detail
