@@ -26,7 +26,7 @@ struct Window {
 struct AttentionParams {
   // ---- queries and outputs
   TensorRef q;      // varlen [total_q, H, D]; batched [B, sq, H, D]. f16/bf16/f32, fp8
-                    // (with q_descale) or int8 (with q_scale)
+                    // (q_descale optional) or int8 (with q_scale)
   OptTensor q_v;    // [.., H, Dv] (shaped like q, width Dv): adds q_v·v_j to the score (MLA
                     // absorbed decode, D=64 + Dv=512). may be absent
   TensorRef out;    // [.., H, Dv]: q's dtype; f16/bf16 when q is fp8 or int8
@@ -41,8 +41,9 @@ struct AttentionParams {
   // ---- batch description (int32)
   OptTensor cu_seqlens_q;     // [B+1], varlen only; cu_seqlens_q[0] == 0, non-decreasing
   OptTensor cu_seqlens_k;     // [B+1], varlen contiguous KV
-  OptTensor seqused_k;        // [B]: KV length per sequence. Paged (required) or contiguous
-                              // (overrides the length from cu_seqlens_k / S_cache).
+  OptTensor seqused_k;        // [B]: KV length per sequence. Paged: seqused_k, or else the
+                              // lengths of cu_seqlens_k (FA2's convention); contiguous: overrides
+                              // the length from cu_seqlens_k / S_cache (must not exceed it).
                               // Batched calls: cache_seqlens
   OptTensor block_table;      // [B, max_blocks]; its presence makes the KV paged
   OptTensor cache_batch_idx;  // [B], batched contiguous cache: cache row of each sequence
@@ -59,7 +60,8 @@ struct AttentionParams {
   int64_t chunk_size = 0;       // > 0: chunked local attention, j / c == i' / c
   OptTensor s_aux;              // [H] fp32/f16/bf16: sink logit per head
 
-  // ---- quantized operands (SPEC.md §5)
+  // ---- quantized operands (SPEC.md §5). fp8 descales are optional (absent = 1.0, as in
+  // FlashAttention-3); given for a non-fp8 operand they are an error.
   OptTensor q_descale;          // fp8 q: fp32 [B, H_kv] (stride-0 broadcasts allowed)
   OptTensor k_descale;          // fp8 k cache: fp32 [B, H_kv]
   OptTensor v_descale;          // fp8 v cache: fp32 [B, H_kv]

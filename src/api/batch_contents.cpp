@@ -68,6 +68,10 @@ void check_k_lengths(const AttnProblem& pr, const AttentionParams& p) {
       if (kl > cap)
         fail_arg(len_arg, cat("<= ", cap, " (block_table holds ", pr.block_table->size(1), " blocks of ", pr.block_size, ")"),
                  cat(len_arg, "[", b, "]=", kl));
+      if (pr.seqused_k && pr.cu_seqlens_k) {
+        const int64_t seg = read_index(*pr.cu_seqlens_k, b + 1) - read_index(*pr.cu_seqlens_k, b);
+        if (kl > seg) fail_arg("seqused_k", cat("<= ", seg, " (the segment of cu_seqlens_k)"), cat("seqused_k[", b, "]=", kl));
+      }
       const int64_t used = (kl + pr.block_size - 1) / pr.block_size, nb = pr.k.size(0);
       for (int64_t i = 0; i < used; ++i) {
         const int64_t blk = read_index2(*pr.block_table, b, i);

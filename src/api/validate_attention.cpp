@@ -51,7 +51,7 @@ void check_kv(AttnProblem& pr, const AttentionParams& p) {
   }
   pr.num_kv_heads = pr.k.size(2);
   pr.head_dim_v = pr.v.size(3);
-  check_dim(pr.k, "k", 3, pr.head_dim, "head size of q");
+  check_dim(p.k, "k", -1, pr.head_dim, "head size of q");
   if (pr.num_kv_heads < 1 || pr.num_heads % pr.num_kv_heads != 0)
     fail_arg("k", cat("a number of KV heads dividing H=", pr.num_heads), pr.num_kv_heads);
   for (int d = 0; d < 3; ++d)
@@ -202,8 +202,8 @@ AttnProblem validate_attention(const AttentionParams& p, bool batched) {
   check_q_out(pr, p);
   check_kv(pr, p);
   check_head_sizes(pr.head_dim, pr.head_dim_v, p.q_v.has_value());
-  if (pr.q_v) check_dim(*pr.q_v, "q_v", 3, pr.head_dim_v, "Dv, the head size of v");
-  check_dim(pr.out, "out", 3, pr.head_dim_v, "Dv, the head size of v");
+  if (p.q_v) check_dim(*p.q_v, "q_v", -1, pr.head_dim_v, "Dv, the head size of v");
+  check_dim(p.out, "out", -1, pr.head_dim_v, "Dv, the head size of v");
   check_batch(pr, p);  // sets batch; validate_batch.cpp
   check_lse(pr, p);
   check_quantization(pr, p);

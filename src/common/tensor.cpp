@@ -7,7 +7,8 @@
 namespace flashserve {
 
 std::string to_string(Device d) {
-  return d.type == DeviceType::cpu ? std::string("cpu") : "cuda:" + std::to_string(d.index);
+  if (d.type == DeviceType::cpu) return d.index == 0 ? std::string("cpu") : "cpu:" + std::to_string(d.index);
+  return "cuda:" + std::to_string(d.index);
 }
 
 namespace {
