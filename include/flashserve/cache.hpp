@@ -57,6 +57,8 @@ void swap_blocks(const TensorRef& src, const TensorRef& dst, const TensorRef& bl
 // For each query i < num_queries: input_tokens[i] = sampled_token_ids[i, 0];
 // seq_lens[i] += 1; input_positions[i] = seq_lens[i] - 1;
 // slot_mapping[i] = block_tables[i][pos / block_size] * block_size + pos % block_size.
+// Padding rows num_queries <= i < num_seqs (CUDA-graph padding): input_tokens = 0,
+// input_positions = 0, slot_mapping = -1, seq_lens untouched.
 struct AdvanceStepParams {
   int64_t num_seqs = 0;        // rows of the tensors (>= num_queries)
   int64_t num_queries = 0;

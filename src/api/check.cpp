@@ -15,46 +15,74 @@ std::string dtype_list(std::initializer_list<DType> allowed) {
   return s;
 }
 
-void check_rank(const TensorRef& t, const char* arg, int ndim) {
-  if (t.ndim != ndim) fail_arg(arg, cat(ndim, " dims"), cat(t.ndim, " dims ", t.shape_str()));
+void check_rank(const TensorRef& t, Arg arg, int ndim, std::string_view dims) {
+  if (t.ndim != ndim) fail_arg(arg, cat(ndim, " dims", dims.empty() ? "" : " ", dims), cat(t.ndim, " dims ", t.shape_str()));
 }
 
-void check_rank_in(const TensorRef& t, const char* arg, int lo, int hi) {
+void check_dtype_as(const TensorRef& t, Arg arg, DType want, std::string_view why) {
+  if (t.dtype != want) fail_arg(arg, cat(dtype_name(want), " (", why, ")"), dtype_name(t.dtype));
+}
+
+void check_shape(const TensorRef& t, Arg arg, std::initializer_list<int64_t> shape, std::string_view what) {
+  bool ok = t.ndim == int(shape.size());
+  std::string want = "[";
+  int d = 0;
+  for (int64_t s : shape) {
+    want += (d > 0 ? ", " : "") + (s < 0 ? std::string("*") : std::to_string(s));
+    if (ok && s >= 0 && t.shape[size_t(d)] != s) ok = false;
+    ++d;
+  }
+  want += "]";
+  if (!ok) fail_arg(arg, cat(want, " (", what, ")"), t.shape_str());
+}
+
+Device common_device(std::initializer_list<NamedTensor> args) {
+  const NamedTensor* first = nullptr;
+  for (const NamedTensor& a : args) {
+    if (a.t == nullptr) continue;
+    if (first == nullptr) first = &a;
+    else if (!(a.t->device == first->t->device))
+      fail_arg(a.name, cat("device ", to_string(first->t->device), " (as ", first->name, ")"), to_string(a.t->device));
+  }
+  return first ? first->t->device : Device{};
+}
+
+void check_rank_in(const TensorRef& t, Arg arg, int lo, int hi) {
   if (t.ndim < lo || t.ndim > hi) fail_arg(arg, cat(lo, " to ", hi, " dims"), cat(t.ndim, " dims ", t.shape_str()));
 }
 
-void check_dtype(const TensorRef& t, const char* arg, std::initializer_list<DType> allowed) {
+void check_dtype(const TensorRef& t, Arg arg, std::initializer_list<DType> allowed) {
   for (DType a : allowed)
     if (t.dtype == a) return;
   fail_arg(arg, dtype_list(allowed), dtype_name(t.dtype));
 }
 
-void check_dim(const TensorRef& t, const char* arg, int d, int64_t expected, const char* what) {
+void check_dim(const TensorRef& t, Arg arg, int d, int64_t expected, const char* what) {
   const int dd = d < 0 ? d + t.ndim : d;
   if (t.shape[size_t(dd)] != expected)
     fail_arg(arg, cat("size ", expected, " in dim ", dd, " (", what, ")"), cat("shape ", t.shape_str()));
 }
 
-void check_last_contiguous(const TensorRef& t, const char* arg) {
+void check_last_contiguous(const TensorRef& t, Arg arg) {
   if (!t.last_dim_contiguous())
     fail_arg(arg, "a contiguous last dimension (stride 1)", cat("stride ", t.stride[size_t(t.ndim - 1)]));
 }
 
-void check_non_negative_strides(const TensorRef& t, const char* arg) {
+void check_non_negative_strides(const TensorRef& t, Arg arg) {
   for (int d = 0; d < t.ndim; ++d)
     if (t.stride[size_t(d)] < 0) fail_arg(arg, "non-negative strides", cat("stride ", t.stride[size_t(d)], " in dim ", d));
 }
 
-void check_device(const TensorRef& t, const char* arg, Device dev, const char* ref_arg) {
+void check_device(const TensorRef& t, Arg arg, Device dev, Arg ref_arg) {
   if (!(t.device == dev)) fail_arg(arg, cat("device ", to_string(dev), " (that of ", ref_arg, ")"), to_string(t.device));
 }
 
-void check_data(const TensorRef& t, const char* arg) {
+void check_data(const TensorRef& t, Arg arg) {
   if (t.data == nullptr && t.numel() > 0) fail_arg(arg, "non-null data", "a null pointer");
 }
 
-void check_operand(const TensorRef& t, const char* arg, int ndim, std::initializer_list<DType> allowed,
-                   Device dev, const char* ref_arg) {
+void check_operand(const TensorRef& t, Arg arg, int ndim, std::initializer_list<DType> allowed,
+                   Device dev, Arg ref_arg) {
   check_rank(t, arg, ndim);
   check_dtype(t, arg, allowed);
   check_device(t, arg, dev, ref_arg);

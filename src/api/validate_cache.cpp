@@ -8,61 +8,7 @@
 
 namespace flashserve::detail {
 
-namespace opargs {
 
-Device common_device(std::initializer_list<Arg> args) {
-  const Arg* first = nullptr;
-  for (const Arg& a : args) {
-    if (a.t == nullptr) continue;
-    if (first == nullptr) {
-      first = &a;
-    } else if (!(a.t->device == first->t->device)) {
-      fail_arg(a.name, cat("device ", to_string(first->t->device), " (as ", first->name, ")"),
-               to_string(a.t->device));
-    }
-  }
-  return first ? first->t->device : Device{};
-}
-
-void require_dtype(std::string_view name, const TensorRef& t, std::initializer_list<DType> ok) {
-  for (DType d : ok)
-    if (t.dtype == d) return;
-  std::string want;
-  size_t i = 0;
-  for (DType d : ok) {
-    if (i > 0) want += (i + 1 == ok.size()) ? " or " : ", ";
-    want += dtype_name(d);
-    ++i;
-  }
-  fail_arg(name, want, dtype_name(t.dtype));
-}
-
-void require_ndim(std::string_view name, const TensorRef& t, int ndim, std::string_view dims) {
-  if (t.ndim != ndim) fail_arg(name, cat(ndim, " dims ", dims), t.shape_str());
-}
-
-void require_last_dim_contiguous(std::string_view name, const TensorRef& t) {
-  if (!t.last_dim_contiguous())
-    fail_arg(name, "last dim contiguous (stride 1)", cat("stride ", t.strides(-1)));
-}
-
-void require_shape(std::string_view name, const TensorRef& t,
-                   std::initializer_list<int64_t> shape, std::string_view what) {
-  bool ok = t.ndim == int(shape.size());
-  std::string want = "[";
-  int d = 0;
-  for (int64_t s : shape) {
-    want += (d > 0 ? ", " : "") + (s < 0 ? std::string("*") : std::to_string(s));
-    if (ok && s >= 0 && t.shape[d] != s) ok = false;
-    ++d;
-  }
-  want += "]";
-  if (!ok) fail_arg(name, cat(want, " (", what, ")"), t.shape_str());
-}
-
-}  // namespace opargs
-
-using namespace opargs;
 
 namespace {
 
@@ -71,7 +17,7 @@ constexpr std::initializer_list<DType> kFloats = {DType::f16, DType::bf16, DType
 // fp8 k_scale / v_scale: fp32 [], [1] or [H_kv]; returned as [H_kv] (stride 0 when shared).
 TensorRef fp8_scale(std::string_view name, const OptTensor& s, int64_t heads, KvCacheDType cd) {
   if (!s) fail_arg(name, cat("an fp32 tensor [], [1] or [H_kv] for kv_cache_dtype ", kv_cache_dtype_name(cd)), "none");
-  require_dtype(name, *s, {DType::f32});
+  check_dtype(*s, name, {DType::f32});
   const bool ok = s->ndim == 0 || (s->ndim == 1 && (s->size(0) == 1 || s->size(0) == heads));
   if (!ok) fail_arg(name, cat("shape [], [1] or [", heads, "] (H_kv)"), s->shape_str());
   TensorRef v = *s;
@@ -85,24 +31,24 @@ TensorRef fp8_scale(std::string_view name, const OptTensor& s, int64_t heads, Kv
 
 // The 4-D cache as given; returns its NHD view [num_blocks, block_size, H_kv, width].
 TensorRef paged_cache(std::string_view name, const TensorRef& c, KvLayout layout) {
-  require_ndim(name, c, 4, layout == KvLayout::nhd ? "[num_blocks, block_size, H_kv, D] (nhd)"
+  check_rank(c, name, 4, layout == KvLayout::nhd ? "[num_blocks, block_size, H_kv, D] (nhd)"
                                                     : "[num_blocks, H_kv, block_size, D] (hnd)");
-  require_last_dim_contiguous(name, c);
+  check_last_contiguous(c, name);
   return layout == KvLayout::nhd ? c : c.permute({0, 2, 1, 3});
 }
 
 void check_cache_shape(std::string_view name, const TensorRef& c, KvLayout layout, int64_t nb,
                        int64_t bs, int64_t heads, int64_t width, std::string_view as) {
   if (layout == KvLayout::nhd)
-    require_shape(name, c, {nb, bs, heads, width}, cat("nhd [num_blocks, block_size, H_kv, D] as ", as));
+    check_shape(c, name, {nb, bs, heads, width}, cat("nhd [num_blocks, block_size, H_kv, D] as ", as));
   else
-    require_shape(name, c, {nb, heads, bs, width}, cat("hnd [num_blocks, H_kv, block_size, D] as ", as));
+    check_shape(c, name, {nb, heads, bs, width}, cat("hnd [num_blocks, H_kv, block_size, D] as ", as));
 }
 
 // Key/value rows: [>= num_tokens, H_kv, width], last dim contiguous.
 void check_rows(std::string_view name, const TensorRef& t, int64_t num_tokens) {
-  require_ndim(name, t, 3, "[num_tokens, H_kv, D]");
-  require_last_dim_contiguous(name, t);
+  check_rank(t, name, 3, "[num_tokens, H_kv, D]");
+  check_last_contiguous(t, name);
   if (t.size(0) < num_tokens)
     fail_arg(name, cat("at least ", num_tokens, " rows (slot_mapping's length)"), t.shape_str());
 }
@@ -113,16 +59,16 @@ void resolve_cache_dtype(const CacheWriteParams& p, CacheWriteProblem& pr) {
   const DType kd = p.key.dtype;
   switch (cd) {
     case KvCacheDType::auto_:
-      require_dtype("key_cache", p.key_cache, {kd});
-      require_dtype("value_cache", p.value_cache, {kd});
+      check_dtype_as(p.key_cache, "key_cache", kd, "key's dtype");
+      check_dtype_as(p.value_cache, "value_cache", kd, "value's dtype");
       pr.k_kind = pr.v_kind = StoreKind::plain;
       pr.k_format = pr.v_format = kd;
       return;
     case KvCacheDType::fp8_e4m3:
     case KvCacheDType::fp8_e5m2: {
       const DType fmt = cd == KvCacheDType::fp8_e4m3 ? DType::f8e4m3 : DType::f8e5m2;
-      require_dtype("key_cache", p.key_cache, {DType::u8, fmt});
-      require_dtype("value_cache", p.value_cache, {DType::u8, fmt});
+      check_dtype(p.key_cache, "key_cache", {DType::u8, fmt});
+      check_dtype(p.value_cache, "value_cache", {DType::u8, fmt});
       pr.k_kind = pr.v_kind = StoreKind::fp8;
       pr.k_format = pr.v_format = fmt;
       pr.k_scale = fp8_scale("k_scale", p.k_scale, pr.num_kv_heads, cd);
@@ -131,29 +77,28 @@ void resolve_cache_dtype(const CacheWriteParams& p, CacheWriteProblem& pr) {
     }
     case KvCacheDType::int8_k8v8:
     case KvCacheDType::int8_k8v16:
-      require_dtype("key_cache", p.key_cache, {DType::i8});
+      check_dtype(p.key_cache, "key_cache", {DType::i8});
       pr.k_kind = StoreKind::int8_dynamic;
       pr.k_format = DType::i8;
       if (cd == KvCacheDType::int8_k8v8) {
-        require_dtype("value_cache", p.value_cache, {DType::i8});
+        check_dtype(p.value_cache, "value_cache", {DType::i8});
         if (!p.v_scale) fail_arg("v_scale", "an fp32 tensor [H_kv, Dv] for kv_cache_dtype int8_k8v8", "none");
-        require_dtype("v_scale", *p.v_scale, {DType::f32});
-        require_shape("v_scale", *p.v_scale, {pr.num_kv_heads, pr.head_dim_v}, "[H_kv, Dv]");
+        check_dtype(*p.v_scale, "v_scale", {DType::f32});
+        check_shape(*p.v_scale, "v_scale", {pr.num_kv_heads, pr.head_dim_v}, "[H_kv, Dv]");
         pr.v_kind = StoreKind::int8_static;
         pr.v_format = DType::i8;
         pr.v_scale = p.v_scale;
       } else {
-        require_dtype("value_cache", p.value_cache, {kd});
+        check_dtype_as(p.value_cache, "value_cache", kd, "value's dtype");
         pr.v_kind = StoreKind::plain;
         pr.v_format = kd;
       }
       if (!p.k_scale_cache)
         fail_arg("k_scale_cache", cat("an fp32 tensor [num_blocks, H_kv, block_size] for kv_cache_dtype ",
                                       kv_cache_dtype_name(cd)), "none");
-      require_dtype("k_scale_cache", *p.k_scale_cache, {DType::f32});
-      require_shape("k_scale_cache", *p.k_scale_cache, {pr.num_blocks, pr.num_kv_heads, pr.block_size},
-                    "[num_blocks, H_kv, block_size]");
-      require_last_dim_contiguous("k_scale_cache", *p.k_scale_cache);
+      check_dtype(*p.k_scale_cache, "k_scale_cache", {DType::f32});
+      check_shape(*p.k_scale_cache, "k_scale_cache", {pr.num_blocks, pr.num_kv_heads, pr.block_size}, "[num_blocks, H_kv, block_size]");
+      check_last_contiguous(*p.k_scale_cache, "k_scale_cache");
       pr.k_scale_cache = p.k_scale_cache->permute({0, 2, 1});
       return;
   }
@@ -174,18 +119,18 @@ CacheWriteProblem validate_cache_write(const CacheWriteParams& p) {
                              {"v_scale", v_scaled && p.v_scale ? &*p.v_scale : nullptr},
                              {"k_scale_cache", int8 && p.k_scale_cache ? &*p.k_scale_cache : nullptr}});
 
-  require_dtype("slot_mapping", p.slot_mapping, {DType::i64});
-  require_ndim("slot_mapping", p.slot_mapping, 1, "[num_tokens]");
+  check_dtype(p.slot_mapping, "slot_mapping", {DType::i64});
+  check_rank(p.slot_mapping, "slot_mapping", 1, "[num_tokens]");
   pr.num_tokens = p.slot_mapping.size(0);
 
-  require_dtype("key", p.key, kFloats);
+  check_dtype(p.key, "key", kFloats);
   check_rows("key", p.key, pr.num_tokens);
-  require_dtype("value", p.value, {p.key.dtype});
+  check_dtype_as(p.value, "value", p.key.dtype, "as key");
   check_rows("value", p.value, pr.num_tokens);
   pr.num_kv_heads = p.key.size(1);
   pr.head_dim = p.key.size(2);
   pr.head_dim_v = p.value.size(2);
-  require_shape("value", p.value, {-1, pr.num_kv_heads, -1}, "[num_tokens, H_kv, Dv], H_kv as key");
+  check_shape(p.value, "value", {-1, pr.num_kv_heads, -1}, "[num_tokens, H_kv, Dv]");
 
   pr.key_cache = paged_cache("key_cache", p.key_cache, p.layout);
   pr.num_blocks = pr.key_cache.size(0);
@@ -215,9 +160,9 @@ void check_cache_write_contents(const CacheWriteProblem& pr) {
 
 namespace {
 void check_mapping_shape(const TensorRef& m) {
-  require_dtype("block_mapping", m, {DType::i64});
-  require_ndim("block_mapping", m, 2, "[n, 2]");
-  require_shape("block_mapping", m, {-1, 2}, "[n, 2] rows of (src, dst)");
+  check_dtype(m, "block_mapping", {DType::i64});
+  check_rank(m, "block_mapping", 2, "[n, 2]");
+  check_shape(m, "block_mapping", {-1, 2}, "[n, 2] rows of (src, dst)");
 }
 }  // namespace
 
@@ -251,7 +196,7 @@ bool validate_swap_blocks(const TensorRef& src, const TensorRef& dst, const Tens
     same = same && dst.shape[d] == src.shape[d];
   }
   if (!same) fail_arg("dst", want + "] (block shape as src)", dst.shape_str());
-  require_dtype("dst", dst, {src.dtype});
+  check_dtype_as(dst, "dst", src.dtype, "as src");
   return src.device.type == DeviceType::cuda || dst.device.type == DeviceType::cuda;
 }
 
@@ -268,8 +213,8 @@ void check_block_mapping(const TensorRef& m, int64_t src_blocks, int64_t dst_blo
 
 namespace {
 void check_vector(std::string_view name, const TensorRef& t, DType dtype, int64_t rows) {
-  require_dtype(name, t, {dtype});
-  require_ndim(name, t, 1, "[num_seqs]");
+  check_dtype(t, name, {dtype});
+  check_rank(t, name, 1, "[num_seqs]");
   if (t.size(0) < rows) fail_arg(name, cat("at least ", rows, " rows (num_seqs)"), t.shape_str());
 }
 }  // namespace
@@ -285,13 +230,13 @@ Device validate_advance_step(const AdvanceStepParams& p) {
   check_vector("input_positions", p.input_positions, DType::i64, p.num_seqs);
   check_vector("seq_lens", p.seq_lens, DType::i32, p.num_seqs);
   check_vector("slot_mapping", p.slot_mapping, DType::i64, p.num_seqs);
-  require_dtype("sampled_token_ids", p.sampled_token_ids, {DType::i64});
-  require_ndim("sampled_token_ids", p.sampled_token_ids, 2, "[num_queries, 1]");
+  check_dtype(p.sampled_token_ids, "sampled_token_ids", {DType::i64});
+  check_rank(p.sampled_token_ids, "sampled_token_ids", 2, "[num_queries, 1]");
   if (p.sampled_token_ids.size(0) < p.num_queries || p.sampled_token_ids.size(1) != 1)
     fail_arg("sampled_token_ids", cat("[>= ", p.num_queries, ", 1] (num_queries)"), p.sampled_token_ids.shape_str());
-  require_dtype("block_tables", p.block_tables, {DType::i32});
-  require_ndim("block_tables", p.block_tables, 2, "[num_seqs, max_blocks]");
-  require_last_dim_contiguous("block_tables", p.block_tables);
+  check_dtype(p.block_tables, "block_tables", {DType::i32});
+  check_rank(p.block_tables, "block_tables", 2, "[num_seqs, max_blocks]");
+  check_last_contiguous(p.block_tables, "block_tables");
   if (p.block_tables.size(0) < p.num_seqs)
     fail_arg("block_tables", cat("at least ", p.num_seqs, " rows (num_seqs)"), p.block_tables.shape_str());
   return dev;
@@ -313,14 +258,14 @@ void check_advance_step_contents(const AdvanceStepParams& p) {
 
 Device validate_quantize_int8(const TensorRef& x, const TensorRef& out, const TensorRef& scale) {
   const Device dev = common_device({{"x", &x}, {"out", &out}, {"scale", &scale}});
-  require_dtype("x", x, kFloats);
-  require_ndim("x", x, 3, "[T, H, D]");
-  require_last_dim_contiguous("x", x);
-  require_dtype("out", out, {DType::i8});
-  require_shape("out", out, {x.size(0), x.size(1), x.size(2)}, "[T, H, D] as x");
-  require_last_dim_contiguous("out", out);
-  require_dtype("scale", scale, {DType::f32});
-  require_shape("scale", scale, {x.size(0), x.size(1)}, "[T, H] as x");
+  check_dtype(x, "x", kFloats);
+  check_rank(x, "x", 3, "[T, H, D]");
+  check_last_contiguous(x, "x");
+  check_dtype(out, "out", {DType::i8});
+  check_shape(out, "out", {x.size(0), x.size(1), x.size(2)}, "[T, H, D] as x");
+  check_last_contiguous(out, "out");
+  check_dtype(scale, "scale", {DType::f32});
+  check_shape(scale, "scale", {x.size(0), x.size(1)}, "[T, H] as x");
   return dev;
 }
 

@@ -1,7 +1,7 @@
 // Validation of the KV-cache maintenance calls (cache.hpp): shapes, dtypes and devices first
 // (no tensor contents read), then, for CPU calls, the contents that index memory (slots, block
 // indices, sequence lengths). Everything throws flashserve::Error naming the argument before
-// any write. Also the small argument checks shared with merge validation (namespace opargs).
+// any write.
 #pragma once
 
 #include <cstdint>
@@ -9,34 +9,13 @@
 #include <span>
 #include <string_view>
 
+#include "api/check.hpp"
 #include "flashserve/cache.hpp"
 #include "flashserve/tensor.hpp"
 
 namespace flashserve::detail {
 
-namespace opargs {
 
-// A named tensor argument; t == nullptr for an absent optional one.
-struct Arg {
-  std::string_view name;
-  const TensorRef* t;
-};
-
-// The device all present tensors share; throws naming the first one that differs from the
-// first present one ("value_cache: expected device cpu (as key), got cuda:0").
-Device common_device(std::initializer_list<Arg> args);
-
-// "key: expected float16, bfloat16 or float32, got int8"
-void require_dtype(std::string_view name, const TensorRef& t, std::initializer_list<DType> ok);
-// "key: expected 3 dims [num_tokens, H_kv, D], got [4, 8]"
-void require_ndim(std::string_view name, const TensorRef& t, int ndim, std::string_view dims);
-// "key: expected last dim contiguous (stride 1), got stride 2"
-void require_last_dim_contiguous(std::string_view name, const TensorRef& t);
-// Exact shape; -1 entries match anything. "what" names the dims in the message.
-void require_shape(std::string_view name, const TensorRef& t,
-                   std::initializer_list<int64_t> shape, std::string_view what);
-
-}  // namespace opargs
 
 // How one of K or V is stored into its cache.
 enum class StoreKind : uint8_t {

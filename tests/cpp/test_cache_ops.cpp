@@ -1,0 +1,472 @@
+// KV-cache maintenance (cache.hpp) against naive loops written here: reshape_and_cache in every
+// cache dtype, layout and block size, with strided inputs, interleaved K/V caches and skipped
+// slots; copy/swap blocks; advance_step; quantize_int8; kv_cache_dtype names. Every cache
+// byte that a call must not write is checked unchanged (storage poisoned first).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "flashserve/cache.hpp"
+#include "flashserve/status.hpp"
+#include "support/host_tensor.hpp"
+
+namespace {
+
+namespace fs = flashserve;
+namespace nm = flashserve::numeric;
+using fs::DType;
+using fs::KvCacheDType;
+using fs::KvLayout;
+using fs::TensorRef;
+using fstest::HostTensor;
+
+// Counts failed checks and keeps the first message, so a broken kernel reports once per case.
+struct Mismatches {
+  int64_t count = 0;
+  std::string first;
+  void check(bool ok, const std::string& what) {
+    if (!ok && count++ == 0) first = what;
+  }
+};
+
+// The bytes a call may write in one buffer; every other byte must keep its snapshot.
+struct Tracker {
+  const HostTensor* t;
+  std::vector<unsigned char> before;
+  std::vector<char> written;
+  explicit Tracker(const HostTensor& h) : t(&h), before(fstest::snapshot(h)), written(h.bytes->size(), 0) {}
+  void mark(const void* p, size_t n) {
+    const auto off = size_t(static_cast<const unsigned char*>(p) - t->bytes->data());
+    ASSERT_LE(off + n, written.size());
+    std::fill_n(written.begin() + int64_t(off), n, 1);
+  }
+  int64_t changed_unmarked() const {
+    int64_t n = 0;
+    for (size_t i = 0; i < before.size(); ++i) n += !written[i] && (*t->bytes)[i] != before[i];
+    return n;
+  }
+};
+
+template <class T>
+T pick(std::mt19937_64& rng, std::initializer_list<T> xs) {
+  return *(xs.begin() + int64_t(rng() % xs.size()));
+}
+int64_t uniform_int(std::mt19937_64& rng, int64_t lo, int64_t hi) {
+  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+}
+
+void* cache_at(const TensorRef& c, KvLayout l, int64_t b, int64_t o, int64_t h, int64_t x) {
+  return l == KvLayout::nhd ? c.at(b, o, h, x) : c.at(b, h, o, x);
+}
+
+// Paged K and V caches; interleaved: one buffer [num_blocks, 2, ...] holding both.
+struct Caches {
+  HostTensor kb, vb;
+  TensorRef k, v;
+  bool shared = false;
+};
+
+Caches make_caches(KvLayout l, bool interleaved, int64_t nb, int64_t bs, int64_t H, int64_t D, int64_t Dv,
+                   DType kd, DType vd) {
+  const bool nhd = l == KvLayout::nhd;
+  if (interleaved) {
+    HostTensor b = nhd ? HostTensor::zeros(kd, {nb, 2, bs, H, D}) : HostTensor::zeros(kd, {nb, 2, H, bs, D});
+    return {b, b, b.ref.select(1, 0), b.ref.select(1, 1), true};
+  }
+  auto one = [&](DType t, int64_t w, int64_t pad) {  // padded rows and blocks
+    const int64_t row = w + pad;
+    return nhd ? HostTensor::strided(t, {nb, bs, H, w}, {bs * H * row + 7, H * row, row, 1})
+               : HostTensor::strided(t, {nb, H, bs, w}, {H * bs * row + 7, bs * row, row, 1});
+  };
+  HostTensor k = one(kd, D, 2), v = one(vd, Dv, 1);
+  return {k, v, k.ref, v.ref, false};
+}
+
+struct WriteCase {
+  KvLayout layout;
+  bool interleaved;
+  int64_t block_size;
+  KvCacheDType mode;
+  DType dtype;      // key/value
+  DType fp8_tag;    // fp8 caches: u8 or the f8 format
+  int scale_rank;   // fp8 scales: 0 -> [], 1 -> [1], 2 -> [H_kv]
+  std::string str() const {
+    std::ostringstream os;
+    os << (layout == KvLayout::nhd ? "nhd" : "hnd") << (interleaved ? " interleaved" : "") << " bs "
+       << block_size << " " << fs::kv_cache_dtype_name(mode) << " " << fs::dtype_name(dtype) << " tag "
+       << fs::dtype_name(fp8_tag) << " scale_rank " << scale_rank;
+    return os.str();
+  }
+};
+
+HostTensor fp8_scale(std::mt19937_64& rng, int rank, int64_t H, float lo, float hi) {
+  HostTensor s = rank == 0 ? HostTensor::zeros(DType::f32, {}) : HostTensor::zeros(DType::f32, {rank == 1 ? 1 : H});
+  fstest::fill_uniform(s, rng, lo, hi);
+  return s;
+}
+float scale_for_head(const HostTensor& s, int64_t h) {
+  return s.ref.ndim == 0 ? s.get({}) : s.get({s.ref.shape[0] == 1 ? 0 : h});
+}
+
+// Checks a plain or fp8 row against the source row; marks its bytes.
+void check_row(Mismatches& m, Tracker& tr, const TensorRef& src, int64_t i, int64_t h, void* const* dst,
+               int64_t n, DType fmt, const HostTensor* scale, int64_t& saturated) {
+  const size_t es = fs::dtype_size(src.dtype);
+  for (int64_t c = 0; c < n; ++c) {
+    const void* x = src.at(i, h, c);
+    if (!scale) {
+      m.check(std::memcmp(dst[c], x, es) == 0, "plain element differs at token " + std::to_string(i));
+      tr.mark(dst[c], es);
+      continue;
+    }
+    const float y = nm::load_float(x, src.dtype) / scale_for_head(*scale, h);
+    const uint8_t code = *static_cast<const uint8_t*>(dst[c]);
+    m.check(code == nm::float_to_fp8(y, fmt), "fp8 code differs at token " + std::to_string(i));
+    if (std::fabs(y) > nm::fp8_max(fmt)) {
+      ++saturated;
+      m.check(nm::fp8_to_float(code, fmt) == std::copysign(nm::fp8_max(fmt), y), "not saturated");
+    }
+    tr.mark(dst[c], 1);
+  }
+}
+
+void run_write_case(const WriteCase& wc, std::mt19937_64& rng) {
+  SCOPED_TRACE(wc.str());
+  const bool fp8 = wc.mode == KvCacheDType::fp8_e4m3 || wc.mode == KvCacheDType::fp8_e5m2;
+  const bool int8 = wc.mode == KvCacheDType::int8_k8v8 || wc.mode == KvCacheDType::int8_k8v16;
+  const DType fmt = wc.mode == KvCacheDType::fp8_e5m2 ? DType::f8e5m2 : DType::f8e4m3;
+  const int64_t H = pick<int64_t>(rng, {1, 2, 3, 4}), D = pick<int64_t>(rng, {8, 16, 40});
+  const int64_t Dv = wc.interleaved ? D : pick<int64_t>(rng, {8, 24});
+  const int64_t bs = wc.block_size, nb = (40 + bs - 1) / bs + uniform_int(rng, 0, 2);
+  const int64_t T = uniform_int(rng, 4, 33), rows = T + uniform_int(rng, 0, 2);
+
+  HostTensor key = HostTensor::strided(wc.dtype, {rows, H, D}, {H * D + 5, D, 1});
+  HostTensor value = HostTensor::strided(wc.dtype, {rows, H, Dv}, {H * Dv + 3, Dv, 1});
+  fstest::fill_uniform(key, rng, -4.0f, 4.0f);
+  fstest::fill_uniform(value, rng, -4.0f, 4.0f);
+  key.set({0, 0, 0}, 3.9f);  // saturates every fp8 scale below (token 0 is never skipped)
+  value.set({0, 0, 0}, -3.9f);
+  const DType kd = fp8 ? wc.fp8_tag : int8 ? DType::i8 : wc.dtype;
+  const DType vd = fp8 ? wc.fp8_tag : wc.mode == KvCacheDType::int8_k8v8 ? DType::i8 : wc.dtype;
+  Caches cc = make_caches(wc.layout, wc.interleaved, nb, bs, H, D, Dv, kd, vd);
+  HostTensor ksc = HostTensor::strided(DType::f32, {nb, H, bs}, {H * (bs + 2) + 1, bs + 2, 1});
+  for (const HostTensor* t : {&cc.kb, &cc.vb, &ksc}) fstest::poison_storage(*t);
+
+  std::vector<int64_t> slots(static_cast<size_t>(nb * bs));
+  std::iota(slots.begin(), slots.end(), 0);
+  std::shuffle(slots.begin(), slots.end(), rng);
+  slots.resize(size_t(T));
+  for (size_t i = 1; i < slots.size(); ++i)
+    if (rng() % 4 == 0) slots[i] = -1 - int64_t(rng() % 3);
+  HostTensor slot_mapping = HostTensor::zeros(DType::i64, {T});
+  for (int64_t i = 0; i < T; ++i) *static_cast<int64_t*>(slot_mapping.ref.at(i)) = slots[size_t(i)];
+
+  const float lo = fmt == DType::f8e4m3 ? 0.004f : 3e-5f, hi = fmt == DType::f8e4m3 ? 0.008f : 6e-5f;  // |x| < 4: both saturated and in-range values
+  HostTensor k_scale = fp8_scale(rng, wc.scale_rank, H, lo, hi), v_scale = fp8_scale(rng, wc.scale_rank, H, lo, hi);
+  HostTensor v_scale_i8 = HostTensor::zeros(DType::f32, {H, Dv});
+  fstest::fill_uniform(v_scale_i8, rng, 0.02f, 0.05f);
+
+  fs::CacheWriteParams p;
+  p.key = key;
+  p.value = value;
+  p.key_cache = cc.k;
+  p.value_cache = cc.v;
+  p.layout = wc.layout;
+  p.slot_mapping = slot_mapping;
+  p.cache_dtype = wc.mode;
+  if (fp8) p.k_scale = k_scale.ref;
+  if (fp8) p.v_scale = v_scale.ref;
+  if (wc.mode == KvCacheDType::int8_k8v8) p.v_scale = v_scale_i8.ref;
+  if (int8) p.k_scale_cache = ksc.ref;
+
+  Tracker tk(cc.kb), tv(cc.vb), ts(ksc);
+  Tracker& tvv = cc.shared ? tk : tv;
+  fs::reshape_and_cache(p);
+
+  Mismatches m;
+  int64_t saturated = 0;
+  std::vector<void*> dst(static_cast<size_t>(std::max(D, Dv)));
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t slot = slots[size_t(i)];
+    if (slot < 0) continue;
+    const int64_t b = slot / bs, o = slot % bs;
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t c = 0; c < D; ++c) dst[size_t(c)] = cache_at(cc.k, wc.layout, b, o, h, c);
+      if (!int8) {
+        check_row(m, tk, key.ref, i, h, dst.data(), D, fmt, fp8 ? &k_scale : nullptr, saturated);
+      } else {
+        double absmax = 0.0;
+        for (int64_t c = 0; c < D; ++c) absmax = std::max(absmax, std::fabs(key.getd({i, h, c})));
+        const double want = absmax > 0.0 ? absmax / 127.0 : 1.0;
+        const float got = ksc.get({b, h, o});
+        m.check(std::fabs(got - want) <= 1e-6 * want, "k scale " + std::to_string(got) + " want " + std::to_string(want));
+        ts.mark(ksc.ref.at(b, h, o), 4);
+        for (int64_t c = 0; c < D; ++c) {
+          const int q = *static_cast<const int8_t*>(dst[size_t(c)]);
+          const double err = std::fabs(q * double(got) - key.getd({i, h, c}));
+          m.check(std::abs(q) <= 127 && err <= 0.5 * got * (1 + 1e-5), "int8 k round trip error " + std::to_string(err));
+          tk.mark(dst[size_t(c)], 1);
+        }
+      }
+      for (int64_t c = 0; c < Dv; ++c) dst[size_t(c)] = cache_at(cc.v, wc.layout, b, o, h, c);
+      if (wc.mode != KvCacheDType::int8_k8v8) {
+        check_row(m, tvv, value.ref, i, h, dst.data(), Dv, fmt, fp8 ? &v_scale : nullptr, saturated);
+        continue;
+      }
+      for (int64_t c = 0; c < Dv; ++c) {
+        const int q = *static_cast<const int8_t*>(dst[size_t(c)]);
+        const double want = std::clamp(value.getd({i, h, c}) / v_scale_i8.getd({h, c}), -127.0, 127.0);
+        m.check(std::fabs(q - want) <= 0.5 + 1e-4, "int8 v " + std::to_string(q) + " want " + std::to_string(want));
+        tvv.mark(dst[size_t(c)], 1);
+      }
+    }
+  }
+  EXPECT_EQ(m.count, 0) << m.first;
+  EXPECT_EQ(tk.changed_unmarked(), 0) << "key cache bytes outside written slots changed";
+  if (!cc.shared) EXPECT_EQ(tv.changed_unmarked(), 0) << "value cache bytes outside written slots changed";
+  EXPECT_EQ(ts.changed_unmarked(), 0) << "k_scale_cache bytes outside written slots changed";
+  if (fp8) EXPECT_GT(saturated, 0) << "the case should exercise saturation";
+}
+
+std::vector<WriteCase> write_cases(std::mt19937_64& rng) {
+  std::vector<WriteCase> cases;
+  for (KvLayout l : {KvLayout::nhd, KvLayout::hnd})
+    for (bool inter : {false, true})
+      for (int64_t bs : {1, 5, 16}) {
+        for (DType t : {DType::f16, DType::bf16, DType::f32})
+          cases.push_back({l, inter, bs, KvCacheDType::auto_, t, DType::u8, 0});
+        for (int rank : {0, 1, 2}) {
+          cases.push_back({l, inter, bs, KvCacheDType::fp8_e4m3, pick(rng, {DType::f16, DType::bf16}),
+                           rank == 1 ? DType::f8e4m3 : DType::u8, rank});
+          cases.push_back({l, inter, bs, KvCacheDType::fp8_e5m2, pick(rng, {DType::f16, DType::bf16, DType::f32}),
+                           rank == 1 ? DType::u8 : DType::f8e5m2, rank});
+        }
+        cases.push_back({l, inter, bs, KvCacheDType::int8_k8v8, pick(rng, {DType::f16, DType::bf16}), DType::u8, 0});
+        if (!inter)  // the v cache holds f16/bf16 while k is int8: separate buffers
+          cases.push_back({l, inter, bs, KvCacheDType::int8_k8v16, pick(rng, {DType::f16, DType::bf16}), DType::u8, 0});
+      }
+  return cases;
+}
+
+}  // namespace
+
+TEST(KvCacheDTypeNames, ParseAndName) {
+  EXPECT_EQ(fs::parse_kv_cache_dtype("auto"), KvCacheDType::auto_);
+  EXPECT_EQ(fs::parse_kv_cache_dtype("fp8"), KvCacheDType::fp8_e4m3);
+  EXPECT_EQ(fs::parse_kv_cache_dtype("fp8_e4m3"), KvCacheDType::fp8_e4m3);
+  EXPECT_EQ(fs::parse_kv_cache_dtype("fp8_e5m2"), KvCacheDType::fp8_e5m2);
+  EXPECT_EQ(fs::parse_kv_cache_dtype("int8"), KvCacheDType::int8_k8v8);
+  EXPECT_EQ(fs::parse_kv_cache_dtype("int8_k8v8"), KvCacheDType::int8_k8v8);
+  EXPECT_EQ(fs::parse_kv_cache_dtype("int8_k8v16"), KvCacheDType::int8_k8v16);
+  for (KvCacheDType t : {KvCacheDType::auto_, KvCacheDType::fp8_e4m3, KvCacheDType::fp8_e5m2,
+                         KvCacheDType::int8_k8v8, KvCacheDType::int8_k8v16})
+    EXPECT_EQ(fs::parse_kv_cache_dtype(fs::kv_cache_dtype_name(t)), t);
+  try {
+    fs::parse_kv_cache_dtype("fp4", "cache_dtype");
+    ADD_FAILURE() << "no throw";
+  } catch (const fs::Error& e) {
+    EXPECT_STREQ(e.what(), "cache_dtype: expected one of auto, fp8, fp8_e4m3, fp8_e5m2, int8, int8_k8v16, got 'fp4'");
+  }
+}
+
+TEST(ReshapeAndCache, EveryModeLayoutAndBlockSize) {
+  auto rng = fstest::make_rng(0x5e11);
+  for (int rep = 0; rep < 4; ++rep)
+    for (const WriteCase& wc : write_cases(rng)) run_write_case(wc, rng);
+}
+
+TEST(ReshapeAndCache, NoTokens) {
+  HostTensor key = HostTensor::zeros(DType::f16, {2, 1, 8}), cache = HostTensor::zeros(DType::f16, {2, 4, 1, 8});
+  HostTensor vcache = HostTensor::zeros(DType::f16, {2, 4, 1, 8}), slots = HostTensor::zeros(DType::i64, {0});
+  fstest::poison_storage(cache);
+  const auto before = fstest::snapshot(cache);
+  fs::CacheWriteParams p;
+  p.key = p.value = key;
+  p.key_cache = cache;
+  p.value_cache = vcache;
+  p.slot_mapping = slots;
+  fs::reshape_and_cache(p);
+  EXPECT_TRUE(fstest::same_bytes(cache, before));
+}
+
+namespace {
+
+// Expected storage after copying block s to block d of the view `c` (elementwise, from `orig`).
+void copy_block_bytes(std::vector<unsigned char>& expect, const std::vector<unsigned char>& orig,
+                      const HostTensor& buf, const TensorRef& c, int64_t s, int64_t d) {
+  const TensorRef src = c.select(0, s), dst = c.select(0, d);
+  const size_t es = fs::dtype_size(c.dtype);
+  const auto base = [&](const TensorRef& v) { return static_cast<const unsigned char*>(v.data) - buf.bytes->data(); };
+  fstest::for_each_index(src, [&](const std::vector<int64_t>&, int64_t off) {
+    std::memcpy(&expect[size_t(base(dst) + off * int64_t(es))], &orig[size_t(base(src) + off * int64_t(es))], es);
+  });
+}
+
+// n (src, dst) pairs; destinations distinct and never a source, so the order does not matter.
+HostTensor block_pairs(std::mt19937_64& rng, int64_t src_blocks, int64_t dst_blocks, int64_t n, bool same_space) {
+  std::vector<int64_t> order(static_cast<size_t>(dst_blocks));
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  HostTensor m = HostTensor::strided(DType::i64, {n, 2}, {3, 1});  // padded rows
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t d = order[size_t(i)];
+    const int64_t s = same_space ? order[size_t(n + uniform_int(rng, 0, dst_blocks - n - 1))] : uniform_int(rng, 0, src_blocks - 1);
+    *static_cast<int64_t*>(m.ref.at(i, 0)) = s;
+    *static_cast<int64_t*>(m.ref.at(i, 1)) = d;
+  }
+  return m;
+}
+
+}  // namespace
+
+TEST(CopyBlocks, SeveralCachesAnyStrides) {
+  auto rng = fstest::make_rng(0xc0b1);
+  for (int rep = 0; rep < 6; ++rep) {
+    const int64_t nb = uniform_int(rng, 4, 12), bs = pick<int64_t>(rng, {1, 5, 16}), H = 2, D = 8;
+    HostTensor inter = HostTensor::zeros(DType::bf16, {nb, 2, bs, H, D});
+    HostTensor plain = HostTensor::strided(DType::f16, {nb, H, bs, D}, {H * bs * 9 + 3, bs * 9, 9, 1});
+    HostTensor scales = HostTensor::zeros(DType::f32, {nb, H, bs});
+    HostTensor tags = HostTensor::zeros(DType::i32, {nb});
+    const std::vector<const HostTensor*> bufs{&inter, &plain, &scales, &tags};
+    for (const HostTensor* b : bufs) {
+      TensorRef flat = TensorRef::contiguous(b->bytes->data(), b->ref.dtype, {int64_t(b->bytes->size() / fs::dtype_size(b->ref.dtype))});
+      fstest::fill_uniform(flat, rng, -100.0f, 100.0f);
+    }
+    const std::vector<TensorRef> caches{inter.ref.select(1, 0), inter.ref.select(1, 1), plain.ref, scales.ref, tags.ref};
+    const std::vector<const HostTensor*> owner{&inter, &inter, &plain, &scales, &tags};
+    const int64_t n = uniform_int(rng, 0, nb / 2);
+    HostTensor m = block_pairs(rng, nb, nb, n, true);
+
+    std::vector<std::vector<unsigned char>> orig, expect;
+    for (const HostTensor* b : bufs) orig.push_back(fstest::snapshot(*b));
+    expect = orig;
+    for (int64_t r = 0; r < n; ++r)
+      for (size_t c = 0; c < caches.size(); ++c) {
+        const size_t bi = size_t(std::find(bufs.begin(), bufs.end(), owner[c]) - bufs.begin());
+        copy_block_bytes(expect[bi], orig[bi], *owner[c], caches[c], *static_cast<int64_t*>(m.ref.at(r, 0)),
+                         *static_cast<int64_t*>(m.ref.at(r, 1)));
+      }
+    fs::copy_blocks(caches, m);
+    for (size_t bi = 0; bi < bufs.size(); ++bi) EXPECT_TRUE(fstest::same_bytes(*bufs[bi], expect[bi])) << "buffer " << bi;
+  }
+}
+
+TEST(SwapBlocks, CpuToCpuBothWays) {
+  auto rng = fstest::make_rng(0x5a4b);
+  for (int rep = 0; rep < 6; ++rep) {
+    const int64_t bs = pick<int64_t>(rng, {1, 5, 16}), H = 3, D = 16;
+    const int64_t na = uniform_int(rng, 2, 8), nh = uniform_int(rng, 2, 8);
+    HostTensor dev = HostTensor::zeros(DType::f16, {na, 2, bs, H, D});  // "device" cache, K/V interleaved
+    HostTensor host = HostTensor::strided(DType::f16, {nh, bs, H, D}, {bs * H * D + 4, H * D, D, 1});
+    for (const HostTensor* b : {&dev, &host})
+      fstest::fill_uniform(TensorRef::contiguous(b->bytes->data(), DType::f16, {int64_t(b->bytes->size() / 2)}), rng, -8, 8);
+    const TensorRef dk = dev.ref.select(1, 0);
+    const bool out = rep % 2 == 0;  // device -> host, else host -> device
+    const TensorRef& src = out ? dk : host.ref;
+    const TensorRef& dst = out ? host.ref : dk;
+    const HostTensor& dbuf = out ? host : dev;
+    const HostTensor& sbuf = out ? dev : host;
+    const int64_t n = uniform_int(rng, 0, std::min(src.size(0), dst.size(0)));
+    HostTensor m = block_pairs(rng, src.size(0), dst.size(0), n, false);
+    const auto sorig = fstest::snapshot(sbuf);
+    auto expect = fstest::snapshot(dbuf);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t s = *static_cast<int64_t*>(m.ref.at(r, 0)), d = *static_cast<int64_t*>(m.ref.at(r, 1));
+      fstest::for_each_index(src.select(0, s), [&](const std::vector<int64_t>& idx, int64_t) {
+        const void* from = src.select(0, s).at(idx[0], idx[1], idx[2]);
+        void* to = dst.select(0, d).at(idx[0], idx[1], idx[2]);
+        std::memcpy(&expect[size_t(static_cast<unsigned char*>(to) - dbuf.bytes->data())], from, 2);
+      });
+    }
+    fs::swap_blocks(src, dst, m);
+    EXPECT_TRUE(fstest::same_bytes(dbuf, expect)) << "rep " << rep;
+    EXPECT_TRUE(fstest::same_bytes(sbuf, sorig)) << "source changed, rep " << rep;
+  }
+}
+
+TEST(AdvanceStep, MatchesNaiveLoop) {
+  auto rng = fstest::make_rng(0xadd5);
+  for (int rep = 0; rep < 20; ++rep) {
+    const int64_t num_seqs = uniform_int(rng, 1, 20), num_queries = uniform_int(rng, 0, num_seqs);
+    const int64_t bs = pick<int64_t>(rng, {1, 5, 16}), max_blocks = uniform_int(rng, 1, 6), extra = 2;
+    const int64_t R = num_seqs + extra;
+    HostTensor tokens = HostTensor::zeros(DType::i64, {R}), positions = HostTensor::zeros(DType::i64, {R});
+    HostTensor slots = HostTensor::zeros(DType::i64, {R}), lens = HostTensor::zeros(DType::i32, {R});
+    HostTensor sampled = HostTensor::strided(DType::i64, {num_queries + 1, 1}, {2, 1});
+    HostTensor tables = HostTensor::strided(DType::i32, {R, max_blocks}, {max_blocks + 3, 1});
+    for (const HostTensor* t : {&tokens, &positions, &slots}) fstest::poison_storage(*t);
+    fstest::fill_uniform(sampled, rng, 0, 50000);
+    fstest::fill_uniform(tables, rng, 0, 1000);
+    fstest::fill_uniform(lens, rng, 0, int(max_blocks * bs - 1));
+    std::vector<int64_t> want_tok(static_cast<size_t>(R)), want_pos(want_tok), want_slot(want_tok), want_len(want_tok);
+    for (int64_t i = 0; i < R; ++i) {
+      want_tok[size_t(i)] = int64_t(tokens.getd({i}));
+      want_pos[size_t(i)] = int64_t(positions.getd({i}));
+      want_slot[size_t(i)] = int64_t(slots.getd({i}));
+      want_len[size_t(i)] = int64_t(lens.getd({i}));
+      if (i >= num_seqs) continue;
+      if (i >= num_queries) {
+        want_tok[size_t(i)] = 0, want_pos[size_t(i)] = 0, want_slot[size_t(i)] = -1;
+        continue;
+      }
+      const int64_t pos = want_len[size_t(i)];
+      want_tok[size_t(i)] = int64_t(sampled.getd({i, 0}));
+      want_len[size_t(i)] = pos + 1;
+      want_pos[size_t(i)] = pos;
+      want_slot[size_t(i)] = int64_t(tables.getd({i, pos / bs})) * bs + pos % bs;
+    }
+    fs::AdvanceStepParams p;
+    p.num_seqs = num_seqs;
+    p.num_queries = num_queries;
+    p.block_size = bs;
+    p.input_tokens = tokens;
+    p.sampled_token_ids = sampled;
+    p.input_positions = positions;
+    p.seq_lens = lens;
+    p.slot_mapping = slots;
+    p.block_tables = tables;
+    fs::advance_step(p);
+    for (int64_t i = 0; i < R; ++i) {
+      EXPECT_EQ(int64_t(tokens.getd({i})), want_tok[size_t(i)]) << "row " << i;
+      EXPECT_EQ(int64_t(positions.getd({i})), want_pos[size_t(i)]) << "row " << i;
+      EXPECT_EQ(int64_t(slots.getd({i})), want_slot[size_t(i)]) << "row " << i;
+      EXPECT_EQ(int64_t(lens.getd({i})), want_len[size_t(i)]) << "row " << i;
+    }
+  }
+}
+
+TEST(QuantizeInt8, PerTokenHeadScales) {
+  auto rng = fstest::make_rng(0x9a47);
+  for (DType t : {DType::f16, DType::bf16, DType::f32}) {
+    const int64_t T = uniform_int(rng, 1, 20), H = uniform_int(rng, 1, 4), D = pick<int64_t>(rng, {8, 40, 128});
+    HostTensor x = HostTensor::strided(t, {T, H, D}, {H * D * 2, D, 1});
+    fstest::fill_uniform(x, rng, -30.0f, 30.0f);
+    for (int64_t c = 0; c < D; ++c) x.set({0, 0, c}, 0.0f);  // an all-zero row: scale 1
+    HostTensor out = HostTensor::zeros(DType::i8, {T, H, D}), scale = HostTensor::zeros(DType::f32, {T, H});
+    fstest::poison(out);
+    fstest::poison(scale);
+    fs::quantize_int8(x, out, scale);
+    Mismatches m;
+    for (int64_t i = 0; i < T; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        double absmax = 0.0;
+        for (int64_t c = 0; c < D; ++c) absmax = std::max(absmax, std::fabs(x.getd({i, h, c})));
+        const double want = absmax > 0.0 ? absmax / 127.0 : 1.0, got = scale.getd({i, h});
+        m.check(std::fabs(got - want) <= 1e-6 * want, "scale " + std::to_string(got) + " want " + std::to_string(want));
+        int max_q = 0;
+        for (int64_t c = 0; c < D; ++c) {
+          const int q = int(out.getd({i, h, c}));
+          max_q = std::max(max_q, std::abs(q));
+          m.check(std::fabs(q * got - x.getd({i, h, c})) <= 0.5 * got * (1 + 1e-5), "round trip");
+        }
+        m.check(absmax == 0.0 ? max_q == 0 : max_q == 127, "absmax maps to 127");
+      }
+    EXPECT_EQ(m.count, 0) << fs::dtype_name(t) << ": " << m.first;
+  }
+}

@@ -1,0 +1,285 @@
+// merge_states (merge.hpp) against an fp64 merge written here: both LSE layouts, strided
+// operands, -inf/+inf LSE rows, both-empty rows, prefill_tokens_with_context, optional out_lse,
+// fp8 output with saturation; and the defining property: merging the states of two halves of a
+// softmax gives the state of the whole.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "flashserve/merge.hpp"
+#include "flashserve/status.hpp"
+#include "support/host_tensor.hpp"
+
+namespace {
+
+namespace fs = flashserve;
+namespace nm = flashserve::numeric;
+using fs::DType;
+using fs::LseLayout;
+using fs::TensorRef;
+using fstest::HostTensor;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+struct Mismatches {
+  int64_t count = 0;
+  std::string first;
+  void check(bool ok, const std::string& what) {
+    if (!ok && count++ == 0) first = what;
+  }
+};
+
+int64_t uniform_int(std::mt19937_64& rng, int64_t lo, int64_t hi) {
+  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+}
+
+// [T, H, D] with padded heads and tokens.
+HostTensor rows(DType t, int64_t T, int64_t H, int64_t D) {
+  return HostTensor::strided(t, {T, H, D}, {H * (D + 3) + 1, D + 3, 1});
+}
+// An fp32 LSE in `layout` with a padded leading stride.
+HostTensor lse_tensor(LseLayout layout, int64_t T, int64_t H) {
+  return layout == LseLayout::head_major ? HostTensor::strided(DType::f32, {H, T}, {T + 2, 1})
+                                         : HostTensor::strided(DType::f32, {T, H}, {H + 1, 1});
+}
+float* lse_at(const HostTensor& l, LseLayout layout, int64_t t, int64_t h) {
+  return static_cast<float*>(layout == LseLayout::head_major ? l.ref.at(h, t) : l.ref.at(t, h));
+}
+
+// Whether every storage byte outside the view still holds the 0xFF poison.
+bool padding_untouched(const HostTensor& t) {
+  std::vector<char> in_view(t.bytes->size(), 0);
+  const size_t es = fs::dtype_size(t.ref.dtype);
+  fstest::for_each_index(t.ref, [&](const std::vector<int64_t>&, int64_t off) {
+    std::fill_n(in_view.begin() + off * int64_t(es), es, 1);
+  });
+  for (size_t i = 0; i < in_view.size(); ++i)
+    if (!in_view[i] && (*t.bytes)[i] != 0xFF) return false;
+  return true;
+}
+
+// Relative rounding bound of storing into `t` (half an ulp).
+double half_ulp(DType t) {
+  switch (t) {
+    case DType::f16: return std::ldexp(1.0, -11);
+    case DType::bf16: return std::ldexp(1.0, -8);
+    case DType::f8e4m3: return std::ldexp(1.0, -4);
+    case DType::f8e5m2: return std::ldexp(1.0, -3);
+    default: return std::ldexp(1.0, -24);
+  }
+}
+// Smallest positive value of `t` (absolute rounding floor for subnormals).
+double min_step(DType t) {
+  switch (t) {
+    case DType::f16: return std::ldexp(1.0, -24);
+    case DType::f8e4m3: return std::ldexp(1.0, -9);
+    case DType::f8e5m2: return std::ldexp(1.0, -16);
+    default: return 1e-30;
+  }
+}
+
+struct MergeCase {
+  DType a_dtype, b_dtype, out_dtype;  // out: f8*/u8 -> fp8 output with a scale
+  LseLayout layout;
+  bool with_out_lse, prefill, scalar_scale;
+  std::string str() const {
+    std::ostringstream os;
+    os << fs::dtype_name(a_dtype) << "+" << fs::dtype_name(b_dtype) << "->" << fs::dtype_name(out_dtype)
+       << (layout == LseLayout::head_major ? " head_major" : " token_major") << (with_out_lse ? " out_lse" : "")
+       << (prefill ? " prefill" : "");
+    return os.str();
+  }
+};
+
+// LSE pairs covering finite, -inf, +inf and both-empty rows.
+void fill_lse(std::mt19937_64& rng, const HostTensor& a, const HostTensor& b, LseLayout layout, int64_t T, int64_t H) {
+  std::uniform_real_distribution<float> d(-6.0f, 6.0f);
+  const float special[] = {-INFINITY, INFINITY};
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      float la = d(rng), lb = d(rng);
+      switch (rng() % 10) {
+        case 0: la = special[rng() % 2]; break;
+        case 1: lb = special[rng() % 2]; break;
+        case 2: la = special[rng() % 2], lb = special[rng() % 2]; break;
+        case 3: la = lb + 40.0f; break;  // b's weight underflows in fp32
+        default: break;
+      }
+      *lse_at(a, layout, t, h) = la;
+      *lse_at(b, layout, t, h) = lb;
+    }
+}
+
+void run_merge_case(const MergeCase& mc, std::mt19937_64& rng) {
+  SCOPED_TRACE(mc.str());
+  const bool fp8 = fs::is_fp8(mc.out_dtype) || mc.out_dtype == DType::u8;
+  const DType fmt = mc.out_dtype == DType::u8 ? DType::f8e4m3 : mc.out_dtype;
+  const int64_t T = uniform_int(rng, 1, 40), H = uniform_int(rng, 1, 6);
+  const int64_t D = std::vector<int64_t>{8, 40, 64, 128}[rng() % 4];
+  HostTensor a = rows(mc.a_dtype, T, H, D), b = rows(mc.b_dtype, T, H, D), out = rows(mc.out_dtype, T, H, D);
+  fstest::fill_uniform(a, rng, -4.0f, 4.0f);
+  fstest::fill_uniform(b, rng, -4.0f, 4.0f);
+  HostTensor la = lse_tensor(mc.layout, T, H), lb = lse_tensor(mc.layout, T, H), lo = lse_tensor(mc.layout, T, H);
+  fill_lse(rng, la, lb, mc.layout, T, H);
+  fstest::poison_storage(out);
+  fstest::poison_storage(lo);
+  HostTensor scale = mc.scalar_scale ? HostTensor::zeros(DType::f32, {}) : HostTensor::zeros(DType::f32, {1});
+  const float sv = fmt == DType::f8e4m3 ? 0.006f : 4e-5f;  // |x| < 4: some outputs saturate
+  *scale.ref.ptr<float>() = sv;
+
+  fs::MergeParams p;
+  p.out = out;
+  p.a_out = a;
+  p.a_lse = la;
+  p.b_out = b;
+  p.b_lse = lb;
+  p.lse_layout = mc.layout;
+  if (mc.with_out_lse) p.out_lse = lo.ref;
+  const int64_t ptwc = mc.prefill ? uniform_int(rng, 0, T) : T;
+  if (mc.prefill) p.prefill_tokens_with_context = ptwc;
+  if (fp8) p.output_scale = scale.ref;
+  fs::merge_states(p);
+
+  Mismatches m;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const double rla = *lse_at(la, mc.layout, t, h), rlb = *lse_at(lb, mc.layout, t, h);
+      const double na = rla == kInf ? -kInf : rla, nb = rlb == kInf ? -kInf : rlb;
+      const double mx = std::max(na, nb);
+      const bool copy = t >= ptwc, empty = !copy && mx == -kInf;
+      const double wa = copy || empty ? 0.0 : std::exp(na - mx), wb = copy ? 1.0 : empty ? 0.0 : std::exp(nb - mx);
+      const double ref_lse = copy ? rlb : empty ? -kInf : mx + std::log(wa + wb);
+      for (int64_t c = 0; c < D; ++c) {
+        const double xa = a.getd({t, h, c}), xb = b.getd({t, h, c});
+        const double ref = empty ? 0.0 : (wa * xa + wb * xb) / (wa + wb);
+        const double fp32_err = 2e-6 * (std::fabs(xa) + std::fabs(xb));
+        auto at = [&] { return " at t=" + std::to_string(t) + " h=" + std::to_string(h) + " c=" + std::to_string(c); };
+        if (!fp8) {
+          const double got = out.getd({t, h, c});
+          const double tol = half_ulp(mc.out_dtype) * std::fabs(ref) + fp32_err + min_step(mc.out_dtype);
+          const bool ok = std::fabs(got - ref) <= tol;
+          m.check(ok, ok ? "" : "out " + std::to_string(got) + " ref " + std::to_string(ref) + at());
+          continue;
+        }
+        const double y = ref / sv, mxv = nm::fp8_max(fmt);
+        const double got = nm::fp8_to_float(*static_cast<const uint8_t*>(out.ref.at(t, h, c)), fmt);
+        if (std::fabs(y) > mxv * (1 + 1e-4)) {
+          m.check(got == std::copysign(mxv, y), got == std::copysign(mxv, y) ? "" : "not saturated" + at());
+        } else {
+          const double tol = half_ulp(fmt) * std::fabs(y) + (fp32_err + 1e-7 * std::fabs(ref)) / sv + min_step(fmt);
+          const bool ok = std::fabs(got - std::clamp(y, -mxv, mxv)) <= tol;
+          m.check(ok, ok ? "" : "fp8 out " + std::to_string(got) + " want " + std::to_string(y) + at());
+        }
+      }
+      if (!mc.with_out_lse) continue;
+      const double got = *lse_at(lo, mc.layout, t, h);
+      const bool same_inf = std::isinf(ref_lse) && got == ref_lse;
+      m.check(same_inf || std::fabs(got - ref_lse) <= 1e-5 * std::max(1.0, std::fabs(ref_lse)),
+              "lse " + std::to_string(got) + " ref " + std::to_string(ref_lse));
+    }
+  EXPECT_EQ(m.count, 0) << m.first;
+  EXPECT_TRUE(padding_untouched(out)) << "out written outside its view";
+  EXPECT_TRUE(padding_untouched(lo)) << "out_lse written outside its view";
+}
+
+// The (out, lse) of softmax(s) v over keys [lo, hi), in fp64.
+void partial_state(const std::vector<double>& s, const std::vector<double>& v, int64_t D, int64_t lo, int64_t hi,
+                   std::vector<double>& out, double& lse) {
+  out.assign(size_t(D), 0.0);
+  if (lo == hi) {
+    lse = -kInf;
+    return;
+  }
+  const double mx = *std::max_element(s.begin() + lo, s.begin() + hi);
+  double sum = 0.0;
+  for (int64_t j = lo; j < hi; ++j) {
+    const double w = std::exp(s[size_t(j)] - mx);
+    sum += w;
+    for (int64_t c = 0; c < D; ++c) out[size_t(c)] += w * v[size_t(j * D + c)];
+  }
+  for (double& x : out) x /= sum;
+  lse = mx + std::log(sum);
+}
+
+}  // namespace
+
+TEST(MergeStates, MatchesFp64Merge) {
+  auto rng = fstest::make_rng(0x3e26e);
+  const DType floats[] = {DType::f16, DType::bf16, DType::f32};
+  for (int rep = 0; rep < 4; ++rep) {
+    for (LseLayout layout : {LseLayout::head_major, LseLayout::token_major}) {
+      for (DType in : floats)
+        for (DType out : floats)
+          for (int v = 0; v < 2; ++v) run_merge_case({in, floats[rng() % 3], out, layout, v == 0, v == 1, false}, rng);
+      for (DType out : {DType::f8e4m3, DType::f8e5m2, DType::u8})
+        for (int v = 0; v < 2; ++v)
+          run_merge_case({floats[rng() % 3], floats[rng() % 3], out, layout, true, v == 1, v == 0}, rng);
+    }
+  }
+}
+
+TEST(MergeStates, TwoHalvesOfASoftmaxMergeToTheWhole) {
+  auto rng = fstest::make_rng(0x4a1f);
+  for (LseLayout layout : {LseLayout::head_major, LseLayout::token_major}) {
+    const int64_t T = 24, H = 3, D = 40;
+    HostTensor a = rows(DType::f32, T, H, D), b = rows(DType::f32, T, H, D), out = rows(DType::f32, T, H, D);
+    HostTensor la = lse_tensor(layout, T, H), lb = lse_tensor(layout, T, H), lo = lse_tensor(layout, T, H);
+    fstest::poison_storage(out);
+    fstest::poison_storage(lo);
+    std::vector<std::vector<double>> whole(size_t(T * H));
+    std::vector<double> whole_lse(size_t(T * H));
+    std::uniform_real_distribution<double> score(-8.0, 8.0), val(-1.0, 1.0);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t n = t == 0 ? 0 : uniform_int(rng, 1, 64), k = uniform_int(rng, 0, n);  // row 0: no keys
+        std::vector<double> s(static_cast<size_t>(n)), v(static_cast<size_t>(n * D)), pa, pb;
+        for (double& x : s) x = score(rng);
+        for (double& x : v) x = val(rng);
+        double lsa, lsb;
+        partial_state(s, v, D, 0, k, pa, lsa);
+        partial_state(s, v, D, k, n, pb, lsb);
+        partial_state(s, v, D, 0, n, whole[size_t(t * H + h)], whole_lse[size_t(t * H + h)]);
+        for (int64_t c = 0; c < D; ++c) {
+          a.set({t, h, c}, float(pa[size_t(c)]));
+          b.set({t, h, c}, float(pb[size_t(c)]));
+        }
+        *lse_at(la, layout, t, h) = float(lsa);
+        *lse_at(lb, layout, t, h) = float(lsb);
+      }
+    fs::MergeParams p;
+    p.out = out;
+    p.out_lse = lo.ref;
+    p.a_out = a;
+    p.a_lse = la;
+    p.b_out = b;
+    p.b_lse = lb;
+    p.lse_layout = layout;
+    fs::merge_states(p);
+    Mismatches m;
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < H; ++h) {
+        const double want_lse = whole_lse[size_t(t * H + h)], got_lse = *lse_at(lo, layout, t, h);
+        m.check(got_lse == want_lse || std::fabs(got_lse - want_lse) <= 2e-6 * std::max(1.0, std::fabs(want_lse)),
+                "lse " + std::to_string(got_lse) + " want " + std::to_string(want_lse));
+        for (int64_t c = 0; c < D; ++c) {
+          const double want = whole[size_t(t * H + h)][size_t(c)], got = out.getd({t, h, c});
+          m.check(std::fabs(got - want) <= 2e-6, "out " + std::to_string(got) + " want " + std::to_string(want));
+        }
+      }
+    EXPECT_EQ(m.count, 0) << m.first;
+  }
+}
+
+TEST(MergeStates, NoTokens) {
+  HostTensor a = HostTensor::zeros(DType::f16, {0, 2, 8}), l = HostTensor::zeros(DType::f32, {2, 0});
+  fs::MergeParams p;
+  p.out = p.a_out = p.b_out = a;
+  p.a_lse = p.b_lse = l;
+  p.prefill_tokens_with_context = 0;
+  EXPECT_NO_THROW(fs::merge_states(p));
+}
