@@ -19,7 +19,7 @@ struct DeviceProps {
   int num_sms = 132;          // CPU: worker threads
   int cc_major = 9, cc_minor = 0;  // CPU: 0.0
   static DeviceProps cpu();   // num_sms = worker threads of the reference
-  static DeviceProps h200() { return {}; }
+  static DeviceProps h200() { return {Device{DeviceType::cuda, 0}, 132, 9, 0}; }
 };
 
 // The shape of an attention problem as the planner sees it (no tensor contents).
