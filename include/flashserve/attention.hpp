@@ -29,7 +29,8 @@ struct AttentionParams {
                     // (q_descale optional) or int8 (with q_scale)
   OptTensor q_v;    // [.., H, Dv] (shaped like q, width Dv): adds q_v·v_j to the score (MLA
                     // absorbed decode, D=64 + Dv=512). may be absent
-  TensorRef out;    // [.., H, Dv]: q's dtype; f16/bf16 when q is fp8 or int8
+  TensorRef out;    // [.., H, Dv]: q's dtype (f16/bf16 when q is fp8 or int8), or fp32 for any q
+                    // (partial states that are merged later keep full precision)
   OptTensor lse;    // fp32; varlen [H, total_q], batched [B, H, sq]. may be absent
 
   // ---- keys and values

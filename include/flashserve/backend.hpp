@@ -106,6 +106,7 @@ struct BuilderConfig {
   int max_num_splits = 32;           // bound so the split-KV workspace is preallocated
   int dcp_world_size = 1;            // decode context parallel
   int dcp_rank = 0;
+  int64_t max_draft_depth = 32;      // tree verify: longest draft path (width of the tree pass's slot table)
 };
 
 // One varlen attention call over a contiguous run of (reordered) requests.
@@ -115,6 +116,7 @@ struct PartMetadata {
   int64_t max_query_len = 0, max_seq_len = 0;
   TensorRef cu_seqlens_q;                    // int32 [num_reqs + 1], relative to token_begin
   TensorRef seqused_k;                       // int32 [num_reqs]
+  TensorRef cp_tot_seqused_k;                // int32 [num_reqs], DCP only: global KV lengths; else ndim 0
   TensorRef block_table;                     // int32 [num_reqs, max_blocks] (view)
   bool causal = true;
   Plan plan;                                 // split-KV plan for this call

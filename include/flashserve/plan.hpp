@@ -88,6 +88,8 @@ struct ExecContext {
   void* workspace = nullptr;    // device memory of at least plan.workspace.total_bytes
   size_t workspace_bytes = 0;
   const Plan* plan = nullptr;   // scheduler metadata; must match the call's shape
+  bool validate_only = false;   // dry run: every check the call makes (CPU: contents too) and
+                                // its plan, then return with nothing written
 };
 
 }  // namespace flashserve

@@ -43,6 +43,7 @@ void run_attention(const AttentionParams& p, bool batched, const ExecContext& ct
   if (ctx.plan) check_plan(*ctx.plan, shape);
   if (pr.q.device.type == DeviceType::cuda) fail_cuda();
   const Plan plan = ctx.plan ? *ctx.plan : make_plan(shape, DeviceProps::cpu(), p.num_splits);
+  if (ctx.validate_only) return;
   reference::attention(pr, plan);
 }
 

@@ -44,36 +44,41 @@ std::string_view kv_cache_dtype_name(KvCacheDType t) {
   return "?";
 }
 
-void reshape_and_cache(const CacheWriteParams& p, const ExecContext&) {
+void reshape_and_cache(const CacheWriteParams& p, const ExecContext& ctx) {
   const detail::CacheWriteProblem pr = detail::validate_cache_write(p);
   require_cpu(pr.device, "reshape_and_cache");
   detail::check_cache_write_contents(pr);
+  if (ctx.validate_only) return;
   reference::reshape_and_cache(pr);
 }
 
-void copy_blocks(std::span<const TensorRef> caches, const TensorRef& block_mapping, const ExecContext&) {
+void copy_blocks(std::span<const TensorRef> caches, const TensorRef& block_mapping, const ExecContext& ctx) {
   const Device dev = detail::validate_copy_blocks(caches, block_mapping);
   require_cpu(dev, "copy_blocks");
   detail::check_block_mapping(block_mapping, caches.empty() ? 0 : caches[0].size(0),
                               caches.empty() ? 0 : caches[0].size(0));
+  if (ctx.validate_only) return;
   reference::copy_blocks(caches, block_mapping);
 }
 
-void swap_blocks(const TensorRef& src, const TensorRef& dst, const TensorRef& block_mapping, const ExecContext&) {
+void swap_blocks(const TensorRef& src, const TensorRef& dst, const TensorRef& block_mapping, const ExecContext& ctx) {
   if (detail::validate_swap_blocks(src, dst, block_mapping))
     fail_not_implemented("swap_blocks with a cache on a CUDA device (the CUDA copies are not built yet)");
   detail::check_block_mapping(block_mapping, src.size(0), dst.size(0));
+  if (ctx.validate_only) return;
   reference::swap_blocks(src, dst, block_mapping);
 }
 
-void advance_step(const AdvanceStepParams& p, const ExecContext&) {
+void advance_step(const AdvanceStepParams& p, const ExecContext& ctx) {
   require_cpu(detail::validate_advance_step(p), "advance_step");
   detail::check_advance_step_contents(p);
+  if (ctx.validate_only) return;
   reference::advance_step(p);
 }
 
-void quantize_int8(const TensorRef& x, const TensorRef& out, const TensorRef& scale, const ExecContext&) {
+void quantize_int8(const TensorRef& x, const TensorRef& out, const TensorRef& scale, const ExecContext& ctx) {
   require_cpu(detail::validate_quantize_int8(x, out, scale), "quantize_int8");
+  if (ctx.validate_only) return;
   reference::quantize_int8(x, out, scale);
 }
 

@@ -6,10 +6,11 @@
 
 namespace flashserve {
 
-void merge_states(const MergeParams& p, const ExecContext&) {
+void merge_states(const MergeParams& p, const ExecContext& ctx) {
   const detail::MergeProblem pr = detail::validate_merge(p);
   if (pr.device.type == DeviceType::cuda)
     fail_not_implemented("merge_states on CUDA tensors (the CUDA kernels are not built yet)");
+  if (ctx.validate_only) return;
   reference::merge_states(pr);
 }
 

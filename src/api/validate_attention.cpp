@@ -72,8 +72,9 @@ void check_q_out(AttnProblem& pr, const AttentionParams& p) {
   pr.total_q = pr.q.size(0) * pr.q.size(1);
   if (pr.num_heads < 1) fail_arg("q", "at least one head", p.q.shape_str());
   const bool q_quant = is_fp8(p.q.dtype) || p.q.dtype == DType::i8;
-  if (q_quant) check_operand(p.out, "out", qrank, {DType::bf16, DType::f16}, dev, "q");
-  else check_operand(p.out, "out", qrank, {p.q.dtype}, dev, "q");
+  // fp32 out is accepted for any q: partial states (cascade, MLA chunks, DCP) merge in fp32.
+  if (q_quant) check_operand(p.out, "out", qrank, {DType::bf16, DType::f16, DType::f32}, dev, "q");
+  else check_operand(p.out, "out", qrank, {p.q.dtype, DType::f32}, dev, "q");
   pr.out = pr.batched ? p.out : p.out.unsqueeze(0);
   for (int d = 0; d < 3; ++d)
     if (pr.out.size(d) != pr.q.size(d))

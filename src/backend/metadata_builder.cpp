@@ -1,0 +1,423 @@
+// MetadataBuilder (backend.hpp): validates the engine's common metadata, decides how the batch
+// is attended (split / cascade / local / tree / encoder) and composes the metadata into fixed
+// buffers (builder_compose.cpp). Every check runs before any buffer is written, so a rejected
+// build leaves the last metadata intact.
+//
+// Host arrays: query_start_loc, seq_lens, encoder_seq_lens are read from the spans; the engine's
+// block_table is referenced by the parts (row slices, column offsets) and read on the host for
+// the cascade prefix check, the local virtual table and advance_decode_step, so it must be on
+// the CPU for now (CUDA metadata comes with the kernels).
+//
+// Speculative tree verify (build with a DraftTree): every request has at most one non-draft
+// query token (query_len - num_drafts <= 1: the committed tip), because the committed-prefix
+// pass is non-causal: causal attention among several new non-draft tokens cannot share that
+// pass. The tree pass reads the cache through a block-size-1 view (slot = block * block_size +
+// offset): its block table holds slots, so the caller passes that view of the cache.
+#include <algorithm>
+
+#include "api/check.hpp"
+#include "backend/builder_state.hpp"
+#include "planner/local_batches.hpp"
+
+namespace flashserve::backend {
+
+using builder::Decision;
+using builder::Inputs;
+using builder::Mode;
+using builder::State;
+using detail::cat;
+
+namespace builder {
+
+namespace {
+
+int64_t local_capacity_of(const BuilderConfig& c) {
+  const int64_t chunk = c.layer.attention_chunk_size;
+  if (chunk <= 0) return 0;
+  // A request of q queries touches at most q / chunk + 2 chunks, and each virtual request
+  // holds at least one query.
+  return std::min(c.max_num_tokens, 2 * c.max_num_reqs + c.max_num_tokens / chunk + 1);
+}
+
+void check_config(const BuilderConfig& c) {
+  const LayerSpec& l = c.layer;
+  if (c.block_size < 1) fail_arg("block_size", ">= 1", c.block_size);
+  if (c.max_num_reqs < 1) fail_arg("max_num_reqs", ">= 1", c.max_num_reqs);
+  if (c.max_num_tokens < 1) fail_arg("max_num_tokens", ">= 1", c.max_num_tokens);
+  if (c.max_blocks_per_req < 1) fail_arg("max_blocks_per_req", ">= 1", c.max_blocks_per_req);
+  if (c.max_draft_depth < 1) fail_arg("max_draft_depth", ">= 1", c.max_draft_depth);
+  if (c.max_num_splits < 1 || c.max_num_splits > kMaxSplits)
+    fail_arg("max_num_splits", cat("a count in [1, ", kMaxSplits, "]"), c.max_num_splits);
+  if (c.reorder_batch_threshold < 0) fail_arg("reorder_batch_threshold", ">= 0", c.reorder_batch_threshold);
+  if (c.dcp_world_size < 1) fail_arg("dcp_world_size", ">= 1", c.dcp_world_size);
+  if (c.dcp_rank < 0 || c.dcp_rank >= c.dcp_world_size)
+    fail_arg("dcp_rank", cat("a rank in [0, ", c.dcp_world_size, ")"), c.dcp_rank);
+  if (l.num_heads < 1) fail_arg("num_heads", ">= 1", l.num_heads);
+  if (l.num_kv_heads < 1 || l.num_heads % l.num_kv_heads != 0)
+    fail_arg("num_kv_heads", cat("a divisor of num_heads ", l.num_heads), l.num_kv_heads);
+  if (l.head_size < 1) fail_arg("head_size", ">= 1", l.head_size);
+  if (c.dcp_world_size > 1 && l.type != AttnType::decoder)
+    fail_not_implemented("decode context parallelism for a non-decoder layer");
+  if (l.attention_chunk_size > 0) {
+    if (l.attention_chunk_size % c.block_size != 0)
+      fail_arg("attention_chunk_size", cat("a multiple of block_size ", c.block_size), l.attention_chunk_size);
+    if (l.type != AttnType::decoder) fail_not_implemented("chunked local attention for a non-decoder layer");
+    if (l.sliding_window > 0) fail_not_implemented("chunked local attention with a sliding window");
+    if (c.dcp_world_size > 1) fail_not_implemented("chunked local attention with decode context parallelism");
+  }
+}
+
+}  // namespace
+
+State::State(const BuilderConfig& c) : config((check_config(c), c)) {
+  const size_t R = size_t(c.max_num_reqs), T = size_t(c.max_num_tokens);
+  decode = prefill = cascade_suffix = tree_prefix = PartBuffers(c.max_num_reqs);
+  cascade_prefix = PartBuffers(1);
+  tree = PartBuffers(c.max_num_tokens);
+  local_capacity = local_capacity_of(c);
+  local_width = local_capacity ? std::min(c.layer.attention_chunk_size / c.block_size, c.max_blocks_per_req) : 0;
+  local = PartBuffers(local_capacity);
+  local_k_start.assign(size_t(local_capacity), 0);
+  local_request.assign(size_t(local_capacity), 0);
+  local_table.assign(size_t(local_capacity * local_width), 0);
+  tree_table.assign(T * size_t(c.max_draft_depth), 0);
+  tree_depth.assign(T, 0);
+  query_lens.assign(R, 0);
+  slots.assign(R, 0);
+  in.query_start_loc.assign(R + 1, 0);
+  in.seq_lens.assign(R, 0);
+  in.encoder_seq_lens.assign(R, 0);
+  in.num_drafts.assign(R, 0);
+  in.tree_parent.assign(T, -2);
+}
+
+}  // namespace builder
+
+// ---------------------------------------------------------------- validation
+
+namespace {
+
+bool is_encoder(const LayerSpec& l) { return l.type == AttnType::encoder || l.type == AttnType::encoder_only; }
+
+void check_host_tensor(const TensorRef& t, const char* arg, DType dtype, int ndim) {
+  detail::check_rank(t, arg, ndim);
+  detail::check_dtype(t, arg, {dtype});
+  if (t.device.type == DeviceType::cuda)
+    fail_not_implemented("the metadata builder with a CUDA ", arg, " (host metadata only until the CUDA kernels)");
+  detail::check_non_negative_strides(t, arg);
+  detail::check_data(t, arg);
+}
+
+int64_t qlen(std::span<const int32_t> qsl, int64_t r) { return int64_t(qsl[size_t(r) + 1]) - qsl[size_t(r)]; }
+
+// query_start_loc: R + 1 entries from 0, non-decreasing, ending at num_actual_tokens.
+void check_queries(const BuilderConfig& c, const CommonMetadata& cm) {
+  const int64_t R = cm.num_reqs, T = cm.num_actual_tokens;
+  if (R < 0 || R > c.max_num_reqs) fail_arg("num_reqs", cat("a count in [0, max_num_reqs ", c.max_num_reqs, "]"), R);
+  if (T < 0 || T > c.max_num_tokens)
+    fail_arg("num_actual_tokens", cat("a count in [0, max_num_tokens ", c.max_num_tokens, "]"), T);
+  const auto& qsl = cm.query_start_loc;
+  if (int64_t(qsl.size()) < R + 1) fail_arg("query_start_loc", cat(R + 1, " entries (num_reqs + 1)"), cat(qsl.size(), " entries"));
+  if (qsl[0] != 0) fail_arg("query_start_loc", "query_start_loc[0] == 0", qsl[0]);
+  int64_t max_q = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    if (qlen(qsl, r) < 0)
+      fail_arg("query_start_loc", "non-decreasing entries", cat("query_start_loc[", r + 1, "]=", qsl[size_t(r) + 1],
+                                                               " < query_start_loc[", r, "]=", qsl[size_t(r)]));
+    max_q = std::max(max_q, qlen(qsl, r));
+  }
+  if (qsl[size_t(R)] != T) fail_arg("query_start_loc", cat("a last entry == num_actual_tokens ", T), qsl[size_t(R)]);
+  if (cm.max_query_len < max_q) fail_arg("max_query_len", cat(">= ", max_q, " (the longest query)"), cm.max_query_len);
+}
+
+// Requests with query_len <= threshold first (reorder_decodes_first); returns their count.
+int64_t check_order(const BuilderConfig& c, const CommonMetadata& cm) {
+  const int64_t R = cm.num_reqs, thr = c.reorder_batch_threshold;
+  int64_t nd = 0;
+  while (nd < R && qlen(cm.query_start_loc, nd) <= thr) ++nd;
+  for (int64_t r = nd; r < R; ++r)
+    if (qlen(cm.query_start_loc, r) <= thr)
+      fail_arg("query_start_loc", cat("requests with query_len <= ", thr, " first (see reorder_decodes_first)"),
+               cat("request ", r, " (query_len ", qlen(cm.query_start_loc, r), ") after request ", nd, " (query_len ",
+                   qlen(cm.query_start_loc, nd), ")"));
+  return nd;
+}
+
+// KV lengths: the builder's capacity and the engine's block table.
+void check_kv_lengths(const BuilderConfig& c, const CommonMetadata& cm) {
+  const bool cross = c.layer.type == AttnType::encoder_decoder;
+  const char* arg = cross ? "encoder_seq_lens" : "seq_lens";
+  const std::span<const int32_t> lens = cross ? cm.encoder_seq_lens : cm.seq_lens;
+  const int64_t R = cm.num_reqs;
+  if (int64_t(lens.size()) < R) fail_arg(arg, cat(R, " entries (num_reqs)"), cat(lens.size(), " entries"));
+  const int64_t cap = c.max_blocks_per_req * c.block_size, table_cap = cm.block_table.size(1) * c.block_size;
+  int64_t max_len = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t len = lens[size_t(r)], q = qlen(cm.query_start_loc, r);
+    if (!cross && len < q) fail_arg(arg, cat(">= the query length ", q, " of request ", r), cat(arg, "[", r, "]=", len));
+    if (len < 0) fail_arg(arg, "lengths >= 0", cat(arg, "[", r, "]=", len));
+    if (builder::kv_len_on_rank(c, len) > cap)
+      fail_arg(arg, cat("KV lengths (on this DCP rank) <= max_blocks_per_req * block_size = ", cap),
+               cat(arg, "[", r, "]=", len));
+    if (builder::kv_len_on_rank(c, len) > table_cap)
+      fail_arg(arg, cat("KV lengths within the block table (", cm.block_table.size(1), " blocks of ", c.block_size, ")"),
+               cat(arg, "[", r, "]=", len));
+    max_len = std::max(max_len, len);
+  }
+  if (!cross && cm.max_seq_len < max_len) fail_arg("max_seq_len", cat(">= ", max_len, " (the longest sequence)"), cm.max_seq_len);
+}
+
+void check_common(const BuilderConfig& c, const CommonMetadata& cm) {
+  check_queries(c, cm);
+  const bool encoder = is_encoder(c.layer);
+  if (!encoder) {
+    check_host_tensor(cm.block_table, "block_table", DType::i32, 2);
+    if (cm.block_table.size(0) < cm.num_reqs)
+      fail_arg("block_table", cat(">= ", cm.num_reqs, " rows (num_reqs)"), cm.block_table.shape_str());
+    check_kv_lengths(c, cm);
+    check_order(c, cm);
+  }
+  if (c.layer.type == AttnType::decoder || cm.slot_mapping.ndim > 0) {
+    check_host_tensor(cm.slot_mapping, "slot_mapping", DType::i64, 1);
+    if (cm.slot_mapping.size(0) < cm.num_actual_tokens)
+      fail_arg("slot_mapping", cat(">= ", cm.num_actual_tokens, " entries (num_actual_tokens)"), cm.slot_mapping.shape_str());
+  }
+}
+
+// Every row's first `blocks` blocks equal row 0's (the cascade prefix is shared).
+void check_shared_prefix(const TensorRef& table, int64_t num_reqs, int64_t blocks) {
+  for (int64_t r = 1; r < num_reqs; ++r)
+    for (int64_t j = 0; j < blocks; ++j)
+      if (builder::table_at(table, r, j) != builder::table_at(table, 0, j))
+        fail_arg("common_prefix_len", cat("the first ", blocks, " blocks shared by every block_table row"),
+                 cat("block_table[", r, "][", j, "]=", builder::table_at(table, r, j), " != block_table[0][", j,
+                     "]=", builder::table_at(table, 0, j)));
+}
+
+void check_tree_layer(const BuilderConfig& c) {
+  const LayerSpec& l = c.layer;
+  if (l.type != AttnType::decoder) fail_not_implemented("speculative tree verify for a non-decoder layer");
+  if (l.sliding_window > 0) fail_not_implemented("speculative tree verify with a sliding window");
+  if (l.attention_chunk_size > 0) fail_not_implemented("speculative tree verify with chunked local attention");
+  if (l.alibi_slopes) fail_not_implemented("speculative tree verify with ALiBi");
+  if (c.dcp_world_size > 1) fail_not_implemented("speculative tree verify with decode context parallelism");
+}
+
+// Drafts per request (the last num_drafts query tokens, at most one other), parents within
+// the request's earlier drafts, paths within max_draft_depth, slots within int32.
+void check_tree(State& s, const CommonMetadata& cm, const DraftTree& tree) {
+  check_tree_layer(s.config);
+  const int64_t R = cm.num_reqs;
+  if (int64_t(tree.num_drafts.size()) != R)
+    fail_arg("num_drafts", cat(R, " entries (num_reqs)"), cat(tree.num_drafts.size(), " entries"));
+  int64_t total = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t nd = tree.num_drafts[size_t(r)], q = qlen(cm.query_start_loc, r);
+    if (nd < 0 || nd > q) fail_arg("num_drafts", cat("a count in [0, ", q, "] (query_len of request ", r, ")"), nd);
+    if (q - nd > 1)
+      fail_arg("num_drafts", "at most one non-draft query token per request (query_len - num_drafts <= 1)",
+               cat("request ", r, " with query_len ", q, " and ", nd, " drafts"));
+    total += nd;
+  }
+  if (int64_t(tree.parents.size()) != total)
+    fail_arg("parents", cat(total, " entries (the sum of num_drafts)"), cat(tree.parents.size(), " entries"));
+  for (int64_t r = 0, k = 0; r < R; ++r) {
+    const int64_t nd = tree.num_drafts[size_t(r)], first = cm.query_start_loc[size_t(r) + 1] - nd;
+    for (int64_t d = 0; d < nd; ++d, ++k) {
+      const int64_t p = tree.parents[size_t(k)];
+      if (p < -1 || p >= d) fail_arg("parents", cat("a parent in [-1, ", d, ") for draft ", d, " of request ", r), p);
+      const int32_t depth = s.tree_depth[size_t(k)] = p < 0 ? 1 : s.tree_depth[size_t(k - d + p)] + 1;
+      if (depth > s.config.max_draft_depth)
+        fail_arg("max_draft_depth", cat(">= ", depth, " (a draft path of request ", r, ")"), s.config.max_draft_depth);
+      const int64_t slot = detail::read_index(cm.slot_mapping, first + d);
+      if (slot < 0 || slot > INT32_MAX)
+        fail_arg("slot_mapping", "draft slots in [0, 2^31)", cat("slot_mapping[", first + d, "]=", slot));
+    }
+  }
+}
+
+// How the batch is attended. Reads the inputs only (and scratch buffers).
+Decision decide(State& s, const CommonMetadata& cm, int64_t common_prefix_len, const DraftTree* tree) {
+  const BuilderConfig& c = s.config;
+  Decision d;
+  if (is_encoder(c.layer)) {
+    if (tree) fail_not_implemented("speculative tree verify for an encoder layer");
+    d.mode = Mode::encoder;
+    return d;
+  }
+  d.num_decodes = check_order(c, cm);
+  if (common_prefix_len < 0) fail_arg("common_prefix_len", ">= 0", common_prefix_len);
+  if (tree) {
+    check_tree(s, cm, *tree);
+    d.mode = Mode::tree;
+    return d;
+  }
+  const std::span<const int32_t> qsl = cm.query_start_loc.first(size_t(cm.num_reqs) + 1);
+  const std::span<const int32_t> seqs = cm.seq_lens.first(size_t(cm.num_reqs));
+  if (c.layer.attention_chunk_size > 0) {
+    d.num_virtual = planner::count_local_virtual_requests(qsl, seqs, c.layer.attention_chunk_size);
+    if (d.num_virtual > s.local_capacity)
+      fail_arg("num_actual_tokens", cat("a batch of at most ", s.local_capacity, " virtual requests"), d.num_virtual);
+    d.mode = Mode::local;
+    return d;
+  }
+  if (!c.enable_cascade || c.layer.type != AttnType::decoder || cm.num_reqs == 0 || cm.num_actual_tokens == 0)
+    return d;
+  // The prefix must be context of every request (its new tokens attend causally), in whole blocks.
+  int64_t prefix = common_prefix_len;
+  for (int64_t r = 0; r < cm.num_reqs; ++r) {
+    prefix = std::min<int64_t>(prefix, seqs[size_t(r)] - qlen(qsl, r));
+    s.query_lens[size_t(r)] = int32_t(qlen(qsl, r));
+  }
+  prefix = prefix / c.block_size * c.block_size;
+  const std::span<const int32_t> qlens(s.query_lens.data(), size_t(cm.num_reqs));
+  if (!use_cascade(prefix, qlens, c.layer, c.dcp_world_size, c.device)) return d;
+  check_shared_prefix(cm.block_table, cm.num_reqs, prefix / c.block_size);
+  d.mode = Mode::cascade;
+  d.prefix_len = prefix;
+  return d;
+}
+
+void store_inputs(State& s, const CommonMetadata& cm, int64_t common_prefix_len, const DraftTree* tree) {
+  Inputs& in = s.in;
+  const size_t R = size_t(cm.num_reqs);
+  in.valid = true;
+  in.num_reqs = cm.num_reqs;
+  in.num_tokens = cm.num_actual_tokens;
+  std::copy_n(cm.query_start_loc.begin(), R + 1, in.query_start_loc.begin());
+  if (cm.seq_lens.size() >= R) std::copy_n(cm.seq_lens.begin(), R, in.seq_lens.begin());
+  if (cm.encoder_seq_lens.size() >= R) std::copy_n(cm.encoder_seq_lens.begin(), R, in.encoder_seq_lens.begin());
+  in.block_table = cm.block_table;
+  in.slot_mapping = cm.slot_mapping;
+  in.causal = cm.causal;
+  in.common_prefix_len = common_prefix_len;
+  in.tree_slots_from_table = false;
+  if (!tree) return;
+  for (size_t r = 0, k = 0; r < R; ++r) {
+    const int32_t nd = in.num_drafts[r] = tree->num_drafts[r];
+    const int32_t first = in.query_start_loc[r + 1] - nd;
+    for (int32_t t = in.query_start_loc[r]; t < first; ++t) in.tree_parent[size_t(t)] = -2;
+    for (int32_t d = 0; d < nd; ++d, ++k) {
+      const int32_t p = tree->parents[k];
+      in.tree_parent[size_t(first + d)] = p < 0 ? -1 : first + p;
+    }
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- MetadataBuilder
+
+struct MetadataBuilder::State : builder::State {
+  using builder::State::State;
+};
+
+MetadataBuilder::MetadataBuilder(const BuilderConfig& config) : state_(new State(config)) {}
+
+MetadataBuilder::~MetadataBuilder() { delete state_; }
+
+const BuilderConfig& MetadataBuilder::config() const { return state_->config; }
+
+const AttentionMetadata& MetadataBuilder::build(const CommonMetadata& common, int64_t common_prefix_len,
+                                                const DraftTree* tree) {
+  State& s = *state_;
+  check_common(s.config, common);
+  const Decision d = decide(s, common, common_prefix_len, tree);
+  store_inputs(s, common, common_prefix_len, tree);
+  s.decision = d;
+  builder::compose(s);
+  return s.md;
+}
+
+const AttentionMetadata& MetadataBuilder::update_block_table(const TensorRef& block_table) {
+  State& s = *state_;
+  if (!s.in.valid) fail_arg("block_table", "a build before update_block_table", "none");
+  if (s.decision.mode == Mode::encoder)
+    fail_arg("block_table", "a layer with a KV cache", "an encoder layer's metadata (no block table)");
+  check_host_tensor(block_table, "block_table", DType::i32, 2);
+  const TensorRef& old = s.in.block_table;
+  if (block_table.size(0) != old.size(0) || block_table.size(1) != old.size(1))
+    fail_arg("block_table", cat("shape ", old.shape_str(), " (that of the built metadata)"), block_table.shape_str());
+  if (s.decision.mode == Mode::cascade)
+    check_shared_prefix(block_table, s.in.num_reqs, s.decision.prefix_len / s.config.block_size);
+  s.in.block_table = block_table;
+  s.in.tree_slots_from_table = s.decision.mode == Mode::tree;
+  builder::compose(s);
+  return s.md;
+}
+
+const AttentionMetadata& MetadataBuilder::advance_decode_step() {
+  State& s = *state_;
+  const BuilderConfig& c = s.config;
+  Inputs& in = s.in;
+  const bool decodable = in.valid && c.layer.type == AttnType::decoder && s.decision.mode != Mode::tree;
+  if (!decodable)
+    fail_arg("advance_decode_step", "a last build of a decoder layer without a draft tree",
+             in.valid ? "another build" : "no build");
+  for (int64_t r = 0; r < in.num_reqs; ++r)
+    if (qlen(in.query_start(), r) != 1)
+      fail_arg("advance_decode_step", "a decode-only last build (every query_len 1)",
+               cat("request ", r, " with query_len ", qlen(in.query_start(), r)));
+  const int64_t cap = c.max_blocks_per_req * c.block_size, table_cap = in.block_table.size(1) * c.block_size;
+  for (int64_t r = 0; r < in.num_reqs; ++r) {
+    const int64_t len = int64_t(in.seq_lens[size_t(r)]) + 1;
+    if (builder::kv_len_on_rank(c, len) > std::min(cap, table_cap))
+      fail_arg("seq_lens", cat("room for one more token (max_blocks_per_req * block_size = ", cap, ", block_table ",
+                               in.block_table.shape_str(), ")"),
+               cat("seq_lens[", r, "]=", len - 1));
+  }
+  for (int32_t& len : std::span(in.seq_lens.data(), size_t(in.num_reqs))) ++len;
+  CommonMetadata cm;
+  cm.num_reqs = in.num_reqs;
+  cm.num_actual_tokens = in.num_tokens;
+  cm.query_start_loc = in.query_start();
+  cm.seq_lens = in.seqs();
+  cm.block_table = in.block_table;
+  cm.slot_mapping = in.slot_mapping;
+  cm.causal = in.causal;
+  Decision d;
+  try {
+    d = decide(s, cm, in.common_prefix_len, nullptr);
+  } catch (...) {
+    for (int32_t& len : std::span(in.seq_lens.data(), size_t(in.num_reqs))) --len;
+    throw;
+  }
+  // The new token of request r is at position seq_len - 1; with DCP only this rank's tokens
+  // (position % world == rank) get a slot, the others -1.
+  for (int64_t r = 0; r < in.num_reqs; ++r) {
+    const int64_t pos = int64_t(in.seq_lens[size_t(r)]) - 1;
+    const int64_t w = c.dcp_world_size, bs = c.block_size;
+    s.slots[size_t(r)] = -1;
+    if (pos % w != c.dcp_rank) continue;
+    const int64_t local = pos / w;
+    s.slots[size_t(r)] = int64_t(builder::table_at(in.block_table, r, local / bs)) * bs + local % bs;
+  }
+  in.slot_mapping = TensorRef::contiguous(s.slots.data(), DType::i64, {in.num_reqs});
+  s.decision = d;
+  builder::compose(s);
+  return s.md;
+}
+
+size_t MetadataBuilder::max_workspace_bytes() const {
+  const BuilderConfig& c = state_->config;
+  DeviceProps dev = c.device;
+  if (dev.device.type != DeviceType::cuda) {
+    dev = DeviceProps::h200();
+    dev.device = Device{DeviceType::cuda, 0};
+  }
+  // The largest call any part can make: every token, the longest KV (or encoder sequence).
+  ProblemShape s;
+  s.batch = c.max_num_reqs;
+  s.max_seqlen_q = c.max_num_tokens;
+  s.max_seqlen_k = std::max(c.max_blocks_per_req * c.block_size, c.max_num_tokens);
+  s.num_heads = builder::call_heads(c);
+  s.num_kv_heads = c.layer.num_kv_heads;
+  s.head_dim = c.layer.head_size;
+  s.head_dim_v = c.layer.head_size_v > 0 ? c.layer.head_size_v : c.layer.head_size;
+  s.total_q = c.max_num_tokens;
+  s.page_size = c.block_size;
+  s.causal = true;
+  return make_plan(s, dev, c.max_num_splits).workspace.total_bytes;
+}
+
+}  // namespace flashserve::backend

@@ -1,0 +1,239 @@
+// Decode context parallelism (SPEC.md §6) on simulated ranks (threads, support/sim_comm):
+// W ranks, each holding KV tokens r, r + W, ... of every sequence and H / W query heads, must
+// give what one AttentionLayer gives over the whole cache with every head.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <sstream>
+
+#include "flashserve/backend_variants.hpp"
+#include "flashserve/status.hpp"
+#include "support/host_tensor.hpp"
+#include "support/sim_comm.hpp"
+
+namespace {
+
+namespace fs = flashserve;
+namespace be = flashserve::backend;
+using fs::DType;
+using fs::TensorRef;
+using fstest::HostTensor;
+
+constexpr int64_t kBs = 16, kD = 64;
+
+uint64_t salt() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return std::hash<std::string>{}(std::string(info->test_suite_name()) + "." + info->name());
+}
+
+// One cache (the whole one, or rank r's shard) and its metadata inputs.
+struct Shard {
+  std::vector<std::vector<int32_t>> blocks;  // per request
+  HostTensor kc, vc, table, slots;           // slots: the new tokens' (-1: not on this shard)
+  be::KvCache cache() const { return {kc.ref, vc.ref, {}, {}, {}}; }
+};
+
+// A batch of decode requests: global KV lengths, q_len new tokens each (the last positions).
+struct Batch {
+  int64_t q_len = 1, H_kv = 2;
+  std::vector<int32_t> seq_lens, qsl{0};
+  std::vector<HostTensor> k, v;  // per request, every global position [seq_len, H_kv, D]
+  int64_t B() const { return int64_t(seq_lens.size()); }
+  int64_t T() const { return qsl.back(); }
+};
+
+// The shard of rank r of W (W = 1: the whole cache), filled through reshape_and_cache with
+// slot -1 for the positions another rank owns.
+Shard make_shard(const Batch& bt, int W, int r, std::mt19937_64& rng) {
+  Shard s;
+  int64_t nb = 2, width = 1;
+  for (int32_t len : bt.seq_lens) nb += (be::DcpAttentionLayer::local_len(len, W, r) + kBs - 1) / kBs;
+  std::vector<int32_t> ids(static_cast<size_t>(nb));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  size_t next = 0;
+  for (int32_t len : bt.seq_lens) {
+    const int64_t n = (be::DcpAttentionLayer::local_len(len, W, r) + kBs - 1) / kBs;
+    s.blocks.emplace_back(ids.begin() + int64_t(next), ids.begin() + int64_t(next) + n);
+    next += size_t(n);
+    width = std::max(width, n + 1);
+  }
+  s.kc = HostTensor::zeros(DType::f32, {nb, kBs, bt.H_kv, kD});
+  s.vc = HostTensor::zeros(DType::f32, {nb, kBs, bt.H_kv, kD});
+  fstest::poison_storage(s.kc);
+  fstest::poison_storage(s.vc);
+  s.table = HostTensor::zeros(DType::i32, {bt.B(), width});
+  for (int64_t q = 0; q < bt.B(); ++q)
+    for (size_t j = 0; j < s.blocks[size_t(q)].size(); ++j) s.table.set({q, int64_t(j)}, float(s.blocks[size_t(q)][j]));
+  const auto slot = [&](int64_t q, int64_t pos) -> int64_t {
+    if (pos % W != r) return -1;
+    const int64_t local = pos / W;
+    return int64_t(s.blocks[size_t(q)][size_t(local / kBs)]) * kBs + local % kBs;
+  };
+  for (int64_t q = 0; q < bt.B(); ++q) {
+    const int64_t len = bt.seq_lens[size_t(q)];
+    HostTensor sm = HostTensor::zeros(DType::i64, {len});
+    for (int64_t p = 0; p < len; ++p) *static_cast<int64_t*>(sm.ref.at(p)) = slot(q, p);
+    fs::CacheWriteParams w;
+    w.key = bt.k[size_t(q)];
+    w.value = bt.v[size_t(q)];
+    w.key_cache = s.kc;
+    w.value_cache = s.vc;
+    w.slot_mapping = sm;
+    fs::reshape_and_cache(w);
+  }
+  s.slots = HostTensor::zeros(DType::i64, {bt.T()});
+  for (int64_t q = 0; q < bt.B(); ++q)
+    for (int64_t i = 0; i < bt.q_len; ++i)
+      *static_cast<int64_t*>(s.slots.ref.at(bt.qsl[size_t(q)] + i)) = slot(q, bt.seq_lens[size_t(q)] - bt.q_len + i);
+  return s;
+}
+
+be::BuilderConfig config_of(const be::LayerSpec& spec, int W, int r) {
+  be::BuilderConfig c;
+  c.layer = spec;
+  c.block_size = kBs;
+  c.max_num_tokens = 256;
+  c.max_num_reqs = 16;
+  c.max_blocks_per_req = 64;
+  c.reorder_batch_threshold = 4;
+  c.dcp_world_size = W;
+  c.dcp_rank = r;
+  c.device = fs::DeviceProps::cpu();
+  return c;
+}
+
+be::CommonMetadata common_of(const Batch& bt, const Shard& s) {
+  be::CommonMetadata cm;
+  cm.num_reqs = bt.B();
+  cm.num_actual_tokens = bt.T();
+  cm.max_query_len = bt.q_len;
+  cm.max_seq_len = *std::max_element(bt.seq_lens.begin(), bt.seq_lens.end());
+  cm.query_start_loc = bt.qsl;
+  cm.seq_lens = bt.seq_lens;
+  cm.block_table = s.table;
+  cm.slot_mapping = s.slots;
+  return cm;
+}
+
+void expect_close(const TensorRef& got, const TensorRef& want, double atol) {
+  int64_t bad = 0;
+  std::ostringstream first;
+  for (int64_t t = 0; t < got.size(0); ++t)
+    for (int64_t h = 0; h < got.size(1); ++h)
+      for (int64_t c = 0; c < got.size(2); ++c) {
+        const double x = fs::numeric::load_double(got.at(t, h, c), got.dtype);
+        const double y = fs::numeric::load_double(want.at(t, h, c), want.dtype);
+        if (std::isfinite(x) && std::fabs(x - y) <= atol) continue;
+        if (bad++ < 5) first << " [" << t << "," << h << "," << c << "] got " << x << " want " << y << ";";
+      }
+  EXPECT_EQ(bad, 0) << "mismatches:" << first.str();
+}
+
+struct DcpCase {
+  int world = 2;
+  int64_t heads_per_rank = 2, H_kv = 2, q_len = 1;
+  bool sinks = false;
+};
+
+void run_case(const DcpCase& c) {
+  SCOPED_TRACE(::testing::Message() << "world " << c.world << " H_local " << c.heads_per_rank << " H_kv " << c.H_kv
+                                    << " q_len " << c.q_len << (c.sinks ? " sinks" : ""));
+  auto rng = fstest::make_rng(salt() + uint64_t(c.world * 1000 + c.heads_per_rank * 100 + c.H_kv * 10 + c.q_len));
+  const int W = c.world;
+  const int64_t Hl = c.heads_per_rank, H = W * Hl;
+  Batch bt;
+  bt.q_len = c.q_len;
+  bt.H_kv = c.H_kv;
+  bt.seq_lens = {37, int32_t(c.q_len), 100, 64, 5 + int32_t(c.q_len), 129};
+  for (int32_t len : bt.seq_lens) {
+    bt.qsl.push_back(bt.qsl.back() + int32_t(c.q_len));
+    bt.k.push_back(HostTensor::zeros(DType::f32, {len, c.H_kv, kD}));
+    bt.v.push_back(HostTensor::zeros(DType::f32, {len, c.H_kv, kD}));
+    fstest::fill_uniform(bt.k.back(), rng, -1.0f, 1.0f);
+    fstest::fill_uniform(bt.v.back(), rng, -1.0f, 1.0f);
+  }
+  const int64_t T = bt.T();
+  HostTensor q = HostTensor::zeros(DType::f32, {T, H, kD}), sinks = HostTensor::zeros(DType::f32, {H});
+  fstest::fill_uniform(q, rng, -1.0f, 1.0f);
+  fstest::fill_uniform(sinks, rng, -1.0f, 2.0f);
+
+  // One rank with every head over the whole cache.
+  be::LayerSpec full;
+  full.num_heads = H;
+  full.num_kv_heads = c.H_kv;
+  full.head_size = kD;
+  full.dtype = DType::f32;
+  if (c.sinks) full.sinks = sinks.ref;
+  const Shard whole = make_shard(bt, 1, 0, rng);
+  be::MetadataBuilder mb(config_of(full, 1, 0));
+  const be::AttentionLayer layer(full);
+  std::vector<unsigned char> ws(layer.workspace_bytes(mb.config()));
+  HostTensor ref = HostTensor::zeros(DType::f32, {T, H, kD});
+  const be::KvCache whole_cache = whole.cache();
+  layer.forward(mb.build(common_of(bt, whole)), q.ref, std::nullopt, std::nullopt, &whole_cache, ref,
+                be::LayerWorkspace{ws.data(), ws.size()});
+
+  // W ranks, each with its heads and its KV shard.
+  std::vector<Shard> shards;
+  std::vector<std::unique_ptr<be::MetadataBuilder>> builders;
+  std::vector<const be::AttentionMetadata*> mds;
+  std::vector<HostTensor> outs;
+  std::vector<be::LayerSpec> specs;
+  for (int r = 0; r < W; ++r) {
+    be::LayerSpec s = full;
+    s.num_heads = Hl;
+    if (c.sinks) s.sinks = sinks.ref.slice(0, r * Hl, (r + 1) * Hl);
+    specs.push_back(s);
+    shards.push_back(make_shard(bt, W, r, rng));
+    builders.push_back(std::make_unique<be::MetadataBuilder>(config_of(s, W, r)));
+    outs.push_back(HostTensor::zeros(DType::f32, {T, Hl, kD}));
+    fstest::poison_storage(outs.back());
+  }
+  for (int r = 0; r < W; ++r) mds.push_back(&builders[size_t(r)]->build(common_of(bt, shards[size_t(r)])));
+  fstest::SimGroup group(W);
+  group.run([&](fstest::SimComm& comm) {
+    const int r = comm.rank();
+    const be::DcpAttentionLayer dcp(specs[size_t(r)], comm);
+    std::vector<unsigned char> rws(dcp.workspace_bytes(builders[size_t(r)]->config()));
+    dcp.forward(*mds[size_t(r)], q.ref.slice(1, r * Hl, (r + 1) * Hl), shards[size_t(r)].cache(), outs[size_t(r)],
+                be::LayerWorkspace{rws.data(), rws.size()});
+  });
+  for (int r = 0; r < W; ++r) {
+    SCOPED_TRACE("rank " + std::to_string(r));
+    expect_close(outs[size_t(r)].ref, ref.ref.slice(1, r * Hl, (r + 1) * Hl), 2e-5);
+  }
+}
+
+// Cases: {world, heads per rank, H_kv, q_len, sinks}. The builder needs H_kv to divide the
+// heads per rank.
+TEST(DecodeContextParallel, TwoRanksMatchOneRank) {
+  run_case({2, 2, 2, 1, false});  // each rank's heads read one KV head
+  run_case({2, 4, 1, 1, true});   // MQA
+  run_case({2, 4, 4, 1, true});   // each rank's heads read two KV heads
+}
+
+TEST(DecodeContextParallel, FourRanksMatchOneRank) {
+  run_case({4, 2, 2, 1, false});  // two ranks' heads share each KV head
+  run_case({4, 2, 1, 1, true});
+}
+
+TEST(DecodeContextParallel, SpeculativeDecodeQueriesSeeTheirGlobalPositions) {
+  run_case({2, 2, 2, 3, false});
+  run_case({4, 4, 2, 2, true});
+}
+
+TEST(DecodeContextParallel, AFailingRankDoesNotHangTheOthers) {
+  fstest::SimGroup group(3);
+  HostTensor in = HostTensor::zeros(DType::f32, {4}), out = HostTensor::zeros(DType::f32, {3, 4});
+  EXPECT_THROW(group.run([&](fstest::SimComm& comm) {
+    if (comm.rank() == 1) throw fs::Error("rank 1 fails");
+    comm.all_gather(in, out);
+  }),
+               fs::Error);
+}
+
+}  // namespace
