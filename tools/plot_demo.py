@@ -4,8 +4,8 @@
     tools/plot_demo.py build/demo/serve_demo.json [out.png]
 
 Top: tokens per step, split into decode and prefill tokens. Middle: attention time per step,
-coloured by the path the backend took (decode, prefill, mixed, cascade, verify, tree); crosses
-mark verified steps. Bottom: running and waiting requests, and free KV blocks.
+coloured by the path the backend took (decode, prefill, mixed, cascade, verify, tree); rings
+mark verified steps (red: the verification failed). Bottom: running and waiting requests, and free KV blocks.
 The PNG goes next to the JSON (same name, .png) unless given. Exit status 3: no matplotlib.
 """
 import json
@@ -53,13 +53,16 @@ def main(argv):
     ax_tok.set_ylabel("tokens / step")
     ax_tok.legend(loc="upper right", fontsize=8)
 
+    for label, ok, edge in (("verified", True, "black"), ("verification failed", False, "red")):
+        pts = [(s["step"], s["attention_ms"]) for s in steps
+               if s.get("verified") and s.get("verify", {}).get("passed", True) == ok]
+        if pts:
+            ax_ms.scatter(*zip(*pts), s=36, facecolors="none", edgecolors=edge, linewidths=0.7,
+                          label=f"{label} ({len(pts)})", zorder=1)
     for path, color in PATH_COLORS.items():
         pts = [(s["step"], s["attention_ms"]) for s in steps if s["path"] == path]
         if pts:
-            ax_ms.scatter(*zip(*pts), s=10, color=color, label=f"{path} ({len(pts)})")
-    ver = [(s["step"], s["attention_ms"]) for s in steps if s.get("verified")]
-    if ver:
-        ax_ms.scatter(*zip(*ver), s=28, marker="x", color="black", linewidths=0.7, label=f"verified ({len(ver)})")
+            ax_ms.scatter(*zip(*pts), s=10, color=color, label=f"{path} ({len(pts)})", zorder=2)
     ax_ms.set_ylabel("attention ms / step")
     ax_ms.legend(loc="upper right", fontsize=8, ncol=4)
 

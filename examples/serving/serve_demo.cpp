@@ -32,13 +32,13 @@ namespace fs = flashserve;
 
 struct Options {
   uint64_t seed = 1;
-  int requests = 100, groups = 2;
+  int requests = 160, groups = 3;
   double rate = 1.2;  // independent arrivals per step
   int64_t max_steps = 0;  // 0: until every request finishes
-  int layers = 2;
+  int layers = 3;
   std::string dtype = "bf16";
-  int64_t head_size = 64, budget = 512;
-  int32_t blocks = 768;  // tight enough that the scheduler preempts now and then
+  int64_t head_size = 128, budget = 512;
+  int32_t blocks = 640;  // tight enough that the scheduler preempts now and then
   std::string device = "auto";
   std::string out = "build/demo/serve_demo.json";
   int verify_every = 10, print_every = 1;
@@ -143,106 +143,148 @@ void plot(const std::string& json) {
   std::printf("plot: not written (tools/plot_demo.py needs python3 with matplotlib: apt-get install python3-matplotlib)\n");
 }
 
-int run(const Options& o) {
-  select_device(o);
-  WorkloadConfig wc;
-  wc.seed = o.seed;
-  wc.num_requests = o.requests;
-  wc.num_groups = o.groups;
-  wc.arrival_rate = o.rate;
-  const Workload w = make_workload(wc);
+struct Setup {
+  WorkloadConfig workload;
+  ModelConfig model;
+  SchedulerConfig scheduler;
+};
 
-  ModelConfig mc;
-  mc.seed = o.seed;
-  mc.num_layers = o.layers;
-  mc.head_size = o.head_size;
-  mc.dtype = o.dtype == "f32" ? fs::DType::f32 : fs::DType::bf16;
-  mc.num_blocks = o.blocks;
-  mc.max_num_tokens = o.budget;
-  mc.max_blocks_per_req = (wc.prompt_max + wc.group_prefix + wc.output_max + 2 * kTreeDrafts) / mc.block_size + 2;
-  SchedulerConfig sc;
-  sc.seed = o.seed;
-  sc.token_budget = o.budget;
-  sc.max_running = mc.max_num_reqs = std::min<int64_t>(64, o.budget);
-  sc.spec_tokens = mc.spec_tokens;
+Setup setup_of(const Options& o) {
+  Setup s;
+  s.workload.seed = o.seed;
+  s.workload.num_requests = o.requests;
+  s.workload.num_groups = o.groups;
+  s.workload.arrival_rate = o.rate;
+  ModelConfig& m = s.model;
+  m.seed = o.seed;
+  m.num_layers = o.layers;
+  m.head_size = o.head_size;
+  m.dtype = o.dtype == "f32" ? fs::DType::f32 : fs::DType::bf16;
+  m.num_blocks = o.blocks;
+  m.max_num_tokens = o.budget;
+  const WorkloadConfig& w = s.workload;
+  m.max_blocks_per_req = (w.prompt_max + w.group_prefix + w.output_max + 2 * kTreeDrafts) / m.block_size + 2;
+  s.scheduler.seed = o.seed;
+  s.scheduler.token_budget = o.budget;
+  s.scheduler.max_running = m.max_num_reqs = std::min<int64_t>(64, o.budget);
+  s.scheduler.spec_tokens = m.spec_tokens;
+  return s;
+}
 
-  std::printf("serve_demo: %zu requests (%d shared-prefix groups of %d), %lld prompt + %lld output tokens;"
-              " %d layers, H=%lld H_kv=%lld D=%lld %s, %d blocks of %d tokens, budget %lld tokens/step\n",
-              w.requests.size(), wc.num_groups, wc.group_size, (long long)w.total_prompt_tokens(),
-              (long long)w.total_output_tokens(), mc.num_layers, (long long)mc.num_heads, (long long)mc.num_kv_heads,
-              (long long)mc.head_size, o.dtype.c_str(), mc.num_blocks, mc.block_size, (long long)o.budget);
-  BlockAllocator alloc(mc.num_blocks, mc.block_size);
-  Engine engine(mc);
+double ms_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The serving loop's state: the pool, the model side, the rows so far.
+struct Demo {
+  const Options& opt;
+  BlockAllocator alloc;
+  Engine engine;
   std::vector<StepRow> rows;
-  RunTotals t;
-  const auto t0 = std::chrono::steady_clock::now();
-  {
+  bool fault_done = false;
+  bool passed = true;
+
+  // --inject-fault: the first step from then on with a request that has cached tokens.
+  bool maybe_inject_fault(const StepPlan& plan) {
+    if (opt.fault_step < 0 || plan.step < opt.fault_step || fault_done) return false;
+    for (const BatchEntry& e : plan.entries)
+      if (e.first_pos > 0) {
+        engine.corrupt_cache(e);
+        return fault_done = true;
+      }
+    return false;
+  }
+
+  // Runs a scheduled step through the engine, verifies it when sampled, commits it.
+  StepRow serve(const StepPlan& plan, Scheduler& sched) {
+    const auto t0 = std::chrono::steady_clock::now();
+    StepRow r;
+    r.step = plan.step;
+    r.kind = step_kind_name(plan.kind);
+    const bool fault = maybe_inject_fault(plan);
+    r.stats = engine.run(plan);
+    const std::string& path = r.stats.path;
+    r.verified = fault || (opt.verify_every > 0 && int64_t(rows.size()) % opt.verify_every == 0) ||
+                 path == "cascade" || path == "verify" || path == "tree";
+    if (r.verified) {
+      const auto v0 = std::chrono::steady_clock::now();
+      r.verify = verify_step(engine, fault ? INT64_MAX : opt.verify_max);
+      r.verify_ms = ms_since(v0);
+    }
+    const StepOutcome out = sched.commit(plan);
+    r.running = sched.num_running();
+    r.waiting = sched.num_waiting();
+    r.finished = sched.num_finished();
+    r.free_blocks = alloc.num_free();
+    r.preempted = plan.preempted;
+    r.admitted = plan.admitted;
+    r.proposed_drafts = out.proposed_drafts;
+    r.accepted_drafts = out.accepted_drafts;
+    r.generated = out.generated;
+    r.wall_ms = ms_since(t0);
+    return r;
+  }
+
+  // Progress: every print_every-th step, every cascade / tree step, every failure.
+  void report(const StepRow& r) {
+    const bool failed = r.verified && !r.verify.passed();
+    if (failed) {
+      passed = false;
+      std::printf("verification FAILED at step %lld: %s (%lld of %lld rows)\n", (long long)r.step,
+                  r.verify.first_failure.c_str(), (long long)r.verify.bad_rows, (long long)r.verify.rows);
+    }
+    if (failed || r.stats.path == "cascade" || r.stats.path == "tree" ||
+        rows.size() % size_t(std::max(1, opt.print_every)) == 0)
+      print_step(stdout, r);
+    std::fflush(stdout);
+  }
+
+  // Serves the workload until every request finished (or --steps served steps).
+  RunTotals serve_all(const Workload& w, const SchedulerConfig& sc) {
+    RunTotals t;
     Scheduler sched(sc, w, alloc);
-    bool fault_done = false;
-    for (int64_t step = 0; !sched.done() && (o.max_steps <= 0 || int64_t(rows.size()) < o.max_steps); ++step) {
+    for (int64_t step = 0; !sched.done() && (opt.max_steps <= 0 || int64_t(rows.size()) < opt.max_steps); ++step) {
       if (sched.idle()) step = std::max(step, sched.next_arrival_step());
-      const auto s0 = std::chrono::steady_clock::now();
       const StepPlan plan = sched.schedule(step);
       if (plan.entries.empty()) continue;
-      StepRow r;
-      r.step = step;
-      r.kind = step_kind_name(plan.kind);
-      // --inject-fault: the first step from then on with a request that has cached tokens.
-      bool fault = false;
-      if (o.fault_step >= 0 && step >= o.fault_step && !fault_done)
-        for (const BatchEntry& e : plan.entries)
-          if (e.first_pos > 0) {
-            engine.corrupt_cache(e);
-            fault = fault_done = true;
-            break;
-          }
-      r.stats = engine.run(plan);
-      r.verified = fault || (o.verify_every > 0 && int64_t(rows.size()) % o.verify_every == 0) ||
-                   r.stats.path == "cascade" || r.stats.path == "verify" || r.stats.path == "tree";
-      if (r.verified) {
-        const auto v0 = std::chrono::steady_clock::now();
-        r.verify = verify_step(engine, fault ? INT64_MAX : o.verify_max);
-        r.verify_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - v0).count();
-      }
-      const StepOutcome out = sched.commit(plan);
-      r.running = sched.num_running();
-      r.waiting = sched.num_waiting();
-      r.finished = sched.num_finished();
-      r.free_blocks = alloc.num_free();
-      r.preempted = plan.preempted;
-      r.admitted = plan.admitted;
-      r.proposed_drafts = out.proposed_drafts;
-      r.accepted_drafts = out.accepted_drafts;
-      r.generated = out.generated;
-      r.wall_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - s0).count();
-      const bool failed = r.verified && !r.verify.passed();
-      if (failed) {
-        t.verification_passed = false;
-        std::printf("verification FAILED at step %lld: %s (%lld of %lld rows)\n", (long long)step,
-                    r.verify.first_failure.c_str(), (long long)r.verify.bad_rows, (long long)r.verify.rows);
-      }
-      if (failed || r.stats.path == "cascade" || r.stats.path == "tree" || rows.size() % size_t(std::max(1, o.print_every)) == 0)
-        print_step(stdout, r);
-      std::fflush(stdout);
+      StepRow r = serve(plan, sched);
+      report(r);
       rows.push_back(std::move(r));
     }
     t.completed = sched.done();
     t.finished = sched.num_finished();
     t.preemptions = sched.num_preemptions();
+    return t;
   }
-  t.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+};
+
+int run(const Options& o) {
+  select_device(o);
+  const Setup s = setup_of(o);
+  const Workload w = make_workload(s.workload);
+  const ModelConfig& mc = s.model;
+  std::printf("serve_demo: %zu requests (%d shared-prefix groups of %d), %lld prompt + %lld output tokens;"
+              " %d layers, H=%lld H_kv=%lld D=%lld %s, %d blocks of %d tokens, budget %lld tokens/step\n",
+              w.requests.size(), s.workload.num_groups, s.workload.group_size, (long long)w.total_prompt_tokens(),
+              (long long)w.total_output_tokens(), mc.num_layers, (long long)mc.num_heads, (long long)mc.num_kv_heads,
+              (long long)mc.head_size, o.dtype.c_str(), mc.num_blocks, mc.block_size, (long long)o.budget);
+  Demo demo{o, BlockAllocator(mc.num_blocks, mc.block_size), Engine(mc), {}};
+  const auto t0 = std::chrono::steady_clock::now();
+  RunTotals t = demo.serve_all(w, s.scheduler);
+  t.wall_s = ms_since(t0) / 1e3;
+  t.verification_passed = demo.passed;
   t.requests = int64_t(w.requests.size());
   t.groups = w.num_groups;
-  for (const RequestSpec& s : w.requests) t.grouped += s.group >= 0;
+  for (const RequestSpec& r : w.requests) t.grouped += r.group >= 0;
   t.prompt_tokens = w.total_prompt_tokens();
   t.output_tokens = w.total_output_tokens();
-  t.free_blocks = alloc.num_free();
-  t.num_blocks = alloc.num_blocks();
-  print_summary(stdout, rows, t, mc.dtype);
+  t.free_blocks = demo.alloc.num_free();
+  t.num_blocks = demo.alloc.num_blocks();
+  print_summary(stdout, demo.rows, t, mc.dtype);
 
   const std::filesystem::path json(o.out);
   if (json.has_parent_path()) std::filesystem::create_directories(json.parent_path());
-  write_json(o.out, describe(o, mc, sc), rows, t);
+  write_json(o.out, describe(o, mc, s.scheduler), demo.rows, t);
   std::printf("json: %s\n", o.out.c_str());
   if (o.plot) plot(o.out);
   const bool leak = t.completed && t.free_blocks != t.num_blocks;

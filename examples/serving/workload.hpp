@@ -11,14 +11,14 @@ namespace serving {
 
 struct WorkloadConfig {
   uint64_t seed = 1;
-  int num_requests = 48;          // independent requests
-  double arrival_rate = 0.6;      // independent arrivals per step (Poisson)
+  int num_requests = 160;         // independent requests
+  double arrival_rate = 1.2;      // independent arrivals per step (Poisson)
   double prompt_median = 300;     // log-normal prompt lengths (tokens)
   double prompt_sigma = 0.8;
   int prompt_min = 8, prompt_max = 2048;
   double output_mean = 40;        // geometric output lengths (tokens, >= 1)
   int output_max = 256;
-  int num_groups = 2;             // shared-prefix groups
+  int num_groups = 3;             // shared-prefix groups
   int group_size = 10;            // members per group
   int group_prefix = 300;         // shared system prompt (tokens; not block aligned: CoW)
   double group_suffix_median = 40;  // members' own prompt tokens after the prefix

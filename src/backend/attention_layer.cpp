@@ -116,7 +116,10 @@ void run_cached(const Modifiers& m, const AttentionMetadata& md, const TensorRef
                 bool decoder) {
   const Query query = prepare_query(q, md.num_actual_tokens, buf.query, ctx);
   if (md.cascade.enabled) return run_cascade(m, query, view, md, out, buf, ctx);
-  if (md.local.enabled) return paged_pass(m, query, view, Pass{&md.local.part, md.local.part.causal, true, out, {}}, ctx);
+  if (md.local.enabled) {
+    if (!md.local.part.empty()) paged_pass(m, query, view, Pass{&md.local.part, md.local.part.causal, true, out, {}}, ctx);
+    return;
+  }
   if (md.tree.enabled) run_tree(m, query, view, slots, md, out, buf, ctx);
   else if (!md.decode.empty()) paged_pass(m, query, view, Pass{&md.decode, decoder && md.decode.causal, true, out, {}}, ctx);
   if (!md.prefill.empty()) paged_pass(m, query, view, Pass{&md.prefill, decoder && md.prefill.causal, true, out, {}}, ctx);

@@ -200,7 +200,9 @@ void compose_tree(State& s) {
 
 void compose_encoder(State& s) {
   const Inputs& in = s.in;
-  const auto qlen = [&](int64_t r) { return int64_t(in.query_start_loc[size_t(r) + 1]) - in.query_start_loc[size_t(r)]; };
+  const auto qlen = [&](int64_t r) {
+    return int64_t(in.query_start_loc[size_t(r) + 1]) - in.query_start_loc[size_t(r)];
+  };
   PartMetadata p = requests_part(s.prefill, in.query_start(), 0, in.num_reqs, qlen);
   if (p.num_reqs > 0) {
     p.causal = false;
@@ -228,7 +230,11 @@ void compose(State& s) {
   md.num_decode_tokens = in.query_start_loc[size_t(d.num_decodes)];
   md.num_prefills = in.num_reqs - d.num_decodes;
   md.num_prefill_tokens = in.num_tokens - md.num_decode_tokens;
-  md.slot_mapping = in.slot_mapping.ndim > 0 ? in.slot_mapping.slice(0, 0, in.num_tokens) : TensorRef{};
+  // Cross-attention writes the encoder's tokens (all of slot_mapping), not the decoder's queries.
+  const bool cross = s.config.layer.type == AttnType::encoder_decoder;
+  md.slot_mapping = in.slot_mapping.ndim == 0 ? TensorRef{}
+                    : cross                   ? in.slot_mapping
+                                              : in.slot_mapping.slice(0, 0, in.num_tokens);
   md.decode = idle(s.decode);
   md.prefill = idle(s.prefill);
   md.cascade.prefix = idle(s.cascade_prefix);

@@ -53,8 +53,10 @@ void check_config(const BuilderConfig& c) {
   if (c.dcp_rank < 0 || c.dcp_rank >= c.dcp_world_size)
     fail_arg("dcp_rank", cat("a rank in [0, ", c.dcp_world_size, ")"), c.dcp_rank);
   if (l.num_heads < 1) fail_arg("num_heads", ">= 1", l.num_heads);
-  if (l.num_kv_heads < 1 || l.num_heads % l.num_kv_heads != 0)
-    fail_arg("num_kv_heads", cat("a divisor of num_heads ", l.num_heads), l.num_kv_heads);
+  // Under DCP the layer spec is per rank: the KV heads divide the heads of all ranks.
+  const int64_t all_heads = l.num_heads * c.dcp_world_size;
+  if (l.num_kv_heads < 1 || all_heads % l.num_kv_heads != 0)
+    fail_arg("num_kv_heads", cat("a divisor of num_heads x dcp_world_size = ", all_heads), l.num_kv_heads);
   if (l.head_size < 1) fail_arg("head_size", ">= 1", l.head_size);
   if (c.dcp_world_size > 1 && l.type != AttnType::decoder)
     fail_not_implemented("decode context parallelism for a non-decoder layer");
@@ -69,7 +71,8 @@ void check_config(const BuilderConfig& c) {
 
 }  // namespace
 
-State::State(const BuilderConfig& c) : config((check_config(c), c)) {
+State::State(const BuilderConfig& c) : config(c) {
+  check_config(c);
   const size_t R = size_t(c.max_num_reqs), T = size_t(c.max_num_tokens);
   decode = prefill = cascade_suffix = tree_prefix = PartBuffers(c.max_num_reqs);
   cascade_prefix = PartBuffers(1);
@@ -117,7 +120,8 @@ void check_queries(const BuilderConfig& c, const CommonMetadata& cm) {
   if (T < 0 || T > c.max_num_tokens)
     fail_arg("num_actual_tokens", cat("a count in [0, max_num_tokens ", c.max_num_tokens, "]"), T);
   const auto& qsl = cm.query_start_loc;
-  if (int64_t(qsl.size()) < R + 1) fail_arg("query_start_loc", cat(R + 1, " entries (num_reqs + 1)"), cat(qsl.size(), " entries"));
+  if (int64_t(qsl.size()) < R + 1)
+    fail_arg("query_start_loc", cat(R + 1, " entries (num_reqs + 1)"), cat(qsl.size(), " entries"));
   if (qsl[0] != 0) fail_arg("query_start_loc", "query_start_loc[0] == 0", qsl[0]);
   int64_t max_q = 0;
   for (int64_t r = 0; r < R; ++r) {
@@ -154,17 +158,20 @@ void check_kv_lengths(const BuilderConfig& c, const CommonMetadata& cm) {
   int64_t max_len = 0;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t len = lens[size_t(r)], q = qlen(cm.query_start_loc, r);
-    if (!cross && len < q) fail_arg(arg, cat(">= the query length ", q, " of request ", r), cat(arg, "[", r, "]=", len));
+    if (!cross && len < q)
+      fail_arg(arg, cat(">= the query length ", q, " of request ", r), cat(arg, "[", r, "]=", len));
     if (len < 0) fail_arg(arg, "lengths >= 0", cat(arg, "[", r, "]=", len));
     if (builder::kv_len_on_rank(c, len) > cap)
       fail_arg(arg, cat("KV lengths (on this DCP rank) <= max_blocks_per_req * block_size = ", cap),
                cat(arg, "[", r, "]=", len));
     if (builder::kv_len_on_rank(c, len) > table_cap)
-      fail_arg(arg, cat("KV lengths within the block table (", cm.block_table.size(1), " blocks of ", c.block_size, ")"),
+      fail_arg(arg,
+               cat("KV lengths within the block table (", cm.block_table.size(1), " blocks of ", c.block_size, ")"),
                cat(arg, "[", r, "]=", len));
     max_len = std::max(max_len, len);
   }
-  if (!cross && cm.max_seq_len < max_len) fail_arg("max_seq_len", cat(">= ", max_len, " (the longest sequence)"), cm.max_seq_len);
+  if (!cross && cm.max_seq_len < max_len)
+    fail_arg("max_seq_len", cat(">= ", max_len, " (the longest sequence)"), cm.max_seq_len);
 }
 
 void check_common(const BuilderConfig& c, const CommonMetadata& cm) {
@@ -172,6 +179,7 @@ void check_common(const BuilderConfig& c, const CommonMetadata& cm) {
   const bool encoder = is_encoder(c.layer);
   if (!encoder) {
     check_host_tensor(cm.block_table, "block_table", DType::i32, 2);
+    detail::check_last_contiguous(cm.block_table, "block_table");
     if (cm.block_table.size(0) < cm.num_reqs)
       fail_arg("block_table", cat(">= ", cm.num_reqs, " rows (num_reqs)"), cm.block_table.shape_str());
     check_kv_lengths(c, cm);
@@ -180,7 +188,8 @@ void check_common(const BuilderConfig& c, const CommonMetadata& cm) {
   if (c.layer.type == AttnType::decoder || cm.slot_mapping.ndim > 0) {
     check_host_tensor(cm.slot_mapping, "slot_mapping", DType::i64, 1);
     if (cm.slot_mapping.size(0) < cm.num_actual_tokens)
-      fail_arg("slot_mapping", cat(">= ", cm.num_actual_tokens, " entries (num_actual_tokens)"), cm.slot_mapping.shape_str());
+      fail_arg("slot_mapping", cat(">= ", cm.num_actual_tokens, " entries (num_actual_tokens)"),
+               cm.slot_mapping.shape_str());
   }
 }
 
@@ -335,6 +344,7 @@ const AttentionMetadata& MetadataBuilder::update_block_table(const TensorRef& bl
   if (s.decision.mode == Mode::encoder)
     fail_arg("block_table", "a layer with a KV cache", "an encoder layer's metadata (no block table)");
   check_host_tensor(block_table, "block_table", DType::i32, 2);
+  detail::check_last_contiguous(block_table, "block_table");
   const TensorRef& old = s.in.block_table;
   if (block_table.size(0) != old.size(0) || block_table.size(1) != old.size(1))
     fail_arg("block_table", cat("shape ", old.shape_str(), " (that of the built metadata)"), block_table.shape_str());

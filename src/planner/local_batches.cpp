@@ -20,7 +20,8 @@ RequestSpan request_span(std::span<const int32_t> qsl, std::span<const int32_t> 
   if (q < 0)
     fail_arg("query_start_loc", "non-decreasing entries",
              detail::cat("query_start_loc[", r + 1, "]=", qsl[r + 1], " < query_start_loc[", r, "]=", qsl[r]));
-  if (k < q) fail_arg("seq_lens", detail::cat(">= the query length ", q, " of request ", r), detail::cat("seq_lens[", r, "]=", k));
+  if (k < q)
+    fail_arg("seq_lens", detail::cat(">= the query length ", q, " of request ", r), detail::cat("seq_lens[", r, "]=", k));
   return {k - q, k};
 }
 
@@ -49,7 +50,8 @@ int64_t make_local_virtual_batch(std::span<const int32_t> query_start_loc, std::
                                  int64_t chunk, const LocalVirtualBatch& out) {
   const int64_t nv = count_local_virtual_requests(query_start_loc, seq_lens, chunk);
   auto need = [&](std::span<int32_t> s, const char* name, int64_t n) {
-    if (int64_t(s.size()) < n) fail_arg(name, detail::cat("room for ", n, " entries"), detail::cat(s.size(), " entries"));
+    if (int64_t(s.size()) < n)
+      fail_arg(name, detail::cat("room for ", n, " entries"), detail::cat(s.size(), " entries"));
   };
   need(out.cu_seqlens_q, "cu_seqlens_q", nv + 1);
   need(out.seqused_k, "seqused_k", nv);

@@ -108,7 +108,8 @@ TEST(BackendCaps, UnsupportedReasonNamesTheFirstFailingProperty) {
   EXPECT_TRUE(starts_with(Capabilities::unsupported_reason(s, 0, fs::DeviceProps::cpu()), "block size 0:"));
   EXPECT_EQ(Capabilities::unsupported_reason(s, 16, fs::DeviceProps::cpu()), "");
 
-  EXPECT_TRUE(starts_with(Capabilities::unsupported_reason(good_spec(), 16, cuda_props(7, 5)), "compute capability 7.5:"));
+  EXPECT_TRUE(
+      starts_with(Capabilities::unsupported_reason(good_spec(), 16, cuda_props(7, 5)), "compute capability 7.5:"));
 }
 
 TEST(BackendCaps, KvCacheShape) {
@@ -151,7 +152,8 @@ TEST(BackendCaps, StrideOrderGivesThePhysicalLayout) {
                   int64_t want;
                   const bool nhd = layout == fs::KvLayout::nhd;
                   if (!layers)  // (2, nb, bs, H, D) or (2, nb, H, bs, D)
-                    want = nhd ? (((kv * nb + b) * bs + t) * H + h) * D + d : (((kv * nb + b) * H + h) * bs + t) * D + d;
+                    want = nhd ? (((kv * nb + b) * bs + t) * H + h) * D + d
+                               : (((kv * nb + b) * H + h) * bs + t) * D + d;
                   else  // (nb, L, 2, bs, H, D) or (nb, H, L, 2, bs, D)
                     want = nhd ? ((((b * L + l) * 2 + kv) * bs + t) * H + h) * D + d
                                : ((((b * H + h) * L + l) * 2 + kv) * bs + t) * D + d;
@@ -202,7 +204,8 @@ TEST(BackendCaps, ReorderDecodesFirst) {
     const std::vector<int32_t> order = be::reorder_decodes_first(lens, thr);
     std::vector<int32_t> want;  // brute force: a stable sort on (query_len > threshold)
     for (int i = 0; i < n; ++i) want.push_back(i);
-    std::stable_sort(want.begin(), want.end(), [&](int a, int b) { return (lens[size_t(a)] > thr) < (lens[size_t(b)] > thr); });
+    std::stable_sort(want.begin(), want.end(),
+                     [&](int a, int b) { return (lens[size_t(a)] > thr) < (lens[size_t(b)] > thr); });
     ASSERT_EQ(order, want);
   }
 }

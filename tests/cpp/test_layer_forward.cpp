@@ -621,8 +621,8 @@ TEST(LayerForward, CrossAttentionFillsTheCacheOnceAndSeesEveryEncoderToken) {
   cm.block_table = e.table;
   cm.slot_mapping = e.slots;
   cm.causal = false;
-  be::AttentionMetadata md = mb.build(cm);
-  md.slot_mapping = e.slots;  // every encoder token's slot
+  const be::AttentionMetadata& md = mb.build(cm);
+  ASSERT_EQ(md.slot_mapping.size(0), e.slots.ref.size(0));  // every encoder token's slot
 
   const be::AttentionLayer layer(spec);
   std::vector<unsigned char> ws(layer.workspace_bytes(mb.config()));

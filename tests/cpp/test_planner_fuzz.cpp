@@ -1,6 +1,8 @@
-// Planner fuzz: thousands of random batches through MetadataBuilder over random configs
-// (block sizes, decode/prefill thresholds, cascade with shared prefixes, chunked local, draft
-// trees, DCP ranks, sliding windows, cross-attention, encoders, CPU or CUDA planning). For each:
+// Planner fuzz: random batches through MetadataBuilder.
+//
+// Oracle (thousands of batches over random configs: block sizes, decode/prefill thresholds,
+// cascade with shared prefixes, chunked local, draft trees, DCP ranks, sliding windows,
+// cross-attention, encoders, CPU or CUDA planning):
 // - every pass group the metadata uses (decode+prefill | cascade prefix, suffix | local |
 //   tree prefix, tree) covers every query token exactly once;
 // - the union of the KV each query token sees over all groups (through cu_seqlens_q,
@@ -8,9 +10,14 @@
 //   defines for it, computed by brute force, with no key seen twice;
 // - views lie within the engine's table or the builder's own buffers, builder views never
 //   alias each other, seqused_k fits each table, plans fit max_num_splits and the workspace.
+// Replay: one builder over 50 changing batches equals fresh builders field by field with its
+// own buffers fixed (CUDA-graph mode); update_block_table equals a build on the other table;
+// advance_decode_step equals a rebuild with seq_lens + 1.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "flashserve/backend.hpp"
@@ -43,9 +50,25 @@ struct Case {
     return config.layer.type == be::AttnType::encoder || config.layer.type == be::AttnType::encoder_only;
   }
   // Physical slot of KV position `pos` (on this rank) of request r.
-  int64_t slot(int64_t r, int64_t pos) const { return int64_t(table[size_t(r * stride + pos / bs())]) * bs() + pos % bs(); }
+  int64_t slot(int64_t r, int64_t pos) const {
+    return int64_t(table[size_t(r * stride + pos / bs())]) * bs() + pos % bs();
+  }
   TensorRef table_ref() const {
     return TensorRef::strided(const_cast<int32_t*>(table.data()), DType::i32, {rows, cols}, {stride, 1});
+  }
+  bool in_table(const void* p) const {
+    const auto* x = static_cast<const int32_t*>(p);
+    return x >= table.data() && x < table.data() + table.size();
+  }
+  // The engine's slot of each query token; under DCP only this rank's positions have one.
+  void fill_slots() {
+    slots.clear();
+    const int64_t w = config.dcp_world_size;
+    for (int64_t r = 0; r < R(); ++r)
+      for (int64_t i = 0; i < q(r); ++i) {
+        const int64_t pos = seq[size_t(r)] - q(r) + i;
+        slots.push_back(pos % w == config.dcp_rank ? slot(r, pos / w) : -1);
+      }
   }
   be::CommonMetadata common() const {
     be::CommonMetadata c;
@@ -90,23 +113,27 @@ be::BuilderConfig random_config(std::mt19937_64& rng, bool& tree) {
   return c;
 }
 
-Case random_case(std::mt19937_64& rng) {
+// The engine's step for `c`: decodes first, then prefills (or verify requests with drafts);
+// often >= 8 requests sharing >= 256 tokens of whole blocks.
+Case make_case(std::mt19937_64& rng, const be::BuilderConfig& c, bool tree, bool decode_only = false) {
   Case k;
-  k.config = random_config(rng, k.tree);
-  const be::BuilderConfig& c = k.config;
+  k.config = c;
+  k.tree = tree;
   const int64_t bs = c.block_size, thr = c.reorder_batch_threshold;
-  const bool many = rng() % 2;  // cascade needs >= 8 requests
-  const int64_t R = many ? 8 + int64_t(rng() % 9) : int64_t(rng() % 8);
-  const int64_t nd = R ? int64_t(rng() % (R + 1)) : 0;
-  const int64_t shared = rng() % 2 ? (256 + int64_t(rng() % 200)) / bs : int64_t(rng() % 4);
-  const bool all_share = rng() % 4 != 0;  // else some requests stop short of the shared blocks
+  const bool many = decode_only ? rng() % 4 != 0 : rng() % 2 != 0;
+  const int64_t R = many ? 8 + int64_t(rng() % 9) : int64_t(decode_only) + int64_t(rng() % 7);
+  const int64_t nd = decode_only ? R : R ? int64_t(rng() % (R + 1)) : 0;
+  const int64_t shared = decode_only || rng() % 2 ? (256 + int64_t(rng() % 200)) / bs : int64_t(rng() % 4);
+  const bool all_share = decode_only || rng() % 4 != 0;  // else some requests stop short of the shared blocks
   for (int64_t r = 0; r < R; ++r) {
     int32_t q;
-    if (k.tree) {
+    if (tree) {
       const int32_t drafts = int32_t(rng() % 5);
       k.num_drafts.push_back(drafts);
       for (int32_t d = 0; d < drafts; ++d) k.parents.push_back(int32_t(rng() % (d + 1)) - 1);
       q = drafts + int32_t(drafts == 0 || rng() % 3 != 0);  // 16 x 5 tokens at most: within capacity
+    } else if (decode_only) {
+      q = 1;
     } else {
       q = r < nd ? int32_t(rng() % 10 == 0 ? 0 : 1 + rng() % thr) : int32_t(thr + 1 + rng() % 14);
       if (k.T() + q > c.max_num_tokens) break;
@@ -116,28 +143,30 @@ Case random_case(std::mt19937_64& rng) {
     k.seq.push_back(int32_t(ctx + q));
     k.enc.push_back(k.encoder() ? int32_t(q) : int32_t(rng() % 90));
   }
-  // The table: room for each request's KV on this rank (and the encoder's), some spare.
+  // The table: room for each request's KV on this rank (and the encoder's), and spare.
   int64_t need = 1;
-  for (int64_t r = 0; r < R; ++r) {
+  for (int64_t r = 0; r < k.R(); ++r) {
     need = std::max<int64_t>(need, be::DcpAttentionLayer::local_len(k.seq[size_t(r)], c.dcp_world_size, c.dcp_rank));
     need = std::max<int64_t>(need, k.enc[size_t(r)]);
   }
-  k.rows = R + int64_t(rng() % 3);
-  k.cols = (need + bs - 1) / bs + int64_t(rng() % 3);
+  k.rows = k.R() + int64_t(rng() % 3);
+  k.cols = (need + bs - 1) / bs + 1 + int64_t(rng() % 3);
   k.stride = k.cols + int64_t(rng() % 4);
   k.table.assign(size_t(std::max<int64_t>(1, k.rows * k.stride)), -3);
   const int64_t shared_cols = std::min(shared, k.cols);
   for (int64_t r = 0; r < k.rows; ++r)
     for (int64_t j = 0; j < k.cols; ++j)
       k.table[size_t(r * k.stride + j)] = int32_t(j < shared_cols ? j : shared_cols + r * k.cols + j);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t i = 0; i < k.q(r); ++i) {
-      const int64_t pos = k.seq[size_t(r)] - k.q(r) + i, w = c.dcp_world_size;
-      k.slots.push_back(pos % w == c.dcp_rank ? k.slot(r, pos / w) : -1);
-    }
+  k.fill_slots();
   k.common_prefix_len = shared_cols * bs + int64_t(rng() % bs) - (rng() % 4 == 0 ? bs : 0);
   k.common_prefix_len = std::max<int64_t>(0, k.common_prefix_len);
   return k;
+}
+
+Case random_case(std::mt19937_64& rng) {
+  bool tree = false;
+  const be::BuilderConfig c = random_config(rng, tree);
+  return make_case(rng, c, tree);
 }
 
 // ---- brute force: the keys query token t of request r sees under the layer's definition.
@@ -233,12 +262,14 @@ void check_views(const Case& k, const be::PartMetadata& p, const Group& g, std::
 
 // Keys a query row of a part reads: bottom-right causal alignment, the layer window, DCP
 // (causality on global positions: local key j is global j * world + rank).
-void part_keys(const Case& k, const be::PartMetadata& p, const Group& g, std::vector<V64>& seen, std::vector<int>& hits) {
+void part_keys(const Case& k, const be::PartMetadata& p, const Group& g, std::vector<V64>& seen,
+               std::vector<int>& hits) {
   const be::BuilderConfig& c = k.config;
   const fs::Window w = g.windowed ? be::layer_window(c.layer) : fs::Window{};
   const int64_t W = c.dcp_world_size;
   for (int64_t b = 0; b < p.num_reqs; ++b) {
-    const int64_t row0 = p.token_begin + at1(p.cu_seqlens_q, b), sq = at1(p.cu_seqlens_q, b + 1) - at1(p.cu_seqlens_q, b);
+    const int64_t row0 = p.token_begin + at1(p.cu_seqlens_q, b);
+    const int64_t sq = at1(p.cu_seqlens_q, b + 1) - at1(p.cu_seqlens_q, b);
     const int64_t sk = at1(p.seqused_k, b);
     const int64_t tot = p.cp_tot_seqused_k.ndim ? at1(p.cp_tot_seqused_k, b) : sk;
     for (int64_t i = 0; i < sq; ++i) {
@@ -316,5 +347,185 @@ TEST(PlannerFuzz, RandomBatchesCoverEveryTokenAndKeyExactlyOnce) {
     if (HasFatalFailure()) return;
     modes[md.cascade.enabled ? 1 : md.local.enabled ? 2 : md.tree.enabled ? 3 : k.config.dcp_world_size > 1 ? 4 : 0]++;
   }
-  for (int m = 0; m < 5; ++m) EXPECT_GT(modes[m], 40) << "mode " << m << " (split, cascade, local, tree, dcp) rarely seen";
+  for (int m = 0; m < 5; ++m)
+    EXPECT_GT(modes[m], 40) << "mode " << m << " (split, cascade, local, tree, dcp) rarely seen";
+}
+
+// ---------------------------------------------------------------- replay
+
+namespace {
+
+V32 values(const TensorRef& t) {
+  V32 v;
+  for (int64_t i = 0; i < (t.ndim ? t.size(0) : 0); ++i) v.push_back(at1(t, i));
+  return v;
+}
+
+V64 values64(const TensorRef& t) {
+  V64 v;
+  for (int64_t i = 0; i < (t.ndim ? t.size(0) : 0); ++i) v.push_back(*static_cast<const int64_t*>(t.at(i)));
+  return v;
+}
+
+// Field by field: scalars, plans, the contents of every view; views of the engine's table
+// must be the same view, views of builder buffers may sit elsewhere.
+void expect_part_eq(const be::PartMetadata& a, const be::PartMetadata& b, const Case& k, const char* name) {
+  SCOPED_TRACE(name);
+  EXPECT_EQ(a.req_begin, b.req_begin);
+  EXPECT_EQ(a.num_reqs, b.num_reqs);
+  EXPECT_EQ(a.token_begin, b.token_begin);
+  EXPECT_EQ(a.num_tokens, b.num_tokens);
+  EXPECT_EQ(a.max_query_len, b.max_query_len);
+  EXPECT_EQ(a.max_seq_len, b.max_seq_len);
+  EXPECT_EQ(a.causal, b.causal);
+  EXPECT_EQ(values(a.cu_seqlens_q), values(b.cu_seqlens_q));
+  EXPECT_EQ(values(a.seqused_k), values(b.seqused_k));
+  EXPECT_EQ(values(a.cp_tot_seqused_k), values(b.cp_tot_seqused_k));
+  const TensorRef &ta = a.block_table, &tb = b.block_table;
+  EXPECT_EQ(ta.shape_str(), tb.shape_str());
+  EXPECT_EQ(k.in_table(ta.data), k.in_table(tb.data));
+  if (k.in_table(ta.data)) {
+    EXPECT_EQ(ta.data, tb.data);
+    EXPECT_EQ(ta.stride, tb.stride);
+  }
+  for (int64_t r = 0; r < (ta.ndim == 2 ? ta.size(0) : 0); ++r)
+    for (int64_t j = 0; j < ta.size(1); ++j)
+      ASSERT_EQ(at2(ta, r, j), at2(tb, r, j)) << "block_table[" << r << "][" << j << "]";
+  EXPECT_TRUE(a.plan.shape == b.plan.shape);
+  EXPECT_EQ(a.plan.num_splits, b.plan.num_splits);
+  EXPECT_EQ(a.plan.split_granularity, b.plan.split_granularity);
+  EXPECT_EQ(a.plan.workspace.total_bytes, b.plan.workspace.total_bytes);
+}
+
+void expect_md_eq(const be::AttentionMetadata& a, const be::AttentionMetadata& b, const Case& k) {
+  EXPECT_EQ(a.num_actual_tokens, b.num_actual_tokens);
+  EXPECT_EQ(a.num_reqs, b.num_reqs);
+  EXPECT_EQ(a.num_decodes, b.num_decodes);
+  EXPECT_EQ(a.num_decode_tokens, b.num_decode_tokens);
+  EXPECT_EQ(a.num_prefills, b.num_prefills);
+  EXPECT_EQ(a.num_prefill_tokens, b.num_prefill_tokens);
+  EXPECT_EQ(values64(a.slot_mapping), values64(b.slot_mapping));
+  EXPECT_EQ(a.cascade.enabled, b.cascade.enabled);
+  EXPECT_EQ(a.cascade.common_prefix_len, b.cascade.common_prefix_len);
+  EXPECT_EQ(a.local.enabled, b.local.enabled);
+  EXPECT_EQ(a.tree.enabled, b.tree.enabled);
+  expect_part_eq(a.decode, b.decode, k, "decode");
+  expect_part_eq(a.prefill, b.prefill, k, "prefill");
+  expect_part_eq(a.cascade.prefix, b.cascade.prefix, k, "cascade.prefix");
+  expect_part_eq(a.cascade.suffix, b.cascade.suffix, k, "cascade.suffix");
+  expect_part_eq(a.local.part, b.local.part, k, "local");
+  expect_part_eq(a.tree.prefix, b.tree.prefix, k, "tree.prefix");
+  expect_part_eq(a.tree.tree, b.tree.tree, k, "tree.tree");
+}
+
+// Pointers of the builder's own views, by field: none may move.
+void expect_fixed_pointers(const be::AttentionMetadata& md, const Case& k, std::map<std::string, const void*>& seen) {
+  const std::pair<const char*, const be::PartMetadata*> parts[] = {
+      {"decode", &md.decode}, {"prefill", &md.prefill}, {"cascade.prefix", &md.cascade.prefix},
+      {"cascade.suffix", &md.cascade.suffix}, {"local", &md.local.part}, {"tree.prefix", &md.tree.prefix},
+      {"tree.tree", &md.tree.tree}};
+  for (const auto& [name, p] : parts) {
+    const std::pair<const char*, const TensorRef*> views[] = {{".cu_seqlens_q", &p->cu_seqlens_q},
+                                                               {".seqused_k", &p->seqused_k},
+                                                               {".cp_tot_seqused_k", &p->cp_tot_seqused_k},
+                                                               {".block_table", &p->block_table}};
+    for (const auto& [field, t] : views) {
+      if (t->data == nullptr || k.in_table(t->data)) continue;
+      const auto [it, first] = seen.emplace(std::string(name) + field, t->data);
+      EXPECT_EQ(it->second, t->data) << name << field << " moved";
+    }
+  }
+}
+
+// 0: plain decoder on few SMs (cascade often), 1: chunked local, 2: DCP, 3: draft trees.
+be::BuilderConfig replay_config(int kind) {
+  be::BuilderConfig c;
+  c.layer.num_heads = 8;
+  c.layer.num_kv_heads = 2;
+  c.layer.head_size = 64;
+  c.block_size = kind == 1 ? 4 : 16;
+  c.max_num_reqs = 16;
+  c.max_num_tokens = 256;
+  c.max_blocks_per_req = 128;
+  c.device = fs::DeviceProps::cpu();
+  c.device.num_sms = 4;
+  if (kind == 1) c.layer.attention_chunk_size = 8;
+  if (kind == 2) c.dcp_world_size = 3, c.dcp_rank = 2;
+  if (kind == 3) c.reorder_batch_threshold = 5;
+  return c;
+}
+
+const be::DraftTree* tree_of(const Case& k, be::DraftTree& storage) {
+  storage = {k.parents, k.num_drafts};
+  return k.tree ? &storage : nullptr;
+}
+
+}  // namespace
+
+TEST(PlannerFuzz, GraphModeReplayEqualsFreshBuilds) {
+  auto rng = fstest::make_rng(0x9a9);
+  for (int kind = 0; kind < 4; ++kind) {
+    const be::BuilderConfig c = replay_config(kind);
+    be::MetadataBuilder reused(c);
+    std::map<std::string, const void*> seen;
+    int cascades = 0;
+    for (int it = 0; it < 50; ++it) {
+      SCOPED_TRACE(testing::Message() << "config " << kind << " batch " << it);
+      const Case k = make_case(rng, c, kind == 3 && rng() % 4 != 0);
+      be::DraftTree storage;
+      const be::DraftTree* tree = tree_of(k, storage);
+      const be::AttentionMetadata& a = reused.build(k.common(), k.common_prefix_len, tree);
+      be::MetadataBuilder fresh(c);
+      expect_md_eq(a, fresh.build(k.common(), k.common_prefix_len, tree), k);
+      expect_fixed_pointers(a, k, seen);
+      cascades += a.cascade.enabled;
+    }
+    if (kind == 0) EXPECT_GT(cascades, 0);
+  }
+}
+
+TEST(PlannerFuzz, UpdateBlockTableEqualsBuildOnTheOtherTable) {
+  auto rng = fstest::make_rng(0xb10c);
+  for (int kind = 0; kind < 4; ++kind) {
+    const be::BuilderConfig c = replay_config(kind);
+    be::MetadataBuilder b(c);
+    for (int it = 0; it < 20; ++it) {
+      SCOPED_TRACE(testing::Message() << "config " << kind << " batch " << it);
+      const Case k = make_case(rng, c, kind == 3);
+      be::DraftTree storage;
+      const be::DraftTree* tree = tree_of(k, storage);
+      b.build(k.common(), k.common_prefix_len, tree);
+      Case other = k;  // another layer group: same shape and sharing, other block ids
+      for (int32_t& x : other.table) x += 1000;
+      other.fill_slots();
+      const be::AttentionMetadata& md = b.update_block_table(other.table_ref());
+      be::MetadataBuilder fresh(c);
+      be::AttentionMetadata want = fresh.build(other.common(), k.common_prefix_len, tree);
+      want.slot_mapping = k.common().slot_mapping;  // the slot mapping is not re-pointed
+      expect_md_eq(md, want, other);
+    }
+  }
+}
+
+TEST(PlannerFuzz, AdvanceDecodeStepEqualsRebuild) {
+  auto rng = fstest::make_rng(0xadd);
+  for (int kind = 0; kind < 3; ++kind) {
+    const be::BuilderConfig c = replay_config(kind);
+    be::MetadataBuilder b(c);
+    int cascades = 0;
+    for (int it = 0; it < 20; ++it) {
+      Case k = make_case(rng, c, false, true);
+      b.build(k.common(), k.common_prefix_len);
+      for (int step = 0; step < 4; ++step) {
+        SCOPED_TRACE(testing::Message() << "config " << kind << " batch " << it << " step " << step);
+        const be::AttentionMetadata& md = b.advance_decode_step();
+        for (int32_t& x : k.seq) ++x;
+        k.fill_slots();
+        be::MetadataBuilder fresh(c);
+        expect_md_eq(md, fresh.build(k.common(), k.common_prefix_len), k);
+        cascades += md.cascade.enabled;
+      }
+    }
+    if (kind == 0) EXPECT_GT(cascades, 0);
+  }
 }
