@@ -168,6 +168,15 @@ Setup setup_of(const Options& o) {
   s.scheduler.token_budget = o.budget;
   s.scheduler.max_running = m.max_num_reqs = std::min<int64_t>(64, o.budget);
   s.scheduler.spec_tokens = m.spec_tokens;
+  // The longest request must fit the pool beside the admission reserve, or it would wait forever.
+  const int64_t need = m.max_blocks_per_req + int64_t(s.scheduler.watermark * o.blocks) + 1;
+  if (o.blocks < need)
+    throw std::invalid_argument("--blocks: expected >= " + std::to_string(need) +
+                                " (the longest request's blocks plus the admission reserve), got " +
+                                std::to_string(o.blocks));
+  if (o.budget < 1 + kTreeDrafts) throw std::invalid_argument("--budget: expected >= 5 tokens, got " + std::to_string(o.budget));
+  if (o.layers < 1 || o.requests < 0 || o.groups < 0 || o.rate <= 0)
+    throw std::invalid_argument("--layers >= 1, --requests >= 0, --groups >= 0 and --rate > 0 expected");
   return s;
 }
 
@@ -243,10 +252,15 @@ struct Demo {
   RunTotals serve_all(const Workload& w, const SchedulerConfig& sc) {
     RunTotals t;
     Scheduler sched(sc, w, alloc);
+    int stalled = 0;
     for (int64_t step = 0; !sched.done() && (opt.max_steps <= 0 || int64_t(rows.size()) < opt.max_steps); ++step) {
       if (sched.idle()) step = std::max(step, sched.next_arrival_step());
       const StepPlan plan = sched.schedule(step);
-      if (plan.entries.empty()) continue;
+      if (plan.entries.empty()) {
+        if (++stalled > 1000) throw std::runtime_error("the scheduler made no progress for 1000 steps");
+        continue;
+      }
+      stalled = 0;
       StepRow r = serve(plan, sched);
       report(r);
       rows.push_back(std::move(r));
@@ -259,8 +273,8 @@ struct Demo {
 };
 
 int run(const Options& o) {
-  select_device(o);
   const Setup s = setup_of(o);
+  select_device(o);
   const Workload w = make_workload(s.workload);
   const ModelConfig& mc = s.model;
   std::printf("serve_demo: %zu requests (%d shared-prefix groups of %d), %lld prompt + %lld output tokens;"
