@@ -75,7 +75,7 @@ class MlaLayer {
               const TensorRef& latent_cache, const TensorRef& out, const ExecContext& ctx = {}) const;
   // Gathers the latent rows of tokens [begin, end) of each request into dst [n, 576].
   void gather_context(const PartMetadata& part, const TensorRef& latent_cache, int64_t begin, int64_t end,
-                      const TensorRef& dst, const TensorRef& cu_seqlens_dst) const;
+                      const TensorRef& dst, const TensorRef& cu_seqlens_dst, const ExecContext& ctx = {}) const;
 
  private:
   MlaSpec spec_;

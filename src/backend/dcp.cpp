@@ -6,19 +6,18 @@
 //   out_all[s], lse_local[s*H_local : (s+1)*H_local, :] = attention(q_all[s], local KV shard)
 //                                 (one call per slice s, over the KV heads that slice reads)
 //   lse_all [W, H, T]           = all_gather(lse_local [H, T])
-//   out_all[s, t, j] *= exp(lse_local[h, t] - logsumexp_ranks lse_all[:, h, t]),  h = s*H_local + j
+//   out_all[s, t, j] *= exp(lse_all[rank, h, t] - logsumexp_ranks lse_all[:, h, t]),  h = s*H_local + j
+//                                 (lse_correct, out_all in its slice-major layout)
 //   out [T, H_local, Dv]        = reduce_scatter(out_all): the sum over ranks of slice `rank`
 //
 // The sink of a head enters once: only on the rank that owns the head (slice s == rank).
 #include <algorithm>
-#include <cmath>
 
 #include "api/check.hpp"
 #include "backend/layer_ops.hpp"
-#include "common/softmax_state.hpp"
 #include "flashserve/backend_variants.hpp"
-#include "flashserve/numeric.hpp"
 #include "flashserve/status.hpp"
+#include "flashserve/variants_ops.hpp"
 
 namespace flashserve::backend {
 
@@ -60,29 +59,6 @@ void slice_kv_range(int64_t s, int64_t Hl, int64_t group, int64_t& begin, int64_
   end = begin + std::max<int64_t>(1, Hl / group);
 }
 
-// out_all[s, t, j, :] *= exp(lse_local[h, t] - lse_global[h, t]) for t < T.
-void correct_partials(const DcpBuffers& b, int64_t W, int64_t T) {
-  const TensorRef& o = b.out_all;
-  const int64_t Hl = o.size(2), Dv = o.size(3), H = W * Hl;
-  const int64_t es = int64_t(dtype_size(o.dtype));
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t h = 0; h < H; ++h) {
-    for (int64_t t = 0; t < T; ++t) {
-      float m = -INFINITY;
-      for (int64_t p = 0; p < W; ++p) m = std::fmax(m, normalize_lse(*static_cast<const float*>(b.lse_all.at(p, h, t))));
-      float sum = 0.0f;
-      if (m != -INFINITY)
-        for (int64_t p = 0; p < W; ++p) sum += std::exp(normalize_lse(*static_cast<const float*>(b.lse_all.at(p, h, t))) - m);
-      const float global = m + std::log(sum);
-      const float local = normalize_lse(*static_cast<const float*>(b.lse_local.at(h, t)));
-      const float f = local == -INFINITY ? 0.0f : std::exp(local - global);
-      char* row = static_cast<char*>(o.at(h / Hl, t, h % Hl, 0));
-      for (int64_t c = 0; c < Dv; ++c)
-        numeric::store_float(row + c * es, o.dtype, f * numeric::load_float(row + c * es, o.dtype));
-    }
-  }
-}
-
 }  // namespace
 
 DcpAttentionLayer::DcpAttentionLayer(const LayerSpec& local_spec, Communicator& comm)
@@ -120,7 +96,6 @@ void DcpAttentionLayer::forward(const AttentionMetadata& md, const TensorRef& q,
              (q.size(0) < T ? q : out).shape_str());
   if (md.cascade.enabled || md.local.enabled || md.tree.enabled)
     fail_not_implemented("decode context parallelism with cascade, chunked local or tree-verify metadata");
-  require_host(out, "decode context parallelism's LSE correction");
 
   size_t split_bytes = std::max(md.decode.plan.workspace.total_bytes, md.prefill.plan.workspace.total_bytes);
   Carver carver(ws);
@@ -156,7 +131,11 @@ void DcpAttentionLayer::forward(const AttentionMetadata& md, const TensorRef& q,
     }
   }
   comm_->all_gather(buf.lse_local.slice(1, 0, T), buf.lse_all);
-  correct_partials(buf, W, T);
+  LseCorrectParams lc;
+  lc.out = buf.out_all;
+  lc.lse_all = buf.lse_all;
+  lc.rank = rank;
+  lse_correct(lc, base);
   comm_->reduce_scatter(buf.out_all, out.slice(0, 0, T));
 }
 

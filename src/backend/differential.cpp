@@ -3,15 +3,16 @@
 //
 //   q1/k1/v1 = even heads, q2/k2/v2 = odd heads (views with doubled head stride, no copies)
 //   a1 = [attn(q1, k1, v1) | attn(q1, k1, v2)]  written straight into out's even | odd heads
-//   a2 = [attn(q2, k2, v1) | attn(q2, k2, v2)]  into the workspace buffer "diff_a2"
-//   out[t, 2h + c / D, c % D] = RMSNorm(a1 - λ a2)[t, h, c] * (1 - λ_init),  c < 2D
+//   a2 = [attn(q2, k2, v1) | attn(q2, k2, v2)]  into the workspace buffer "diff_a2" [T, H, D],
+//                                               the same pair layout
+//   out = differential_combine(a1 = out, a2): RMSNorm(a1 - λ a2) * (1 - λ_init) in place
 #include <cmath>
 
 #include "api/check.hpp"
 #include "backend/layer_ops.hpp"
 #include "flashserve/backend_variants.hpp"
-#include "flashserve/numeric.hpp"
 #include "flashserve/status.hpp"
+#include "flashserve/variants_ops.hpp"
 
 namespace flashserve::backend {
 
@@ -19,7 +20,7 @@ using namespace layer;
 
 namespace {
 
-constexpr int64_t kMaxHeadSize = 256;
+constexpr int64_t kMaxHeadSize = 256;  // the attention calls' limit
 
 // Even (half 0) or odd (half 1) heads of x [T, H, D] as [T, H/2, D].
 TensorRef half_heads(const TensorRef& x, int half) {
@@ -44,7 +45,7 @@ LayerSpec half_spec(const LayerSpec& base) {
 }
 
 TensorRef take_a2(Carver& ws, DType act, int64_t T, int64_t H, int64_t D) {
-  return ws.take("diff_a2", act, {T, H / 2, 2 * D}, DType::f32);
+  return ws.take("diff_a2", act, {T, H, D}, DType::f32);
 }
 
 float dot(const TensorRef& a, const TensorRef& b) {
@@ -59,30 +60,6 @@ void check_vector(const TensorRef& t, const char* arg, int64_t n, const char* wh
   detail::check_dtype(t, arg, {DType::f32});
   detail::check_dim(t, arg, 0, n, what);
   detail::check_data(t, arg);
-  require_host(t, "differential attention");
-}
-
-// out's rows [0, T): RMSNorm(a1 - λ a2) * w * (1 - λ_init), a1 read from out itself.
-void combine(const DifferentialSpec& s, float lambda, const TensorRef& a2, const TensorRef& out, int64_t T) {
-  const int64_t Hh = a2.size(1), D = a2.size(2) / 2;
-  const float post = 1.0f - s.lambda_init;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t h = 0; h < Hh; ++h) {
-      float x[2 * kMaxHeadSize];
-      float ss = 0.0f;
-      for (int64_t c = 0; c < 2 * D; ++c) {
-        const float a1 = numeric::load_float(out.at(t, 2 * h + c / D, c % D), out.dtype);
-        x[c] = a1 - lambda * numeric::load_float(a2.at(t, h, c), a2.dtype);
-        ss += x[c] * x[c];
-      }
-      const float r = 1.0f / std::sqrt(ss / float(2 * D) + s.rms_eps);
-      for (int64_t c = 0; c < 2 * D; ++c) {
-        const float w = *static_cast<const float*>(s.subln_weight.at(c));
-        numeric::store_float(out.at(t, 2 * h + c / D, c % D), out.dtype, x[c] * r * w * post);
-      }
-    }
-  }
 }
 
 }  // namespace
@@ -105,6 +82,8 @@ DifferentialAttentionLayer::DifferentialAttentionLayer(const DifferentialSpec& s
 }
 
 float DifferentialAttentionLayer::lambda_full() const {
+  for (const TensorRef* v : {&spec_.lambda_q1, &spec_.lambda_k1, &spec_.lambda_q2, &spec_.lambda_k2})
+    require_host(*v, "lambda_full (a host query; forward computes λ in differential_combine)");
   return std::exp(dot(spec_.lambda_q1, spec_.lambda_k1)) - std::exp(dot(spec_.lambda_q2, spec_.lambda_k2)) +
          spec_.lambda_init;
 }
@@ -125,7 +104,6 @@ void DifferentialAttentionLayer::forward(const AttentionMetadata& md, const Tens
   detail::check_rank(out, "out", 3);
   detail::check_dim(out, "out", 1, b.num_heads, "num_heads");
   detail::check_dim(out, "out", 2, D, "head_size");
-  require_host(out, "differential attention's RMSNorm combine");
   const bool encoder = b.type == AttnType::encoder || b.type == AttnType::encoder_only;
   if (!encoder && b.writes_kv_cache && key && value) {
     write_cache(cache.half1, b, half_heads(*key, 0), half_heads(*value, 0), md.slot_mapping, ctx);
@@ -141,12 +119,23 @@ void DifferentialAttentionLayer::forward(const AttentionMetadata& md, const Tens
       const KvCache& kc = *halves[qh];
       const KvCache& vc = *halves[vh];
       const KvCache mixed{kc.key_cache, vc.value_cache, kc.k_scale, vc.v_scale, kc.k_scale_cache};
-      const TensorRef dst = qh == 0 ? half_heads(out, vh) : a2.slice(2, vh * D, (vh + 1) * D);
+      const TensorRef dst = half_heads(qh == 0 ? out : a2, vh);
       half.forward(md, half_heads(q, qh), half_heads(key, qh), half_heads(value, vh), encoder ? nullptr : &mixed,
                    dst, rest, ctx);
     }
   }
-  combine(spec_, lambda_full(), a2, out, T);
+  DifferentialCombineParams cp;
+  cp.a1 = out.slice(0, 0, T);
+  cp.a2 = a2;
+  cp.lambda_q1 = spec_.lambda_q1;
+  cp.lambda_k1 = spec_.lambda_k1;
+  cp.lambda_q2 = spec_.lambda_q2;
+  cp.lambda_k2 = spec_.lambda_k2;
+  cp.weight = spec_.subln_weight;
+  cp.lambda_init = spec_.lambda_init;
+  cp.eps = spec_.rms_eps;
+  cp.out = cp.a1;
+  differential_combine(cp, ctx);
 }
 
 }  // namespace flashserve::backend

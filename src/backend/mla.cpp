@@ -2,14 +2,13 @@
 // and non-causally to each up-projected context chunk; the partial states merge in order
 // (chunk 0 ⊕ chunk 1 ⊕ ... ⊕ new tokens). Decode: the absorbed form, q_pe (64) against the rope
 // part and q_v (512) against the latent part of one [num_blocks, block_size, 576] cache.
-#include <algorithm>
 #include <cmath>
-#include <cstring>
 
 #include "api/check.hpp"
 #include "backend/layer_ops.hpp"
 #include "flashserve/backend_variants.hpp"
 #include "flashserve/status.hpp"
+#include "flashserve/variants_ops.hpp"
 
 namespace flashserve::backend {
 
@@ -131,52 +130,22 @@ void MlaLayer::decode(const PartMetadata& part, const TensorRef& q_pe, const Ten
 }
 
 void MlaLayer::gather_context(const PartMetadata& part, const TensorRef& latent_cache, int64_t begin, int64_t end,
-                              const TensorRef& dst, const TensorRef& cu_seqlens_dst) const {
-  const int64_t B = part.num_reqs, W = spec_.kv_lora_rank + spec_.qk_rope_head_dim;
+                              const TensorRef& dst, const TensorRef& cu_seqlens_dst, const ExecContext& ctx) const {
   detail::check_rank(latent_cache, "latent_cache", 3);
-  detail::check_dim(latent_cache, "latent_cache", 2, W, "kv_lora_rank + qk_rope_head_dim");
+  detail::check_dim(latent_cache, "latent_cache", 2, spec_.kv_lora_rank + spec_.qk_rope_head_dim,
+                    "kv_lora_rank + qk_rope_head_dim");
   detail::check_last_contiguous(latent_cache, "latent_cache");
-  detail::check_operand(dst, "dst", 2, {latent_cache.dtype}, latent_cache.device, "latent_cache");
-  detail::check_dim(dst, "dst", 1, W, "kv_lora_rank + qk_rope_head_dim");
-  detail::check_operand(cu_seqlens_dst, "cu_seqlens_dst", 1, {DType::i32}, latent_cache.device, "latent_cache");
-  detail::check_dim(cu_seqlens_dst, "cu_seqlens_dst", 0, B + 1, "num_reqs + 1");
   if (begin < 0 || end < begin) fail_arg("end", detail::cat(">= begin=", begin, " >= 0"), end);
-  require_host(latent_cache, "MLA gather_context");
-
-  // Tokens [begin, end) of each request's context (its KV before this step's queries).
-  auto range = [&](int64_t b, int64_t& lo, int64_t& hi) {
-    const int64_t q_len = detail::read_index(part.cu_seqlens_q, b + 1) - detail::read_index(part.cu_seqlens_q, b);
-    const int64_t ctx_len = std::max<int64_t>(0, detail::read_index(part.seqused_k, b) - q_len);
-    lo = std::min(begin, ctx_len);
-    hi = std::max(lo, std::min(end, ctx_len));
-  };
-  const int64_t bs = latent_cache.size(1), nb = latent_cache.size(0);
-  int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    int64_t lo, hi;
-    range(b, lo, hi);
-    total += hi - lo;
-    for (int64_t i = lo / bs; i < (hi + bs - 1) / bs; ++i) {
-      const int64_t block = detail::read_index2(part.block_table, b, i);
-      if (block < 0 || block >= nb)
-        fail_arg("block_table", detail::cat("block indices in [0, ", nb, ")"),
-                 detail::cat("block_table[", b, "][", i, "]=", block));
-    }
-  }
-  if (dst.size(0) < total) fail_arg("dst", detail::cat("at least ", total, " rows (the gathered tokens)"), dst.shape_str());
-
-  const size_t row_bytes = size_t(W) * dtype_size(latent_cache.dtype);
-  int64_t row = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    *static_cast<int32_t*>(cu_seqlens_dst.at(b)) = int32_t(row);
-    int64_t lo, hi;
-    range(b, lo, hi);
-    for (int64_t t = lo; t < hi; ++t, ++row) {
-      const int64_t block = detail::read_index2(part.block_table, b, t / bs);
-      std::memcpy(dst.at(row, 0), latent_cache.at(block, t % bs, 0), row_bytes);
-    }
-  }
-  *static_cast<int32_t*>(cu_seqlens_dst.at(B)) = int32_t(row);
+  GatherCacheParams g;  // tokens [begin, end) of each request's context (KV before this step's queries)
+  g.cache = latent_cache;
+  g.block_table = part.block_table;
+  g.seqused_k = part.seqused_k;
+  g.cu_seqlens_q = part.cu_seqlens_q;
+  g.token_begin = begin;
+  g.token_end = end;
+  g.dst = dst;
+  g.cu_seqlens_dst = cu_seqlens_dst;
+  gather_cache(g, ctx);
 }
 
 }  // namespace flashserve::backend
