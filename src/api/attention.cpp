@@ -5,6 +5,12 @@
 #include "flashserve/status.hpp"
 #include "reference/attention.hpp"
 
+#if FLASHSERVE_WITH_CUDA
+#include "kernels/attention.hpp"
+#include "kernels/attention/select.hpp"
+#include "kernels/device_info.hpp"
+#endif
+
 namespace flashserve {
 
 namespace {
@@ -29,19 +35,55 @@ void check_plan(const Plan& plan, const ProblemShape& shape) {
     fail_arg("scheduler_metadata", "split_granularity >= 1", plan.split_granularity);
 }
 
-[[noreturn]] void fail_cuda() {
 #if FLASHSERVE_WITH_CUDA
-  fail_not_implemented("attention on CUDA (the CUDA attention kernels are not written yet)");
-#else
-  fail_not_implemented("attention on CUDA (this build has no CUDA: FLASHSERVE_WITH_CUDA=0)");
-#endif
+// The CUDA kernel for the problem on `dev`, or NotImplemented naming why there is none.
+void require_cuda_kernel(const detail::AttnProblem& pr, const DeviceProps& dev) {
+  const kernels::AttnKernelChoice choice = kernels::select_attention_kernel(pr, dev);
+  if (!choice.supported()) throw NotImplemented(choice.why_not);
 }
+
+// A CUDA call needs a plan made for a CUDA device (named split buffers) and a workspace of
+// at least its size; checked before anything runs.
+void check_cuda_workspace(const Plan& plan, const ExecContext& ctx) {
+  if (plan.num_splits > 1) {
+    bool named = false;
+    for (int i = 0; i < plan.workspace.count; ++i) named |= plan.workspace.buffers[size_t(i)].name == "o_partial";
+    if (!named)
+      fail_arg("scheduler_metadata", "a plan made for a CUDA device (o_partial, lse_partial workspace buffers)",
+               detail::cat("a plan with ", plan.num_splits, " splits and no workspace buffers"));
+  }
+  const size_t need = plan.workspace.total_bytes;
+  if (ctx.workspace_bytes < need)
+    fail_arg("workspace", detail::cat("at least ", need, " bytes (o_partial, lse_partial)"), ctx.workspace_bytes);
+  if (need > 0 && !ctx.workspace) fail_arg("workspace", "a device pointer", "null");
+}
+
+void run_cuda(const detail::AttnProblem& pr, const ProblemShape& shape, const ExecContext& ctx) {
+  const DeviceProps dev = kernels::cuda_device_props(pr.q.device.index);
+  require_cuda_kernel(pr, dev);
+  const Plan plan = ctx.plan ? *ctx.plan : make_plan(shape, dev, pr.params->num_splits);
+  check_cuda_workspace(plan, ctx);
+  if (ctx.validate_only) return;
+  kernels::attention(pr, plan, ctx);
+}
+#else
+[[noreturn]] void fail_cuda() {
+  fail_not_implemented("attention on CUDA (this build has no CUDA: FLASHSERVE_WITH_CUDA=0)");
+}
+#endif
 
 void run_attention(const AttentionParams& p, bool batched, const ExecContext& ctx) {
   const detail::AttnProblem pr = detail::validate_attention(p, batched);
   const ProblemShape shape = detail::shape_of(pr);
   if (ctx.plan) check_plan(*ctx.plan, shape);
-  if (pr.q.device.type == DeviceType::cuda) fail_cuda();
+  if (pr.q.device.type == DeviceType::cuda) {
+#if FLASHSERVE_WITH_CUDA
+    run_cuda(pr, shape, ctx);
+    return;
+#else
+    fail_cuda();
+#endif
+  }
   const Plan plan = ctx.plan ? *ctx.plan : make_plan(shape, DeviceProps::cpu(), p.num_splits);
   if (ctx.validate_only) return;
   reference::attention(pr, plan);
@@ -49,6 +91,9 @@ void run_attention(const AttentionParams& p, bool batched, const ExecContext& ct
 
 Plan plan_attention(const AttentionParams& p, bool batched, const DeviceProps& dev) {
   const detail::AttnProblem pr = detail::validate_attention(p, batched);
+#if FLASHSERVE_WITH_CUDA
+  if (dev.device.type == DeviceType::cuda) require_cuda_kernel(pr, dev);
+#endif
   return make_plan(detail::shape_of(pr), dev, p.num_splits);
 }
 
@@ -70,7 +115,13 @@ std::string attention_unsupported_reason(const AttentionParams& p, bool batched,
   try {
     const detail::AttnProblem pr = detail::validate_attention(p, batched);
     make_plan(detail::shape_of(pr), dev, p.num_splits);
-    if (pr.q.device.type == DeviceType::cuda || dev.device.type == DeviceType::cuda) fail_cuda();
+    if (pr.q.device.type == DeviceType::cuda || dev.device.type == DeviceType::cuda) {
+#if FLASHSERVE_WITH_CUDA
+      require_cuda_kernel(pr, dev.device.type == DeviceType::cuda ? dev : kernels::cuda_device_props(pr.q.device.index));
+#else
+      fail_cuda();
+#endif
+    }
   } catch (const Error& e) {
     return e.what();
   } catch (const NotImplemented& e) {

@@ -22,6 +22,8 @@ struct MergeWeights {
 };
 
 FS_HD MergeWeights merge_lse(float lse_a, float lse_b) {
+  // A NaN state (a poisoned or invalid read) stays visible: fmaxf alone would drop it.
+  if (lse_a != lse_a || lse_b != lse_b) return {NAN, NAN, NAN};
   lse_a = normalize_lse(lse_a);
   lse_b = normalize_lse(lse_b);
   const float m = fmaxf(lse_a, lse_b);

@@ -77,7 +77,7 @@ struct AttnParams {
   int heads_per_cta = 1;       // query heads of one KV head's group per CTA
   int head_slices = 1;         // ceil(group / heads_per_cta)
 
-  int64_t total_rows() const { return q_batches * q_rows; }
+  constexpr int64_t total_rows() const { return q_batches * q_rows; }
 };
 
 }  // namespace flashserve::kernels

@@ -1,0 +1,537 @@
+// attn_bench: times flashserve's CUDA attention on named configurations and prints one JSON
+// row per configuration on stdout (bench/driver.py builds the specs, merges the rows with the
+// peers' and computes the figures; see bench/README.md).
+//
+//   attn_bench [--device I] [--warmup N] [--min-iters N] [--max-iters N] [--target-s S]
+//              [--row-budget-s S] [--seed N] SPEC...
+//   SPEC  name=prefill_d128_s2k_causal,op=prefill,B=8,S=2048,H=16,Hkv=16,D=128,causal=1
+//         name=decode_b64_l4k_bs16,op=decode,B=64,L=4096,H=32,Hkv=8,D=128,block=16,kv=bf16
+//
+// prefill: varlen_attention, q/k/v [B*S, H(kv), D] bf16, cu_seqlens every S tokens.
+// decode:  kvcache_attention, q [B, 1, H, D] bf16, paged NHD caches [blocks, block, Hkv, D]
+//          (kv = bf16 or fp8 e4m3, descales absent), block tables shuffled over the pool.
+// Inputs are random (never zeros), generated on the host and copied to the device. Input sets
+// rotate so that consecutive runs touch different memory (at least 2 sets, and together more
+// than 3x the L2). Timing: CUDA events around each call after warm-up; the calls are queued
+// behind a host-released gate so that the host's per-call work stays out of the GPU times;
+// the median of >= min-iters runs (fewer only when one run exceeds row-budget-s / min-iters,
+// and the row says so). Exit status 3: a CUDA error that may have poisoned the context; the
+// driver restarts the remaining specs in a fresh process.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "flashserve/attention.hpp"
+#include "flashserve/status.hpp"
+// Internal: which kernel serves a problem (the same selection the call makes).
+#include "api/problem.hpp"
+#include "kernels/attention/select.hpp"
+#include "kernels/device_info.hpp"
+
+namespace {
+
+using namespace flashserve;
+
+// ---------------------------------------------------------------- CUDA helpers
+
+struct CudaFailure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+void cuda_ok(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw CudaFailure(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    if (bytes) cuda_ok(cudaMalloc(&ptr_, bytes), "cudaMalloc");
+  }
+  ~DeviceBuffer() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) { o.ptr_ = nullptr; }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(DeviceBuffer&&) = delete;
+  void* get() const { return ptr_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// ---------------------------------------------------------------- specs
+
+struct Spec {
+  std::string name, op, kv = "bf16";
+  int64_t B = 0, S = 0, L = 0, H = 0, Hkv = 0, D = 0, block = 16;
+  bool causal = false;
+};
+
+Spec parse_spec(const std::string& text) {
+  Spec s;
+  std::map<std::string, std::string> kv;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos) throw std::invalid_argument("spec item without '=': " + item);
+    kv[item.substr(0, eq)] = item.substr(eq + 1);
+  }
+  auto num = [&](const char* key, int64_t& dst) {
+    if (auto it = kv.find(key); it != kv.end()) dst = std::stoll(it->second), kv.erase(it);
+  };
+  auto str = [&](const char* key, std::string& dst) {
+    if (auto it = kv.find(key); it != kv.end()) dst = it->second, kv.erase(it);
+  };
+  int64_t causal = 0;
+  str("name", s.name), str("op", s.op), str("kv", s.kv);
+  num("B", s.B), num("S", s.S), num("L", s.L), num("H", s.H), num("Hkv", s.Hkv), num("D", s.D);
+  num("block", s.block), num("causal", causal);
+  s.causal = causal != 0;
+  if (!kv.empty()) throw std::invalid_argument("unknown spec key: " + kv.begin()->first);
+  if (s.name.empty()) throw std::invalid_argument("spec without name");
+  if (s.op != "prefill" && s.op != "decode") throw std::invalid_argument("op: expected prefill or decode, got " + s.op);
+  if (s.kv != "bf16" && s.kv != "fp8") throw std::invalid_argument("kv: expected bf16 or fp8, got " + s.kv);
+  const bool bad = s.B <= 0 || s.H <= 0 || s.Hkv <= 0 || s.D <= 0 || s.block <= 0 ||
+                   (s.op == "prefill" ? s.S <= 0 : s.L <= 0);
+  if (bad) throw std::invalid_argument("spec with a non-positive size: " + text);
+  return s;
+}
+
+// ---------------------------------------------------------------- random inputs
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+// Random codes with a bounded exponent: never zero, inf or NaN.
+// bf16: |x| in [2^-7, 2); fp8 e4m3: |x| in [2^-3, 2).
+uint16_t random_bf16(uint64_t r) {
+  const uint16_t sign = uint16_t(r & 0x8000u);
+  const uint16_t exp = uint16_t(120 + ((r >> 8) & 7));
+  return uint16_t(sign | (exp << 7) | ((r >> 16) & 0x7F));
+}
+uint8_t random_e4m3(uint64_t r) {
+  const uint8_t sign = uint8_t(r & 0x80u);
+  const uint8_t exp = uint8_t(4 + ((r >> 8) & 3));
+  return uint8_t(sign | (exp << 3) | ((r >> 16) & 7));
+}
+
+// Fills `n` elements of a bf16 or fp8 device buffer through a host staging buffer.
+void fill_random(void* dst, int64_t n, DType t, uint64_t seed) {
+  const size_t esize = dtype_size(t);
+  const int64_t chunk = int64_t(1) << 26;  // elements per staging round (<= 128 MB)
+  std::vector<uint8_t> host(size_t(std::min(n, chunk)) * esize);
+  for (int64_t base = 0; base < n; base += chunk) {
+    const int64_t m = std::min(chunk, n - base);
+    uint8_t* h = host.data();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m; ++i) {
+      const uint64_t r = splitmix64(seed ^ uint64_t(base + i) * 0xD6E8FEB86659FD93ull);
+      if (esize == 2) {
+        const uint16_t v = random_bf16(r);
+        std::memcpy(h + size_t(i) * 2, &v, 2);
+      } else {
+        h[i] = random_e4m3(r);
+      }
+    }
+    cuda_ok(cudaMemcpy(static_cast<uint8_t*>(dst) + size_t(base) * esize, h, size_t(m) * esize,
+                       cudaMemcpyHostToDevice),
+            "cudaMemcpy (inputs)");
+  }
+}
+
+void upload_i32(void* dst, const std::vector<int32_t>& v) {
+  cuda_ok(cudaMemcpy(dst, v.data(), v.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy (metadata)");
+}
+
+// ---------------------------------------------------------------- cases
+
+// A configuration ready to run: one params per input set, the buffers they point into, and the
+// random fills still to do (done after the plan, so an unsupported row costs no fill).
+struct BenchCase {
+  bool batched = false;
+  std::vector<AttentionParams> sets;
+  std::vector<DeviceBuffer> buffers;
+  struct Fill { void* ptr; int64_t n; DType t; };
+  std::vector<Fill> fills;
+  TensorRef out0;  // the output of set 0, checked after timing
+};
+
+void* alloc(BenchCase& c, size_t bytes) {
+  c.buffers.emplace_back(bytes);
+  return c.buffers.back().get();
+}
+
+void* alloc_random(BenchCase& c, int64_t n, DType t) {
+  void* p = alloc(c, size_t(n) * dtype_size(t));
+  c.fills.push_back({p, n, t});
+  return p;
+}
+
+// Input sets: at least 2, and together more than 3x the L2, within `budget` bytes.
+int choose_sets(size_t set_bytes, size_t l2_bytes, size_t budget) {
+  const size_t want = std::max<size_t>(2, (3 * l2_bytes + set_bytes - 1) / std::max<size_t>(set_bytes, 1));
+  const size_t fit = std::max<size_t>(1, budget / std::max<size_t>(set_bytes, 1));
+  return int(std::min<size_t>({want, fit, 64}));
+}
+
+size_t prefill_set_bytes(const Spec& s) {
+  const size_t tokens = size_t(s.B * s.S);
+  return tokens * size_t(2 * s.H + 2 * s.Hkv) * size_t(s.D) * 2;
+}
+
+size_t decode_set_bytes(const Spec& s) {
+  const size_t blocks = size_t(s.B * ((s.L + s.block - 1) / s.block));
+  const size_t kv = blocks * size_t(s.block * s.Hkv * s.D) * (s.kv == "fp8" ? 1 : 2) * 2;
+  return kv + size_t(s.B * s.H * s.D) * 4 + blocks * 4;
+}
+
+BenchCase make_prefill(const Spec& s, int nsets, Device dev) {
+  BenchCase c;
+  const int64_t tokens = s.B * s.S;
+  std::vector<int32_t> cu(static_cast<size_t>(s.B + 1));
+  for (int64_t b = 0; b <= s.B; ++b) cu[size_t(b)] = int32_t(b * s.S);
+  void* cu_dev = alloc(c, cu.size() * 4);
+  upload_i32(cu_dev, cu);
+  const TensorRef cu_ref = TensorRef::contiguous(cu_dev, DType::i32, {s.B + 1}, dev);
+  for (int i = 0; i < nsets; ++i) {
+    AttentionParams p;
+    auto random_bf16_tensor = [&](int64_t heads) {
+      return TensorRef::contiguous(alloc_random(c, tokens * heads * s.D, DType::bf16), DType::bf16,
+                                   {tokens, heads, s.D}, dev);
+    };
+    p.q = random_bf16_tensor(s.H);
+    p.k = random_bf16_tensor(s.Hkv);
+    p.v = random_bf16_tensor(s.Hkv);
+    p.out = TensorRef::contiguous(alloc(c, size_t(tokens * s.H * s.D) * 2), DType::bf16, {tokens, s.H, s.D}, dev);
+    p.cu_seqlens_q = cu_ref;
+    p.cu_seqlens_k = cu_ref;
+    p.max_seqlen_q = s.S;
+    p.max_seqlen_k = s.S;
+    p.causal = s.causal;
+    c.sets.push_back(p);
+  }
+  c.out0 = c.sets[0].out;
+  return c;
+}
+
+BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
+  BenchCase c;
+  c.batched = true;
+  const DType kv_t = s.kv == "fp8" ? DType::f8e4m3 : DType::bf16;
+  const int64_t per_seq = (s.L + s.block - 1) / s.block;
+  const int64_t pool = int64_t(nsets) * s.B * per_seq;
+  const int64_t cache_elems = pool * s.block * s.Hkv * s.D;
+  void* k = alloc_random(c, cache_elems, kv_t);
+  void* v = alloc_random(c, cache_elems, kv_t);
+  const TensorRef k_ref = TensorRef::contiguous(k, kv_t, {pool, s.block, s.Hkv, s.D}, dev);
+  const TensorRef v_ref = TensorRef::contiguous(v, kv_t, {pool, s.block, s.Hkv, s.D}, dev);
+
+  std::vector<int32_t> perm(static_cast<size_t>(pool));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937_64(seed));
+  void* lens = alloc(c, size_t(s.B) * 4);
+  upload_i32(lens, std::vector<int32_t>(size_t(s.B), int32_t(s.L)));
+  for (int i = 0; i < nsets; ++i) {
+    AttentionParams p;
+    p.q = TensorRef::contiguous(alloc_random(c, s.B * s.H * s.D, DType::bf16), DType::bf16, {s.B, 1, s.H, s.D}, dev);
+    p.out = TensorRef::contiguous(alloc(c, size_t(s.B * s.H * s.D) * 2), DType::bf16, {s.B, 1, s.H, s.D}, dev);
+    p.k = k_ref;
+    p.v = v_ref;
+    void* table = alloc(c, size_t(s.B * per_seq) * 4);
+    const auto first = perm.begin() + int64_t(i) * s.B * per_seq;
+    upload_i32(table, std::vector<int32_t>(first, first + s.B * per_seq));
+    p.block_table = TensorRef::contiguous(table, DType::i32, {s.B, per_seq}, dev);
+    p.seqused_k = TensorRef::contiguous(lens, DType::i32, {s.B}, dev);
+    c.sets.push_back(p);
+  }
+  c.out0 = c.sets[0].out;
+  return c;
+}
+
+// ---------------------------------------------------------------- timing
+
+struct TimingOptions {
+  int warmup = 3;
+  int min_iters = 20;
+  int max_iters = 100;     // queued behind the gate at once: keeps well under the launch queue
+  double target_s = 0.5;   // timed GPU time to aim for per row (more runs for short kernels)
+  double row_budget_s = 6; // fewer than min_iters runs only when min_iters would exceed this
+};
+
+struct Timing {
+  double median_ms = 0, min_ms = 0, max_ms = 0;
+  int runs = 0;
+  std::string note;
+};
+
+// Holds a stream until the host has queued the timed calls (host function on the stream).
+struct Gate {
+  std::mutex m;
+  std::condition_variable cv;
+  bool open = false;
+  bool timed_out = false;
+};
+
+void CUDART_CB gate_wait(void* arg) {
+  auto* g = static_cast<Gate*>(arg);
+  std::unique_lock<std::mutex> lock(g->m);
+  if (!g->cv.wait_for(lock, std::chrono::seconds(30), [g] { return g->open; })) g->timed_out = true;
+}
+
+double timed_once(const std::function<void(int)>& call, int set, cudaStream_t s) {
+  cudaEvent_t a, b;
+  cuda_ok(cudaEventCreate(&a), "cudaEventCreate");
+  cuda_ok(cudaEventCreate(&b), "cudaEventCreate");
+  cuda_ok(cudaEventRecord(a, s), "cudaEventRecord");
+  call(set);
+  cuda_ok(cudaEventRecord(b, s), "cudaEventRecord");
+  cuda_ok(cudaEventSynchronize(b), "cudaEventSynchronize");
+  float ms = 0;
+  cuda_ok(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms;
+}
+
+Timing time_calls(const std::function<void(int)>& call, int nsets, cudaStream_t s, const TimingOptions& o) {
+  call(0);  // first call: module load, first-touch
+  cuda_ok(cudaStreamSynchronize(s), "warm-up");
+  const double est = timed_once(call, 1 % nsets, s);
+  Timing t;
+  const bool slow = est * o.min_iters > o.row_budget_s * 1e3;
+  for (int i = 1; i < o.warmup && !slow; ++i) call(i % nsets);
+  int iters = std::clamp(int(std::ceil(o.target_s * 1e3 / std::max(est, 1e-3))), o.min_iters, o.max_iters);
+  if (slow) {
+    iters = std::max(3, int(o.row_budget_s * 1e3 / est));
+    t.note = detail::cat(iters, " runs, fewer than ", o.min_iters, ": one run takes ", est, " ms");
+  }
+  std::vector<cudaEvent_t> ev(static_cast<size_t>(2 * iters));
+  for (auto& e : ev) cuda_ok(cudaEventCreate(&e), "cudaEventCreate");
+  Gate gate;
+  auto open_gate = [&] {
+    {
+      std::lock_guard<std::mutex> lock(gate.m);
+      gate.open = true;
+    }
+    gate.cv.notify_all();
+  };
+  cuda_ok(cudaLaunchHostFunc(s, gate_wait, &gate), "cudaLaunchHostFunc");
+  try {
+    for (int i = 0; i < iters; ++i) {
+      cuda_ok(cudaEventRecord(ev[size_t(2 * i)], s), "cudaEventRecord");
+      call(i % nsets);
+      cuda_ok(cudaEventRecord(ev[size_t(2 * i + 1)], s), "cudaEventRecord");
+    }
+  } catch (...) {  // the host function holds `gate`: release it before it goes out of scope
+    open_gate();
+    cudaStreamSynchronize(s);
+    for (auto& e : ev) cudaEventDestroy(e);
+    throw;
+  }
+  open_gate();
+  cuda_ok(cudaStreamSynchronize(s), "timed runs");
+  if (gate.timed_out) t.note += std::string(t.note.empty() ? "" : "; ") + "gate timed out: a call waits on the host";
+  std::vector<double> ms(static_cast<size_t>(iters));
+  for (int i = 0; i < iters; ++i) {
+    float x = 0;
+    cuda_ok(cudaEventElapsedTime(&x, ev[size_t(2 * i)], ev[size_t(2 * i + 1)]), "cudaEventElapsedTime");
+    ms[size_t(i)] = x;
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  std::sort(ms.begin(), ms.end());
+  t.runs = iters;
+  t.min_ms = ms.front();
+  t.max_ms = ms.back();
+  t.median_ms = iters % 2 ? ms[size_t(iters / 2)] : 0.5 * (ms[size_t(iters / 2 - 1)] + ms[size_t(iters / 2)]);
+  return t;
+}
+
+// "ok", or what is wrong with a bf16 output (non-finite values, all zeros).
+std::string check_output(const TensorRef& out) {
+  std::vector<uint16_t> h(static_cast<size_t>(out.numel()));
+  cuda_ok(cudaMemcpy(h.data(), out.data, h.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy (output)");
+  int64_t nonfinite = 0, zeros = 0;
+  for (uint16_t u : h) {
+    nonfinite += (u & 0x7F80u) == 0x7F80u;
+    zeros += (u & 0x7FFFu) == 0;
+  }
+  if (nonfinite) return detail::cat(nonfinite, " non-finite values");
+  if (zeros == int64_t(h.size())) return "all zeros";
+  return "ok";
+}
+
+// ---------------------------------------------------------------- rows
+
+std::string json_str(const std::string& s) {
+  constexpr const char* kHex = "0123456789abcdef";
+  std::string r = "\"";
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') r += '\\', r += ch;
+    else if (static_cast<unsigned char>(ch) < 0x20) r += detail::cat("\\u00", kHex[(ch >> 4) & 15], kHex[ch & 15]);
+    else r += ch;
+  }
+  return r + "\"";
+}
+
+struct Row {
+  std::string config, status = "error", kernel = "unknown", note, error, out_check;
+  Timing t;
+  int sets = 0, num_splits = 0;
+
+  void print() const {
+    std::ostringstream os;
+    os.precision(6);
+    os << "{\"config\": " << json_str(config) << ", \"peer\": \"flashserve\", \"status\": " << json_str(status)
+       << ", \"kernel\": " << json_str(kernel);
+    if (status == "ok")
+      os << ", \"time_ms\": " << t.median_ms << ", \"time_min_ms\": " << t.min_ms << ", \"time_max_ms\": " << t.max_ms
+         << ", \"runs\": " << t.runs << ", \"sets\": " << sets << ", \"num_splits\": " << num_splits
+         << ", \"out_check\": " << json_str(out_check);
+    const std::string n = t.note.empty() ? note : (note.empty() ? t.note : note + "; " + t.note);
+    if (!n.empty()) os << ", \"note\": " << json_str(n);
+    if (!error.empty()) os << ", \"error\": " << json_str(error);
+    os << "}\n";
+    std::fputs(os.str().c_str(), stdout);
+    std::fflush(stdout);
+  }
+};
+
+std::string served_by(const AttentionParams& p, bool batched, const DeviceProps& dev) {
+  const detail::AttnProblem pr = detail::validate_attention(p, batched);
+  return kernels::kernel_name(kernels::select_attention_kernel(pr, dev).kernel);
+}
+
+struct Options {
+  int device = 0;
+  uint64_t seed = 0x5EED;
+  TimingOptions timing;
+  std::vector<std::string> specs;
+};
+
+// Runs one spec; returns false when a CUDA error may have poisoned the context.
+bool run_spec(const std::string& text, const Options& o, const cudaDeviceProp& prop, cudaStream_t stream) {
+  Row row;
+  row.config = text.substr(0, text.find(','));
+  if (row.config.rfind("name=", 0) == 0) row.config = row.config.substr(5);
+  try {
+    const Spec s = parse_spec(text);
+    row.config = s.name;
+    const Device dev{DeviceType::cuda, o.device};
+    const DeviceProps props = kernels::cuda_device_props(o.device);
+    size_t free_b = 0, total_b = 0;
+    cuda_ok(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+    const size_t budget = free_b / 10 * 7;
+    const bool decode = s.op == "decode";
+    const size_t set_bytes = decode ? decode_set_bytes(s) : prefill_set_bytes(s);
+    const int nsets = choose_sets(set_bytes, size_t(prop.l2CacheSize), budget);
+    if (set_bytes * size_t(nsets) > budget)
+      throw std::invalid_argument(
+          detail::cat("inputs of ", set_bytes >> 20, " MiB do not fit in ", budget >> 20, " MiB"));
+    const uint64_t seed = splitmix64(o.seed ^ std::hash<std::string>{}(s.name));
+    BenchCase c = decode ? make_decode(s, nsets, dev, seed) : make_prefill(s, nsets, dev);
+    row.sets = nsets;
+    const Plan plan = c.batched ? plan_kvcache_attention(c.sets[0], props) : plan_varlen_attention(c.sets[0], props);
+    row.kernel = served_by(c.sets[0], c.batched, props);
+    row.num_splits = plan.num_splits;
+    DeviceBuffer workspace(plan.workspace.total_bytes);
+    for (size_t i = 0; i < c.fills.size(); ++i)
+      fill_random(c.fills[i].ptr, c.fills[i].n, c.fills[i].t, splitmix64(seed + i));
+    ExecContext ctx;
+    ctx.stream = stream;
+    ctx.workspace = workspace.get();
+    ctx.workspace_bytes = workspace.bytes();
+    ctx.plan = &plan;
+    auto call = [&](int set) {
+      if (c.batched) kvcache_attention(c.sets[size_t(set)], ctx);
+      else varlen_attention(c.sets[size_t(set)], ctx);
+    };
+    row.t = time_calls(call, nsets, stream, o.timing);
+    row.out_check = check_output(c.out0);
+    row.status = "ok";
+  } catch (const NotImplemented& e) {
+    row.status = "not_implemented", row.error = e.what();
+  } catch (const Error& e) {
+    row.error = std::string("invalid argument: ") + e.what();
+  } catch (const std::exception& e) {  // CudaFailure, RuntimeError (CUDA errors) and the rest
+    row.error = e.what();
+  }
+  // A failed allocation clears; a kernel fault stays and poisons the context.
+  cudaGetLastError();
+  const bool healthy = cudaDeviceSynchronize() == cudaSuccess;
+  if (!healthy) row.note = "CUDA error: the driver restarts the remaining specs in a fresh process";
+  row.print();
+  return healthy;
+}
+
+Options parse_args(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--device") o.device = std::stoi(value());
+    else if (a == "--warmup") o.timing.warmup = std::stoi(value());
+    else if (a == "--min-iters") o.timing.min_iters = std::stoi(value());
+    else if (a == "--max-iters") o.timing.max_iters = std::stoi(value());
+    else if (a == "--target-s") o.timing.target_s = std::stod(value());
+    else if (a == "--row-budget-s") o.timing.row_budget_s = std::stod(value());
+    else if (a == "--seed") o.seed = std::stoull(value());
+    else if (a.rfind("--", 0) == 0) throw std::invalid_argument("unknown option " + a);
+    else o.specs.push_back(a);
+  }
+  o.timing.max_iters = std::max(o.timing.max_iters, o.timing.min_iters);
+  return o;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  try {
+    o = parse_args(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "attn_bench: %s\nusage: attn_bench [options] name=..,op=prefill|decode,.. ...\n", e.what());
+    return 2;
+  }
+  cudaDeviceProp prop{};
+  cudaStream_t stream = nullptr;
+  try {
+    cuda_ok(cudaSetDevice(o.device), "cudaSetDevice");
+    cuda_ok(cudaGetDeviceProperties(&prop, o.device), "cudaGetDeviceProperties");
+    cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "attn_bench: %s\n", e.what());
+    return 1;
+  }
+  std::fprintf(stderr, "attn_bench: %s, %d SMs, L2 %d MB, %zu specs\n", prop.name, prop.multiProcessorCount,
+               prop.l2CacheSize >> 20, o.specs.size());
+  for (const std::string& spec : o.specs)
+    if (!run_spec(spec, o, prop, stream)) return 3;
+  cudaStreamDestroy(stream);
+  return 0;
+}

@@ -1,0 +1,344 @@
+#!/usr/bin/env python3
+"""The one benchmark driver (../shared/BENCH.md): flashserve's CUDA attention beside cuDNN and
+PyTorch's FlashAttention-2 (through SDPA) and FlexAttention, on the headline configurations,
+in one run on one GPU, with the copy and GEMM ceilings re-measured in the header.
+
+    python3 bench/driver.py [--quick] [--only NAME,...] [--out DIR] [--dry-run] ...
+
+flashserve rows come from the C++ program build/cuda-dev/bench/attn_bench (--attn-bench), peer
+rows from bench/peers.py (torch). Writes DIR/results.json (header, configurations, rows) and
+PNG plots (bench/plots.py), and prints a short fixed-width table last. --dry-run prints the
+plan (configurations, FLOP and byte counts) without torch or a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_BINARY = REPO / "build" / "cuda-dev" / "bench" / "attn_bench"
+PEERS = ("cudnn", "fa2", "flex", "flex_paged")
+ALL_PEERS = ("flashserve",) + PEERS
+
+
+@dataclass(frozen=True)
+class Config:
+    """One named configuration. prefill: varlen, q_len = kv_len = S per sequence; decode: one
+    query per sequence over a paged cache of L tokens in blocks of `block`."""
+    name: str
+    family: str          # prefill | paged_decode | small_pages | fp8_decode
+    op: str              # prefill | decode
+    B: int
+    H: int
+    Hkv: int
+    D: int
+    S: int = 0
+    L: int = 0
+    block: int = 16
+    kv: str = "bf16"     # KV element type: bf16 | fp8 (e4m3)
+    causal: bool = False
+    peers: tuple = ()    # peers (besides flashserve) that run it
+    quick: bool = False  # part of --quick
+
+    @property
+    def flops(self) -> float:
+        """4·B·H·S²·D (÷2 causal) for prefill; 4·B·H·L·D for decode."""
+        if self.op == "prefill":
+            return 4.0 * self.B * self.H * self.S * self.S * self.D / (2 if self.causal else 1)
+        return 4.0 * self.B * self.H * self.L * self.D
+
+    @property
+    def kv_bytes(self) -> int:
+        """K and V bytes one call must read: 2·B·L·H_kv·D·elem (decode), 2·B·S·H_kv·D·2 (prefill)."""
+        elem = 1 if self.kv == "fp8" else 2
+        tokens = self.B * (self.S if self.op == "prefill" else self.L)
+        return 2 * tokens * self.Hkv * self.D * elem
+
+    @property
+    def metric(self) -> str:
+        return "TFLOP/s" if self.op == "prefill" else "GB/s"
+
+    def shape(self) -> str:
+        if self.op == "prefill":
+            return f"B={self.B} S={self.S} H={self.H} D={self.D}{' causal' if self.causal else ''}"
+        return f"B={self.B} L={self.L} H={self.H}/{self.Hkv} D={self.D} block={self.block} kv={self.kv}"
+
+    def spec(self) -> str:
+        """The attn_bench argument for this configuration."""
+        common = f"name={self.name},op={self.op},B={self.B},H={self.H},Hkv={self.Hkv},D={self.D}"
+        if self.op == "prefill":
+            return f"{common},S={self.S},causal={int(self.causal)}"
+        return f"{common},L={self.L},block={self.block},kv={self.kv}"
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def all_configs() -> list[Config]:
+    """The headline configurations of BENCH.md."""
+    out = []
+    for d in (64, 128, 256):
+        for s in (512, 2048, 8192):
+            for causal in (False, True):
+                out.append(Config(
+                    name=f"prefill_d{d}_s{_k(s)}{'_causal' if causal else ''}", family="prefill",
+                    op="prefill", B=16384 // s, H=2048 // d, Hkv=2048 // d, D=d, S=s, causal=causal,
+                    peers=("cudnn", "fa2", "flex"), quick=d == 128 and s >= 2048))
+    decode_shapes = ((1, 32768), (16, 8192), (64, 4096), (256, 1024))
+    common = dict(op="decode", H=32, Hkv=8, D=128)
+    for b, l in decode_shapes:
+        out.append(Config(name=f"decode_b{b}_l{_k(l)}_bs16", family="paged_decode", B=b, L=l, block=16,
+                          peers=PEERS, quick=b in (16, 64), **common))
+    for bs in (1, 256):
+        for b, l in decode_shapes:
+            out.append(Config(name=f"decode_b{b}_l{_k(l)}_bs{bs}", family="small_pages", B=b, L=l, block=bs,
+                              peers=("flex_paged",) if bs >= 16 else (), quick=b == 64, **common))
+    for b, l in decode_shapes:
+        out.append(Config(name=f"decode_fp8_b{b}_l{_k(l)}_bs16", family="fp8_decode", B=b, L=l, block=16,
+                          kv="fp8", quick=b == 64, **common))
+    return out
+
+
+def select_configs(quick: bool, only: str | None) -> list[Config]:
+    configs = all_configs()
+    if quick:
+        configs = [c for c in configs if c.quick]
+    if only:
+        pats = [p.strip() for p in only.split(",") if p.strip()]
+        chosen = [c for c in configs if any(fnmatch.fnmatchcase(c.name, p) or c.family == p for p in pats)]
+        unmatched = [p for p in pats if not any(fnmatch.fnmatchcase(c.name, p) or c.family == p for c in configs)]
+        if unmatched:
+            names = ", ".join(c.name for c in configs)
+            sys.exit(f"driver: --only {','.join(unmatched)} matches no configuration; have: {names}")
+        configs = chosen
+    return configs
+
+
+# ---------------------------------------------------------------- plan (dry run)
+
+def print_plan(configs: list[Config], peers: tuple) -> None:
+    print(f"{'config':28} {'family':13} {'shape':44} {'GFLOP':>9} {'KV MB':>8}  peers")
+    for c in configs:
+        ps = ",".join(["flashserve"] + [p for p in c.peers if p in peers])
+        print(f"{c.name:28} {c.family:13} {c.shape():44} {c.flops / 1e9:9.1f} {c.kv_bytes / 1e6:8.1f}  {ps}")
+    rows = sum(1 + len([p for p in c.peers if p in peers]) for c in configs)
+    print(f"{len(configs)} configurations, {rows} rows; figures: prefill TFLOP/s = 4·B·H·S²·D (÷2 causal) / t "
+          f"vs the bf16 GEMM ceiling; decode GB/s = KV bytes read / t vs the copy ceiling")
+
+
+# ---------------------------------------------------------------- flashserve rows
+
+def flashserve_rows(configs: list[Config], binary: Path, timeout_s: float, extra: list[str]) -> list[dict]:
+    """Runs attn_bench over the configurations; restarts it after a CUDA error (exit 3) or a
+    crash with the configurations not yet reported. Every configuration gets a row."""
+    if not binary.is_file():
+        return [_missing_row(c, f"attn_bench not built ({binary})", "missing") for c in configs]
+    rows: dict[str, dict] = {}
+    pending = list(configs)
+    deadline = time.monotonic() + timeout_s
+    rc = None
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 1:
+            break
+        cmd = [str(binary), *extra, *[c.spec() for c in pending]]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+            out, err, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            err, rc = f"driver: attn_bench stopped at the time limit ({timeout_s:.0f} s)", None
+        if err.strip():
+            print(err.rstrip(), file=sys.stderr)
+        for line in out.splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            rows[row.get("config", "")] = row
+        pending = [c for c in pending if c.name not in rows]
+        if rc in (0, None) or not pending:
+            break
+        if rc != 3:  # a crash: the first configuration without a row is the one that crashed
+            first = pending.pop(0)
+            rows[first.name] = _missing_row(first, f"attn_bench exited with status {rc} on this configuration", "error")
+    timed_out = time.monotonic() >= deadline - 1 or rc is None
+    for c in pending:
+        rows[c.name] = (_missing_row(c, "attn_bench ran out of time", "timeout") if timed_out
+                        else _missing_row(c, f"no row from attn_bench (exit status {rc})", "error"))
+    return [rows[c.name] for c in configs]
+
+
+def _missing_row(c: Config, why: str, status: str) -> dict:
+    return {"config": c.name, "peer": "flashserve", "status": status, "kernel": "unknown", "error": why}
+
+
+# ---------------------------------------------------------------- figures
+
+def add_figures(rows: list[dict], configs: list[Config], header: dict) -> None:
+    """Throughput, fraction of ceiling, ratio to the best peer (and fp8 over bf16) per row."""
+    by_name = {c.name: c for c in configs}
+    ceil = header.get("ceilings", {})
+    times = {(r["config"], r["peer"]): r["time_ms"] for r in rows if r.get("status") == "ok"}
+    for r in rows:
+        c = by_name[r["config"]]
+        r.update(family=c.family, shape=c.shape(), metric=c.metric, flops=c.flops, kv_bytes=c.kv_bytes)
+        if r.get("status") != "ok":
+            continue
+        t = r["time_ms"] * 1e-3
+        if c.op == "prefill":
+            r["tflops"] = c.flops / t / 1e12
+            if ceil.get("gemm_tflops"):
+                r["frac_ceiling"] = r["tflops"] / ceil["gemm_tflops"]
+        else:
+            r["gbps"] = c.kv_bytes / t / 1e9
+            if ceil.get("copy_gbps"):
+                r["frac_ceiling"] = r["gbps"] / ceil["copy_gbps"]
+        if r["peer"] == "flashserve":
+            peer_times = [times[(c.name, p)] for p in c.peers if (c.name, p) in times]
+            if peer_times:
+                r["vs_best_peer"] = min(peer_times) / r["time_ms"]
+            if c.kv == "fp8":
+                bf16 = c.name.replace("decode_fp8_", "decode_")
+                if (bf16, "flashserve") in times:
+                    r["vs_bf16"] = times[(bf16, "flashserve")] / r["time_ms"]
+
+
+def figure(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    st = r.get("status")
+    if st != "ok":
+        return {"not_implemented": "n/i", "missing": "no-bin", "timeout": "t/o", "skipped": "skip",
+                "infeasible": "n/a"}.get(st, "err")
+    v = r.get("tflops", r.get("gbps", 0.0))
+    flag = "!" if r.get("out_check", "ok") != "ok" else ""
+    return (f"{v:.1f}" if v < 100 else f"{v:.0f}") + flag
+
+
+def print_table(header: dict, configs: list[Config], rows: list[dict]) -> None:
+    cell = {(r["config"], r["peer"]): r for r in rows}
+    ceil = header.get("ceilings", {})
+    print()
+    print(f"flashserve bench {header.get('date', '')}  {header.get('device', '?')} ({header.get('sms', '?')} SMs)  "
+          f"commit {header.get('commit', '?')}  torch {header.get('torch', '?')} cuDNN {header.get('cudnn', '?')}")
+    print(f"ceilings: copy {ceil.get('copy_gbps', 0):.0f} GB/s (read+write), bf16 GEMM 8192^3 "
+          f"{ceil.get('gemm_tflops', 0):.0f} TFLOP/s; prefill in TFLOP/s, decode in GB/s of KV read")
+    print(f"{'config':28}" + "".join(f"{p:>11}" for p in ALL_PEERS) + f"{'fs/best':>9}{'fs%ceil':>9}  fs kernel")
+    for c in configs:
+        line = f"{c.name:28}" + "".join(f"{figure(cell.get((c.name, p))):>11}" for p in ALL_PEERS)
+        fs = cell.get((c.name, "flashserve"), {})
+        ratio = fs.get("vs_best_peer", fs.get("vs_bf16"))
+        line += f"{ratio:9.2f}" if ratio is not None else f"{'-':>9}"
+        frac = fs.get("frac_ceiling")
+        line += f"{100 * frac:8.0f}%" if frac is not None else f"{'-':>9}"
+        print(line + f"  {str(fs.get('kernel', '-'))[:12]}")
+    gqa = {}
+    for r in rows:
+        if r.get("gqa"):
+            gqa.setdefault(r["peer"], set()).add(r["gqa"])
+    if gqa:
+        print("decode GQA: " + ", ".join(f"{p} {'/'.join(sorted(v))}" for p, v in gqa.items()))
+    print("n/i: not implemented in flashserve; err: error in results.json; skip: time budget; n/a: infeasible "
+          "formulation; !: flashserve output non-finite or all zeros;\nfs/best: best peer time / flashserve time "
+          "(fp8 rows: bf16 time / fp8 time); fs%ceil: of the GEMM (prefill) or copy (decode) ceiling")
+
+
+# ---------------------------------------------------------------- main
+
+def git_commit() -> str:
+    try:
+        sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        if sha:
+            return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("FLASHSERVE_COMMIT", "unknown")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a subset of the configurations (a few minutes)")
+    ap.add_argument("--only", help="comma-separated configuration names, fnmatch patterns or families")
+    ap.add_argument("--peers", default=",".join(PEERS), help=f"peers to run (default {','.join(PEERS)}; '' for none)")
+    ap.add_argument("--no-flashserve", action="store_true", help="skip the attn_bench rows")
+    ap.add_argument("--attn-bench", type=Path, default=DEFAULT_BINARY, help="path of the attn_bench binary")
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", REPO / "build" / "bench-out")))
+    ap.add_argument("--budget-s", type=float, default=480.0,
+                    help="wall-clock budget for the whole run; rows past it are marked skipped")
+    ap.add_argument("--min-iters", type=int, default=20, help="timed runs per row (median), at least")
+    ap.add_argument("--row-budget-s", type=float, default=4.0,
+                    help="flashserve: fewer than --min-iters runs only when they would exceed this")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan only (no torch, no GPU)")
+    args = ap.parse_args(argv)
+    args.peers = tuple(p for p in args.peers.split(",") if p)
+    bad = [p for p in args.peers if p not in PEERS]
+    if bad:
+        ap.error(f"unknown peer(s) {bad}; have {PEERS}")
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    t0 = time.monotonic()
+    configs = select_configs(args.quick, args.only)
+    if args.dry_run:
+        print_plan(configs, args.peers)
+        return 0
+    import peers as peer_mod  # torch: imported only for a GPU run
+    import plots
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    header = peer_mod.measure_header(min_iters=args.min_iters)
+    header.update(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), commit=git_commit(),
+                  command="python3 bench/driver.py " + " ".join(argv), attn_bench=str(args.attn_bench))
+    print(f"driver: {header['device']}, ceilings copy {header['ceilings']['copy_gbps']:.0f} GB/s, "
+          f"GEMM {header['ceilings']['gemm_tflops']:.0f} TFLOP/s ({time.monotonic() - t0:.0f} s)", flush=True)
+
+    rows: list[dict] = []
+    if not args.no_flashserve:
+        peer_mod.release_memory()
+        left = args.budget_s - (time.monotonic() - t0)
+        extra = ["--min-iters", str(args.min_iters), "--row-budget-s", str(args.row_budget_s)]
+        rows += flashserve_rows(configs, args.attn_bench, max(left * 0.5, 1.0), extra)
+        print(f"driver: flashserve rows done ({time.monotonic() - t0:.0f} s)", flush=True)
+    # Cheap peers first over every configuration, then the compiled ones.
+    for peer in args.peers:
+        for c in configs:
+            if peer not in c.peers:
+                continue
+            if time.monotonic() - t0 > args.budget_s:
+                rows.append({"config": c.name, "peer": peer, "status": "skipped", "error": "time budget"})
+                continue
+            rows.append(peer_mod.run_peer(peer, c, min_iters=args.min_iters))
+        print(f"driver: {peer} rows done ({time.monotonic() - t0:.0f} s)", flush=True)
+    header["clocks_end"] = peer_mod.gpu_clocks()
+    header["wall_s"] = round(time.monotonic() - t0, 1)
+
+    add_figures(rows, configs, header)
+    result = {"header": header, "configs": [dataclasses.asdict(c) | {"flops": c.flops, "kv_bytes": c.kv_bytes}
+                                            for c in configs], "rows": rows}
+    path = args.out / "results.json"
+    path.write_text(json.dumps(result, indent=1))
+    for png in plots.render(result, args.out):
+        print(f"driver: wrote {png}")
+    print(f"driver: wrote {path} ({len(rows)} rows, {header['wall_s']} s)")
+    print_table(header, configs, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,20 @@
+// Host entry points of the attention kernels (defined in the .cu files next to this); plain
+// C++ so the launcher (launch.cu) stays free of kernel templates. Every launch goes on
+// `stream` (a cudaStream_t), is checked with FS_CUDA_CHECK_LAUNCH, allocates nothing and
+// never synchronizes, so CUDA graphs can capture it.
+#pragma once
+
+#include "kernels/attention/params.hpp"
+#include "kernels/attention/select.hpp"
+
+namespace flashserve::kernels {
+
+// generic_fwd.cu: the generic kernel for choice.dv_bucket. Writes out/lse directly when
+// p.num_splits == 1, else the partials in p.o_partial / p.lse_partial.
+void launch_generic_attention(const AttnParams& p, const AttnKernelChoice& choice, void* stream);
+
+// combine.cu: merges the p.num_splits partials of every covered (row, head) in split order,
+// applies the sink once and writes out/lse.
+void launch_split_combine(const AttnParams& p, void* stream);
+
+}  // namespace flashserve::kernels

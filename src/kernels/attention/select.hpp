@@ -1,0 +1,68 @@
+// Kernel selection for attention on CUDA: ONE function decides which kernel serves a problem
+// (or why none can). The support query, the planner's dry run and the launch all call it, so
+// "is it supported" and "what runs" never disagree. Plain C++ (no CUDA headers).
+//
+// Candidates are tried in order; today only the generic kernel exists. A fast path (mma.sync
+// / wgmma) slots in before it: it returns its own reason when it does not apply, and the
+// generic kernel stays the fallback for every validated problem.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "api/problem.hpp"
+#include "flashserve/plan.hpp"
+
+namespace flashserve::kernels {
+
+enum class AttnKernelId : uint8_t { none, generic };
+
+// ---- the generic kernel's fixed shape (generic_fwd.cuh)
+inline constexpr int kGenericWarps = 4;
+inline constexpr int kGenericRowsPerWarp = 4;       // packed (query row, head) rows per warp
+inline constexpr int kGenericThreads = 32 * kGenericWarps;
+inline constexpr int kGenericPackedRows = kGenericWarps * kGenericRowsPerWarp;  // 16 per CTA
+inline constexpr int kGenericTileKeys = 32;         // keys per KV tile: one per lane
+inline constexpr size_t kGenericTokenLocBytes = 24; // sizeof(TokenLoc), checked in load.cuh
+inline constexpr int64_t kGenericMaxQkWidth = 768;  // D (+ Dv of q_v)
+
+// The instantiated accumulator widths (Dv rounded up to one of these): the one table of
+// generic instantiations, read by the selection and by generic_fwd.cu's dispatch.
+#if FLASHSERVE_DEV_CONFIGS
+inline constexpr int kGenericDvBuckets[] = {128, 512};
+#else
+inline constexpr int kGenericDvBuckets[] = {64, 128, 256, 512};
+#endif
+
+constexpr bool generic_dv_bucket_built(int bucket) {
+  for (int b : kGenericDvBuckets)
+    if (b == bucket) return true;
+  return false;
+}
+
+// Dynamic shared memory of the generic kernel: token locations, the CTA's packed query rows
+// [16, D + Dv_qv], K tile [32, D + 1] and V tile [32, Dv + 1] in fp32 (+1: bank padding).
+size_t generic_smem_bytes(int64_t d, int64_t dv, int64_t qv_dim);
+
+// Largest dynamic shared memory per block on a device of this compute capability (opt-in).
+size_t max_smem_per_block(const DeviceProps& dev);
+
+struct AttnKernelChoice {
+  AttnKernelId kernel = AttnKernelId::none;
+  int dv_bucket = 0;        // generic: accumulator channels per row (a built bucket >= Dv)
+  int rows_per_cta = 0;     // query rows per CTA
+  int heads_per_cta = 0;    // query heads (of one KV head's group) per CTA
+  int head_slices = 0;      // ceil(group / heads_per_cta)
+  size_t smem_bytes = 0;    // dynamic shared memory per CTA
+  std::string why_not;      // kernel == none: every candidate's reason, "; "-separated
+  bool supported() const { return kernel != AttnKernelId::none; }
+};
+
+// The kernel for a validated problem on `dev`. Reads shapes and dtypes only (never device
+// memory), allocates nothing when a kernel is found.
+AttnKernelChoice select_attention_kernel(const detail::AttnProblem& pr, const DeviceProps& dev);
+
+const char* kernel_name(AttnKernelId id);
+
+}  // namespace flashserve::kernels

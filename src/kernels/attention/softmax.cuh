@@ -1,0 +1,51 @@
+// The online-softmax state of one (query row, head) and the warp reductions it needs. Partial
+// states over disjoint key ranges merge exactly with merge_lse (common/softmax_state.hpp),
+// which the split combine and the sink share with the CPU reference.
+#pragma once
+
+#include "common/softmax_state.hpp"
+#include "kernels/attention/load.cuh"
+
+namespace flashserve::kernels {
+
+inline constexpr unsigned kFullMask = 0xffffffffu;
+
+// max that lets a NaN win from either side (a NaN score must poison its row, as on the CPU).
+FS_DEV float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
+
+FS_DEV float warp_max_nan(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = nan_max(x, __shfl_xor_sync(kFullMask, x, o));
+  return x;
+}
+
+FS_DEV float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
+  return x;
+}
+
+// Running max m and sum l of exp(s - m) over the keys absorbed so far (empty: m = -inf, l = 0).
+struct RowState {
+  float m = kNegInf;
+  float l = 0.0f;
+
+  // Absorbs a tile whose largest score is tile_max: returns the factor by which earlier
+  // contributions (the output accumulator) must be rescaled, and the new max in new_m; the
+  // caller adds exp(s - new_m) for the tile's keys to l via add_sum. Returns false when every
+  // score so far is -inf (nothing to add).
+  FS_DEV bool rescale(float tile_max, float& new_m, float& alpha) const {
+    new_m = nan_max(m, tile_max);
+    if (new_m == kNegInf) return false;
+    alpha = expf(m - new_m);
+    return true;
+  }
+  FS_DEV void update(float new_m, float alpha, float tile_sum) {
+    l = l * alpha + tile_sum;
+    m = new_m;
+  }
+  FS_DEV bool empty() const { return l == 0.0f; }
+  FS_DEV float lse() const { return empty() ? kNegInf : m + logf(l); }
+};
+
+}  // namespace flashserve::kernels

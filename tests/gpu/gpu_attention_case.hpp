@@ -1,0 +1,196 @@
+// GPU attention test harness shared by test_gpu_attention.cpp and test_gpu_graph.cpp: an
+// AttentionCase (tests/cpp/naive) mirrored to the device storage by storage (strides,
+// padding, K/V interleaving and NaN-poisoned unused KV are kept), run there, copied back, and
+// compared with the CPU reference run under the same plan.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "flashserve/attention.hpp"
+#include "flashserve/numeric.hpp"
+#include "kernels/device_info.hpp"
+#include "naive/attention_case.hpp"
+#include "support/device_tensor.hpp"
+
+namespace fsgpu {
+
+namespace fs = flashserve;
+
+// A device copy of h's storage; an empty storage gets no allocation (and no CUDA call).
+inline DeviceTensor mirror_storage(const fstest::HostTensor& h) {
+  if (!h.bytes->empty()) return DeviceTensor::mirror(h);
+  DeviceTensor d;
+  d.ref = h.ref;
+  d.ref.data = nullptr;
+  d.ref.device = fs::Device{fs::DeviceType::cuda, 0};
+  return d;
+}
+
+// Transfers and poisoning that skip empty storages.
+inline void upload(const DeviceTensor& d, const fstest::HostTensor& h) {
+  if (d.bytes) d.copy_from(h);
+}
+inline void download(const DeviceTensor& d, const fstest::HostTensor& h) {
+  if (d.bytes) d.copy_to(h);
+}
+inline void poison_device(const DeviceTensor& d) {
+  if (d.bytes) poison(d);
+}
+
+// The device side of a case: one mirror per host storage, and the params over the mirrors.
+struct DeviceCase {
+  std::vector<std::pair<const std::vector<unsigned char>*, DeviceTensor>> mirrors;
+  fs::AttentionParams params;  // the case's params, every view rebased onto the device
+
+  const DeviceTensor& mirror_of(const fstest::HostTensor& h) const {
+    for (const auto& [bytes, d] : mirrors)
+      if (bytes == h.bytes.get()) return d;
+    throw std::runtime_error("no device mirror for this host tensor");
+  }
+  // Host -> device again for every storage (after the host side changed).
+  void upload(const fstest::AttentionCase& ac) const {
+    for (const fstest::HostTensor& h : ac.storage) fsgpu::upload(mirror_of(h), h);
+    sync();  // a pageable upload may still be in flight when cudaMemcpy returns
+  }
+};
+
+inline void rebase(const DeviceCase& dc, fs::TensorRef& r) {
+  const char* p = static_cast<const char*>(r.data);
+  for (const auto& [bytes, d] : dc.mirrors) {
+    const char* lo = reinterpret_cast<const char*>(bytes->data());
+    if (p >= lo && (p < lo + bytes->size() || p == lo)) {
+      r.data = static_cast<char*>(d.storage.get()) + (p - lo);
+      break;
+    }
+  }
+  r.device = fs::Device{fs::DeviceType::cuda, 0};
+}
+
+inline void rebase(const DeviceCase& dc, fs::OptTensor& r) {
+  if (r) rebase(dc, *r);
+}
+
+inline DeviceCase mirror_case(const fstest::AttentionCase& ac) {
+  DeviceCase dc;
+  std::vector<fstest::HostTensor> hosts = ac.storage;
+  hosts.push_back(ac.out);
+  if (ac.cfg.lse) hosts.push_back(ac.lse);
+  for (const fstest::HostTensor& h : hosts) {
+    bool seen = false;
+    for (const auto& m : dc.mirrors) seen |= m.first == h.bytes.get();
+    if (!seen) dc.mirrors.emplace_back(h.bytes.get(), mirror_storage(h));
+  }
+  fs::AttentionParams& p = dc.params = ac.params;
+  for (fs::TensorRef* t : {&p.q, &p.out, &p.k, &p.v}) rebase(dc, *t);
+  for (fs::OptTensor* t : {&p.q_v, &p.lse, &p.cu_seqlens_q, &p.cu_seqlens_k, &p.seqused_k, &p.block_table,
+                           &p.cache_batch_idx, &p.alibi_slopes, &p.s_aux, &p.q_descale, &p.k_descale, &p.v_descale,
+                           &p.q_scale, &p.k_scale_cache, &p.v_scale, &p.cp_tot_seqused_k})
+    rebase(dc, *t);
+  return dc;
+}
+
+inline fs::Plan plan_case(const fstest::AttentionCase& ac, const fs::AttentionParams& p) {
+  const fs::DeviceProps dev = fs::kernels::cuda_device_props(0);
+  return ac.cfg.batched() ? fs::plan_kvcache_attention(p, dev) : fs::plan_varlen_attention(p, dev);
+}
+
+inline void call(const fstest::AttentionCase& ac, const fs::AttentionParams& p, const fs::ExecContext& ctx) {
+  if (ac.cfg.batched()) fs::kvcache_attention(p, ctx);
+  else fs::varlen_attention(p, ctx);
+}
+
+// A deep copy of a host tensor (its own storage, same view).
+inline fstest::HostTensor clone(const fstest::HostTensor& h) {
+  fstest::HostTensor c = h;
+  if (!h.bytes) return c;
+  c.bytes = std::make_shared<std::vector<unsigned char>>(*h.bytes);
+  c.ref.data = c.bytes->data() + (static_cast<const unsigned char*>(h.ref.data) - h.bytes->data());
+  return c;
+}
+
+// The CPU reference under `plan` (same split structure as the GPU run); returns (out, lse).
+inline std::pair<fstest::HostTensor, fstest::HostTensor> run_cpu(fstest::AttentionCase& ac, const fs::Plan& plan) {
+  fstest::poison_storage(ac.out);
+  if (ac.cfg.lse) fstest::poison_storage(ac.lse);
+  fs::ExecContext ctx;
+  ctx.plan = &plan;
+  call(ac, ac.params, ctx);
+  return {clone(ac.out), ac.cfg.lse ? clone(ac.lse) : fstest::HostTensor{}};
+}
+
+// Poisons the device out/lse, runs on the device (ctx.stream), synchronizes and copies out and
+// lse back into the case's host tensors.
+inline void run_gpu(fstest::AttentionCase& ac, const DeviceCase& dc, const fs::ExecContext& ctx) {
+  poison_device(dc.mirror_of(ac.out));
+  if (ac.cfg.lse) poison_device(dc.mirror_of(ac.lse));
+  sync();  // the poison (null stream) before a call on a non-blocking ctx.stream
+  call(ac, dc.params, ctx);
+  sync();
+  download(dc.mirror_of(ac.out), ac.out);
+  if (ac.cfg.lse) download(dc.mirror_of(ac.lse), ac.lse);
+}
+
+// One unit in the last place of x in an output dtype (0 for f32).
+inline double out_ulp(double x, fs::DType t) {
+  const int bits = t == fs::DType::f16 ? 10 : t == fs::DType::bf16 ? 7 : -1;
+  if (bits < 0 || x == 0.0 || !std::isfinite(x)) return t == fs::DType::f16 ? std::ldexp(1.0, -24) : 0.0;
+  int e;
+  std::frexp(std::fabs(x), &e);
+  return std::ldexp(1.0, std::max(e - 1, t == fs::DType::f16 ? -14 : -126) - bits);
+}
+
+// GPU result (in ac.out / ac.lse) against the CPU reference's: the same -inf / NaN LSE rows;
+// values within fp32 rounding (1e-5 of the head's max |v| and of the value), plus one output
+// ulp for f16/bf16 outputs. Empty when they agree.
+inline std::string compare_with_cpu(const fstest::AttentionCase& ac, const fstest::HostTensor& cpu_out,
+                                    const fstest::HostTensor& cpu_lse) {
+  const fstest::CaseConfig& c = ac.cfg;
+  const fs::DType ot = c.out_dtype;
+  const int64_t es = int64_t(fs::dtype_size(ot));
+  std::ostringstream first;
+  int64_t bad = 0;
+  auto report = [&](auto&&... parts) {
+    if (bad++ < 8) ((first << "  ") << ... << parts) << "\n";
+  };
+  for (int64_t b = 0; b < c.batch(); ++b) {
+    const fstest::NaiveSequence& s = ac.seqs[size_t(b)];
+    const int64_t row0 = ac.q_row0[size_t(b)];
+    for (int64_t h = 0; h < s.H; ++h) {
+      double maxv = 0.0;
+      const int64_t g = h / (s.H / s.H_kv);
+      for (int64_t t = 0; t < s.sk; ++t)
+        for (int64_t d = 0; d < s.Dv; ++d) maxv = std::max(maxv, std::fabs(s.v[size_t((t * s.H_kv + g) * s.Dv + d)]));
+      for (int64_t i = 0; i < s.sq; ++i) {
+        const char* go = static_cast<const char*>(c.batched() ? ac.out.ref.at(b, i, h, 0) : ac.out.ref.at(row0 + i, h, 0));
+        const char* co = static_cast<const char*>(c.batched() ? cpu_out.ref.at(b, i, h, 0) : cpu_out.ref.at(row0 + i, h, 0));
+        for (int64_t d = 0; d < s.Dv; ++d) {
+          const double x = fs::numeric::load_double(go + d * es, ot), y = fs::numeric::load_double(co + d * es, ot);
+          const double tol = out_ulp(std::max(std::fabs(x), std::fabs(y)), ot) + 1e-5 * maxv + 1e-5 * std::fabs(y);
+          if (std::isnan(x) != std::isnan(y) || std::fabs(x - y) > tol)
+            report("out b=", b, " i=", i, " h=", h, " d=", d, ": gpu ", x, ", cpu ", y, ", tol ", tol);
+        }
+        if (!c.lse) continue;
+        const float x = *static_cast<const float*>(c.batched() ? ac.lse.ref.at(b, h, i) : ac.lse.ref.at(h, row0 + i));
+        const float y = *static_cast<const float*>(c.batched() ? cpu_lse.ref.at(b, h, i) : cpu_lse.ref.at(h, row0 + i));
+        const bool same_class = std::isnan(x) == std::isnan(y) && std::isinf(x) == std::isinf(y);
+        if (!same_class || (std::isinf(x) && x != y) ||
+            (std::isfinite(x) && std::fabs(double(x) - double(y)) > 1e-5 * std::max(1.0, std::fabs(double(y)))))
+          report("lse b=", b, " i=", i, " h=", h, ": gpu ", x, ", cpu ", y);
+      }
+    }
+  }
+  if (bad == 0) return {};
+  std::ostringstream os;
+  os << bad << " mismatches against the CPU reference (same plan); first ones:\n" << first.str();
+  return os.str();
+}
+
+}  // namespace fsgpu

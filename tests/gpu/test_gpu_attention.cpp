@@ -1,0 +1,381 @@
+// CUDA attention against the fp64 oracle and the CPU reference (tests/cpp/naive's generator and
+// comparison): >= 1000 random configurations per run (fresh seed, printed), mirrored to the
+// device with their strides, padding and NaN-poisoned unused KV; outputs poisoned, run, copied
+// back. Edge cases: zero-length sequences, fully masked rows, block size 1, one token, a
+// too-small workspace or a foreign plan (an Error before any write), out-of-range block
+// indices and cache rows (NaN rows exactly where the bad keys are visible).
+// Reproduce a fuzz failure with FLASHSERVE_SEED=<seed> FLASHSERVE_FUZZ_CASE=<case>.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "flashserve/status.hpp"
+#include "gpu_attention_case.hpp"
+
+using flashserve::DType;
+using fstest::CaseConfig;
+using fstest::KvMode;
+namespace fs = flashserve;
+
+namespace {
+
+constexpr uint64_t kSalt = 0x6a7e4c0da11ull;
+constexpr int kCases = 1000;
+constexpr int kMaxReported = 5;
+constexpr KvMode kModes[] = {KvMode::varlen_contiguous, KvMode::varlen_paged, KvMode::batched_paged,
+                             KvMode::batched_contiguous};
+
+std::string plan_summary(const fs::Plan& p) {
+  return "plan: num_splits=" + std::to_string(p.num_splits) + " granularity=" + std::to_string(p.split_granularity) +
+         " workspace=" + std::to_string(p.workspace.total_bytes) + " bytes";
+}
+
+// Builds, runs on the CPU (reference, under the GPU plan) and on the GPU; returns "" when the
+// GPU agrees with the oracle and with the reference. `own_plan`: the call makes its own plan.
+std::string run_and_check(fstest::AttentionCase& ac, bool own_plan = false) {
+  fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
+  fs::Plan plan;
+  try {
+    plan = fsgpu::plan_case(ac, dc.params);
+  } catch (const std::exception& e) {
+    return std::string("planning threw: ") + e.what();
+  }
+  std::pair<fstest::HostTensor, fstest::HostTensor> cpu;
+  try {
+    cpu = fsgpu::run_cpu(ac, plan);
+  } catch (const std::exception& e) {
+    return std::string("the CPU reference threw: ") + e.what();
+  }
+  const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
+  fs::ExecContext ctx;
+  ctx.workspace = ws.get();
+  ctx.workspace_bytes = plan.workspace.total_bytes;
+  ctx.plan = own_plan ? nullptr : &plan;
+  try {
+    fsgpu::run_gpu(ac, dc, ctx);
+  } catch (const std::exception& e) {
+    return plan_summary(plan) + "\nthe CUDA call threw: " + e.what();
+  }
+  std::string err = fstest::check_case(ac);
+  err += fsgpu::compare_with_cpu(ac, cpu.first, cpu.second);
+  return err.empty() ? err : plan_summary(plan) + "\n" + err;
+}
+
+void expect_gpu_matches(const CaseConfig& c, uint64_t salt) {
+  auto rng = fstest::make_rng(salt);
+  fstest::AttentionCase ac = fstest::build_case(c, rng);
+  EXPECT_EQ(run_and_check(ac), "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
+}
+
+CaseConfig small_config(KvMode mode, std::vector<int64_t> q_lens, std::vector<int64_t> k_lens) {
+  CaseConfig c;
+  c.mode = mode;
+  const bool batched = mode == KvMode::batched_paged || mode == KvMode::batched_contiguous;
+  if (batched) q_lens.assign(k_lens.size(), q_lens[0]);
+  c.H = 4, c.H_kv = 2, c.D = c.Dv = 32;
+  c.q_dtype = c.kv_dtype = c.out_dtype = DType::f32;
+  c.q_lens = std::move(q_lens);
+  c.k_lens = std::move(k_lens);
+  c.lse = true;
+  c.extra_kv_rows = 1;
+  c.extra_table_cols = 1;
+  return c;
+}
+
+}  // namespace
+
+TEST(GpuAttentionFuzz, MatchesOracleAndReference) {
+  const auto t0 = std::chrono::steady_clock::now();
+  int first = 0, last = kCases;
+  if (const char* one = std::getenv("FLASHSERVE_FUZZ_CASE")) first = std::atoi(one), last = first + 1;
+  int ran = 0, failed = 0, split_cases = 0;
+  for (int i = first; i < last && failed < kMaxReported; ++i) {
+    auto rng = fstest::make_rng(kSalt + uint64_t(i) * 0x9e3779b97f4a7c15ull);
+    const CaseConfig cfg = fstest::random_case_config(rng);
+    fstest::AttentionCase ac = fstest::build_case(cfg, rng);
+    const std::string err = run_and_check(ac, i % 7 == 3);
+    ++ran;
+    split_cases += cfg.num_splits > 1;
+    if (err.empty()) continue;
+    ++failed;
+    ADD_FAILURE() << "case " << i << " (rerun: FLASHSERVE_SEED=" << fstest::test_seed()
+                  << " FLASHSERVE_FUZZ_CASE=" << i << ")\n  " << fstest::describe(cfg) << "\n" << err;
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("[gpu fuzz] %d cases (%d with forced splits) in %.1f s, %d failed, seed %llu\n", ran, split_cases,
+              secs, failed, static_cast<unsigned long long>(fstest::test_seed()));
+  if (last - first > 1 && failed == 0) EXPECT_GE(ran, 1000);
+}
+
+TEST(GpuAttentionEdge, ZeroLengthSequences) {
+  for (KvMode mode : kModes)
+    for (int splits : {1, 3}) {
+      CaseConfig c = small_config(mode, {3, 0, 4, 0, 2, 0}, {5, 7, 0, 0, 9, 3});
+      c.num_splits = splits;
+      c.causal = splits == 3;
+      expect_gpu_matches(c, 1);
+    }
+  for (KvMode mode : {KvMode::batched_paged, KvMode::batched_contiguous}) {
+    expect_gpu_matches(small_config(mode, {0}, {4, 6}), 2);
+    expect_gpu_matches(small_config(mode, {2}, {0, 0, 0}), 3);
+  }
+}
+
+// Rows that see no key: out exactly 0 and lse -inf, or the sink's logit with a sink.
+TEST(GpuAttentionEdge, FullyMaskedRows) {
+  for (KvMode mode : kModes)
+    for (bool sinks : {false, true}) {
+      CaseConfig c = small_config(mode, {6, 3}, {2, 5});  // causal, sq > sk: leading rows see nothing
+      c.causal = true;
+      c.sinks = sinks;
+      expect_gpu_matches(c, 4);
+      c.causal = false;
+      c.chunk = 4;  // i' < 0 in chunk -1 (floor division)
+      expect_gpu_matches(c, 5);
+      c.chunk = 0;
+      c.window = {0, 0};
+      c.q_lens = c.batched() ? std::vector<int64_t>{2, 2} : std::vector<int64_t>{2, 1};
+      c.k_lens = {0, 3};
+      c.num_splits = 2;
+      expect_gpu_matches(c, 6);
+    }
+}
+
+TEST(GpuAttentionEdge, BlockSizeOneAndOneToken) {
+  for (KvMode mode : {KvMode::varlen_paged, KvMode::batched_paged})
+    for (int splits : {1, 2, 5}) {
+      CaseConfig c = small_config(mode, {1, 4, 1}, {37, 1, 300});
+      c.block_size = 1;
+      c.random_block_ids = true;
+      c.num_splits = splits;
+      c.layout = splits == 2 ? fs::KvLayout::hnd : fs::KvLayout::nhd;
+      expect_gpu_matches(c, 7);
+    }
+  for (KvMode mode : kModes) {
+    CaseConfig c = small_config(mode, {1}, {1});
+    c.block_size = 1;
+    expect_gpu_matches(c, 8);
+  }
+}
+
+// Long KV with every split count, GQA decode packing, MLA head sizes and D = 256.
+TEST(GpuAttentionEdge, LongSplitsAndWideHeads) {
+  for (int splits : {1, 2, 3, 7, 16}) {
+    CaseConfig c = small_config(KvMode::varlen_paged, {1, 1, 5}, {2000, 700, 1290});
+    c.H = 16, c.H_kv = 2;
+    c.q_dtype = c.kv_dtype = c.out_dtype = DType::bf16;
+    c.num_splits = splits;
+    c.sinks = splits % 2 == 1;
+    c.causal = true;
+    expect_gpu_matches(c, 9);
+  }
+  struct Heads { int64_t D, Dv; bool qv; };
+  for (Heads hd : {Heads{256, 256, false}, Heads{192, 128, false}, Heads{64, 512, true}, Heads{40, 40, false}})
+    for (int splits : {1, 4}) {
+      CaseConfig c = small_config(KvMode::batched_paged, {2}, {300, 129});
+      c.D = hd.D, c.Dv = hd.Dv, c.has_qv = hd.qv;
+      c.H = 8, c.H_kv = 1;
+      c.q_dtype = c.out_dtype = DType::f16;
+      c.kv_dtype = hd.qv ? DType::f16 : DType::f8e4m3;
+      c.quant = hd.qv ? fstest::QuantMode::none : fstest::QuantMode::fp8_kv;
+      c.num_splits = splits;
+      expect_gpu_matches(c, 10);
+    }
+}
+
+namespace {
+
+// A case with forced splits whose plan needs a workspace.
+fstest::AttentionCase split_case(uint64_t salt, int64_t k_len) {
+  CaseConfig c = small_config(KvMode::varlen_paged, {2, 1}, {k_len, 300});
+  c.num_splits = 4;
+  auto rng = fstest::make_rng(salt);
+  return fstest::build_case(c, rng);
+}
+
+bool all_poison(const fstest::HostTensor& h) {
+  for (unsigned char x : *h.bytes)
+    if (x != 0xFF) return false;
+  return true;
+}
+
+// Runs a call that must throw flashserve::Error starting with `prefix` and write nothing.
+void expect_rejected(fstest::AttentionCase& ac, const fsgpu::DeviceCase& dc, const fs::ExecContext& ctx,
+                     const std::string& prefix) {
+  fsgpu::poison(dc.mirror_of(ac.out));
+  fsgpu::poison(dc.mirror_of(ac.lse));
+  try {
+    fsgpu::call(ac, dc.params, ctx);
+    ADD_FAILURE() << "accepted; expected an error starting with \"" << prefix << "\"";
+  } catch (const fs::Error& e) {
+    EXPECT_EQ(std::string(e.what()).rfind(prefix, 0), 0u) << e.what();
+  }
+  fsgpu::sync();
+  dc.mirror_of(ac.out).copy_to(ac.out);
+  dc.mirror_of(ac.lse).copy_to(ac.lse);
+  EXPECT_TRUE(all_poison(ac.out)) << "out was written by a rejected call";
+  EXPECT_TRUE(all_poison(ac.lse)) << "lse was written by a rejected call";
+}
+
+}  // namespace
+
+TEST(GpuAttentionErrors, WorkspaceTooSmallWritesNothing) {
+  fstest::AttentionCase ac = split_case(11, 900);
+  const fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
+  const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
+  ASSERT_GT(plan.num_splits, 1);
+  ASSERT_GT(plan.workspace.total_bytes, 0u);
+  const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
+  fs::ExecContext ctx;
+  ctx.workspace = ws.get();
+  ctx.workspace_bytes = plan.workspace.total_bytes - 1;
+  ctx.plan = &plan;
+  expect_rejected(ac, dc, ctx, "workspace: expected at least " + std::to_string(plan.workspace.total_bytes) + " bytes");
+  ctx.plan = nullptr;  // the call's own plan needs the same
+  expect_rejected(ac, dc, ctx, "workspace: expected at least");
+  ctx.workspace_bytes = plan.workspace.total_bytes;
+  ctx.validate_only = true;  // a dry run with enough workspace: no error, nothing written
+  fsgpu::poison(dc.mirror_of(ac.out));
+  fsgpu::call(ac, dc.params, ctx);
+  fsgpu::sync();
+  dc.mirror_of(ac.out).copy_to(ac.out);
+  EXPECT_TRUE(all_poison(ac.out)) << "validate_only wrote out";
+}
+
+TEST(GpuAttentionErrors, PlanForAnotherShapeOrDevice) {
+  fstest::AttentionCase ac = split_case(12, 900);
+  fstest::AttentionCase other = split_case(12, 1500);  // another max_seqlen_k
+  const fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
+  const fs::Plan foreign = fsgpu::plan_case(other, fsgpu::mirror_case(other).params);
+  const auto ws = fsgpu::device_alloc(foreign.workspace.total_bytes + (1 << 20));
+  fs::ExecContext ctx;
+  ctx.workspace = ws.get();
+  ctx.workspace_bytes = foreign.workspace.total_bytes + (1 << 20);
+  ctx.plan = &foreign;
+  expect_rejected(ac, dc, ctx, "scheduler_metadata: expected a plan made for");
+  const fs::Plan cpu_plan = fs::plan_varlen_attention(ac.params, fs::DeviceProps::cpu());  // no workspace buffers
+  ASSERT_GT(cpu_plan.num_splits, 1);
+  ctx.plan = &cpu_plan;
+  expect_rejected(ac, dc, ctx, "scheduler_metadata: expected a plan made for a CUDA device");
+}
+
+namespace {
+
+// Whether row i of sequence b sees any key in [k0, k1).
+bool sees_any(const fstest::AttentionCase& ac, int64_t b, int64_t i, int64_t k0, int64_t k1) {
+  const fstest::NaiveSequence& s = ac.seqs[size_t(b)];
+  for (int64_t t = k0; t < std::min(k1, s.sk); ++t)
+    if (fstest::naive_visible(ac.feats[size_t(b)], i, t, s.sq, s.sk)) return true;
+  return false;
+}
+
+// After corrupting sequence `bad_b`'s keys [k0, k1) on the device: rows that see one of them
+// are NaN in every channel (and lse), every other row matches the CPU reference of the
+// uncorrupted case.
+void expect_nan_rows(fstest::AttentionCase& ac, const std::pair<fstest::HostTensor, fstest::HostTensor>& cpu,
+                     int64_t bad_b, int64_t k0, int64_t k1, const std::string& what) {
+  const CaseConfig& c = ac.cfg;
+  int64_t nan_rows = 0, wrong = 0;
+  for (int64_t b = 0; b < c.batch(); ++b) {
+    const fstest::NaiveSequence& s = ac.seqs[size_t(b)];
+    for (int64_t i = 0; i < s.sq; ++i)
+      for (int64_t h = 0; h < s.H; ++h) {
+        const bool want_nan = b == bad_b && sees_any(ac, b, i, k0, k1);
+        const int64_t row = c.batched() ? i : ac.q_row0[size_t(b)] + i;
+        for (int64_t d = 0; d < s.Dv; ++d) {
+          const float x = c.batched() ? ac.out.get({b, i, h, d}) : ac.out.get({row, h, d});
+          const float y = c.batched() ? cpu.first.get({b, i, h, d}) : cpu.first.get({row, h, d});
+          const bool ok = want_nan ? std::isnan(x) : std::fabs(double(x) - double(y)) <= 1e-5 * (1.0 + std::fabs(y));
+          if (!ok && wrong++ < 5)
+            ADD_FAILURE() << what << ": b=" << b << " i=" << i << " h=" << h << " d=" << d << " got " << x
+                          << (want_nan ? ", want NaN" : ", want ") << (want_nan ? 0.0f : y);
+        }
+        const float l = c.batched() ? *static_cast<const float*>(ac.lse.ref.at(b, h, i))
+                                    : *static_cast<const float*>(ac.lse.ref.at(h, row));
+        if (want_nan && !std::isnan(l) && wrong++ < 5) ADD_FAILURE() << what << ": lse not NaN at b=" << b << " i=" << i;
+        nan_rows += want_nan;
+      }
+  }
+  EXPECT_GT(nan_rows, 0) << what << ": the test corrupts no visible key";
+  EXPECT_EQ(wrong, 0) << what << "\n" << fstest::describe(c);
+}
+
+}  // namespace
+
+// Block indices outside [0, num_blocks) (and cache rows outside the cache) are never read:
+// the keys they hold become NaN, so exactly the rows that see them are NaN.
+TEST(GpuAttentionErrors, OutOfRangeBlockIndexGivesNanRows) {
+  for (KvMode mode : {KvMode::varlen_paged, KvMode::batched_paged})
+    for (int splits : {1, 3})
+      for (int bad_id : {-1, 1 << 20}) {
+        CaseConfig c = small_config(mode, {3, 5, 2}, {10, 13, 7});
+        c.block_size = 4;
+        c.causal = true;
+        c.num_splits = splits;
+        auto rng = fstest::make_rng(13);
+        fstest::AttentionCase ac = fstest::build_case(c, rng);
+        const fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
+        const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
+        const auto cpu = fsgpu::run_cpu(ac, plan);
+        // Sequence 1's block column 3 holds key 12, seen only by its last row(s).
+        *static_cast<int32_t*>(ac.params.block_table->at(1, 3)) = bad_id;
+        dc.upload(ac);
+        const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
+        fs::ExecContext ctx;
+        ctx.workspace = ws.get();
+        ctx.workspace_bytes = plan.workspace.total_bytes;
+        ctx.plan = &plan;
+        fsgpu::run_gpu(ac, dc, ctx);
+        expect_nan_rows(ac, cpu, 1, 12, 16, "block id " + std::to_string(bad_id) + " splits " + std::to_string(splits));
+      }
+  // A contiguous cache row outside the cache (cache_batch_idx past B_cache).
+  CaseConfig c = small_config(KvMode::batched_contiguous, {2}, {6, 9, 4});
+  c.use_cache_batch_idx = true;
+  auto rng = fstest::make_rng(14);
+  fstest::AttentionCase ac = fstest::build_case(c, rng);
+  const fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
+  const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
+  const auto cpu = fsgpu::run_cpu(ac, plan);
+  *static_cast<int32_t*>(ac.params.cache_batch_idx->at(1)) = 1000;
+  dc.upload(ac);
+  fsgpu::run_gpu(ac, dc, fs::ExecContext{});
+  expect_nan_rows(ac, cpu, 1, 0, 9, "cache_batch_idx 1000");
+}
+
+// Context parallelism (not drawn by the fuzz generator): rank r of W holds global keys
+// r, r + W, ...; masks and ALiBi use global positions. Compared with the CPU reference.
+TEST(GpuAttentionEdge, ContextParallelMatchesReference) {
+  const std::vector<int64_t> global = {40, 7, 300};
+  for (int world : {2, 3})
+    for (int rank = 0; rank < world; ++rank)
+      for (int variant = 0; variant < 3; ++variant) {
+        std::vector<int64_t> local;
+        for (int64_t g : global) local.push_back(g > rank ? (g - rank + world - 1) / world : 0);
+        CaseConfig c = small_config(variant == 2 ? KvMode::batched_paged : KvMode::varlen_paged, {3, 1, 6}, local);
+        c.causal = variant != 1;
+        if (variant == 1) c.window = {20, 3};
+        c.alibi = variant == 2 ? 1 : 0;
+        c.num_splits = variant + 1;
+        auto rng = fstest::make_rng(15);
+        fstest::AttentionCase ac = fstest::build_case(c, rng);
+        const fstest::HostTensor tot = fstest::HostTensor::zeros(DType::i32, {int64_t(global.size())});
+        for (size_t b = 0; b < global.size(); ++b) tot.ref.ptr<int32_t>()[b] = int32_t(global[b]);
+        ac.storage.push_back(tot);
+        ac.params.cp_world_size = world;
+        ac.params.cp_rank = rank;
+        ac.params.cp_tot_seqused_k = tot.ref;
+        const fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
+        const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
+        const auto cpu = fsgpu::run_cpu(ac, plan);
+        const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
+        fs::ExecContext ctx;
+        ctx.workspace = ws.get();
+        ctx.workspace_bytes = plan.workspace.total_bytes;
+        fsgpu::run_gpu(ac, dc, ctx);
+        EXPECT_EQ(fsgpu::compare_with_cpu(ac, cpu.first, cpu.second), "")
+            << "world " << world << " rank " << rank << " variant " << variant << "\n" << fstest::describe(c);
+      }
+}
