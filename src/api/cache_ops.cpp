@@ -1,10 +1,13 @@
-// Public entry points of cache.hpp: validate, then dispatch by device (cpu -> reference).
+// Public entry points of cache.hpp: validate, then dispatch by device (cpu -> reference, cuda ->
+// kernels in CUDA builds). On CUDA the contents that index memory stay on the device unchecked:
+// the kernels skip out-of-range indices (kernels/cache_ops.hpp).
 #include <array>
 #include <utility>
 
 #include "api/validate_cache.hpp"
 #include "flashserve/cache.hpp"
 #include "flashserve/status.hpp"
+#include "kernels/cache_ops.hpp"
 #include "reference/cache_ops.hpp"
 
 namespace flashserve {
@@ -21,8 +24,15 @@ constexpr std::array<std::pair<std::string_view, KvCacheDType>, 7> kCacheDTypeNa
     {"int8_k8v16", KvCacheDType::int8_k8v16},
 }};
 
-void require_cpu(Device d, std::string_view op) {
-  if (d.type == DeviceType::cuda) fail_not_implemented(op, " on CUDA tensors (the CUDA kernels are not built yet)");
+// A call on CUDA tensors: in CUDA builds runs `launch` (unless validate_only); in CPU-only builds
+// throws NotImplemented, validate_only or not. `launch` is never called (nor emitted) there.
+template <class F>
+void run_cuda(std::string_view op, const ExecContext& ctx, F&& launch) {
+#if FLASHSERVE_WITH_CUDA
+  if (!ctx.validate_only) launch();
+#else
+  fail_not_implemented(op, " on CUDA tensors (the CUDA kernels are not built yet)");
+#endif
 }
 
 }  // namespace
@@ -46,7 +56,8 @@ std::string_view kv_cache_dtype_name(KvCacheDType t) {
 
 void reshape_and_cache(const CacheWriteParams& p, const ExecContext& ctx) {
   const detail::CacheWriteProblem pr = detail::validate_cache_write(p);
-  require_cpu(pr.device, "reshape_and_cache");
+  if (pr.device.type == DeviceType::cuda)
+    return run_cuda("reshape_and_cache", ctx, [&] { kernels::reshape_and_cache(pr, ctx.stream); });
   detail::check_cache_write_contents(pr);
   if (ctx.validate_only) return;
   reference::reshape_and_cache(pr);
@@ -54,7 +65,8 @@ void reshape_and_cache(const CacheWriteParams& p, const ExecContext& ctx) {
 
 void copy_blocks(std::span<const TensorRef> caches, const TensorRef& block_mapping, const ExecContext& ctx) {
   const Device dev = detail::validate_copy_blocks(caches, block_mapping);
-  require_cpu(dev, "copy_blocks");
+  if (dev.type == DeviceType::cuda)
+    return run_cuda("copy_blocks", ctx, [&] { kernels::copy_blocks(caches, block_mapping, ctx.stream); });
   detail::check_block_mapping(block_mapping, caches.empty() ? 0 : caches[0].size(0),
                               caches.empty() ? 0 : caches[0].size(0));
   if (ctx.validate_only) return;
@@ -62,22 +74,27 @@ void copy_blocks(std::span<const TensorRef> caches, const TensorRef& block_mappi
 }
 
 void swap_blocks(const TensorRef& src, const TensorRef& dst, const TensorRef& block_mapping, const ExecContext& ctx) {
-  if (detail::validate_swap_blocks(src, dst, block_mapping))
-    fail_not_implemented("swap_blocks with a cache on a CUDA device (the CUDA copies are not built yet)");
-  detail::check_block_mapping(block_mapping, src.size(0), dst.size(0));
+  const bool cuda = detail::validate_swap_blocks(src, dst, block_mapping);
+#if !FLASHSERVE_WITH_CUDA
+  if (cuda) fail_not_implemented("swap_blocks with a cache on a CUDA device (the CUDA copies are not built yet)");
+#endif
+  detail::check_block_mapping(block_mapping, src.size(0), dst.size(0));  // on the CPU either way
+  if (cuda) return run_cuda("swap_blocks", ctx, [&] { kernels::swap_blocks(src, dst, block_mapping, ctx.stream); });
   if (ctx.validate_only) return;
   reference::swap_blocks(src, dst, block_mapping);
 }
 
 void advance_step(const AdvanceStepParams& p, const ExecContext& ctx) {
-  require_cpu(detail::validate_advance_step(p), "advance_step");
+  if (detail::validate_advance_step(p).type == DeviceType::cuda)
+    return run_cuda("advance_step", ctx, [&] { kernels::advance_step(p, ctx.stream); });
   detail::check_advance_step_contents(p);
   if (ctx.validate_only) return;
   reference::advance_step(p);
 }
 
 void quantize_int8(const TensorRef& x, const TensorRef& out, const TensorRef& scale, const ExecContext& ctx) {
-  require_cpu(detail::validate_quantize_int8(x, out, scale), "quantize_int8");
+  if (detail::validate_quantize_int8(x, out, scale).type == DeviceType::cuda)
+    return run_cuda("quantize_int8", ctx, [&] { kernels::quantize_int8(x, out, scale, ctx.stream); });
   if (ctx.validate_only) return;
   reference::quantize_int8(x, out, scale);
 }

@@ -419,9 +419,11 @@ std::vector<BadInput> scalar_and_device_cases() {
       bad("out_on_cuda_rest_on_cpu", BC, [](Fixture& f) { f.p.out.device = {fs::DeviceType::cuda, 0}; }, {"out"}),
       unsupported("head_size_20", VP, [](Fixture& f) { set_head_size(f, 20); }, "head size"),
       unsupported("head_size_264", VP, [](Fixture& f) { set_head_size(f, 264); }, "head size"),
+#if !FLASHSERVE_WITH_CUDA  // CUDA builds run CUDA tensors (tests/gpu)
       unsupported("all_tensors_on_cuda", VP, [](Fixture& f) {
             for_each_tensor(f.p, [](TensorRef& t) { t.device = {fs::DeviceType::cuda, 0}; });
           }, "cuda"),
+#endif
   };
 }
 

@@ -91,6 +91,8 @@ TEST(GpuAttentionFuzz, MatchesOracleAndReference) {
   const auto t0 = std::chrono::steady_clock::now();
   int first = 0, last = kCases;
   if (const char* one = std::getenv("FLASHSERVE_FUZZ_CASE")) first = std::atoi(one), last = first + 1;
+  const char* count = std::getenv("FLASHSERVE_FUZZ_CASES");  // reduced runs (sanitizers)
+  if (count) last = first + std::max(1, std::atoi(count));
   int ran = 0, failed = 0, split_cases = 0;
   for (int i = first; i < last && failed < kMaxReported; ++i) {
     auto rng = fstest::make_rng(kSalt + uint64_t(i) * 0x9e3779b97f4a7c15ull);
@@ -107,7 +109,7 @@ TEST(GpuAttentionFuzz, MatchesOracleAndReference) {
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("[gpu fuzz] %d cases (%d with forced splits) in %.1f s, %d failed, seed %llu\n", ran, split_cases,
               secs, failed, static_cast<unsigned long long>(fstest::test_seed()));
-  if (last - first > 1 && failed == 0) EXPECT_GE(ran, 1000);
+  if (!count && last - first > 1 && failed == 0) EXPECT_GE(ran, 1000);
 }
 
 TEST(GpuAttentionEdge, ZeroLengthSequences) {

@@ -19,8 +19,9 @@ namespace {
 constexpr int kMaxDevices = 64;
 
 // Raises (never lowers) a kernel's dynamic shared memory limit on the current device to
-// `smem`: lowering it could fail another thread's launch of a larger configuration.
-template <class Kernel>
+// `smem`: lowering it could fail another thread's launch of a larger configuration. The
+// record is per instantiation (`Tag`): every bucket's kernel has the same function type.
+template <int Tag, class Kernel>
 void raise_smem_limit(Kernel* kernel, size_t smem) {
   static std::array<std::atomic<size_t>, kMaxDevices> granted{};
   static std::mutex mutex;
@@ -41,7 +42,7 @@ void raise_smem_limit(Kernel* kernel, size_t smem) {
 template <int kDvBucket>
 void launch_bucket(const AttnParams& p, size_t smem, cudaStream_t stream) {
   auto* kernel = &generic::attention_fwd<kDvBucket>;
-  raise_smem_limit(kernel, smem);
+  raise_smem_limit<kDvBucket>(kernel, smem);
   const int64_t tiles = (p.total_rows() + p.rows_per_cta - 1) / p.rows_per_cta;
   const dim3 grid(unsigned(tiles), unsigned(p.num_kv_heads * p.head_slices), unsigned(p.num_splits));
   kernel<<<grid, kGenericThreads, smem, stream>>>(p);
