@@ -38,9 +38,6 @@
 
 #include "flashserve/attention.hpp"
 #include "flashserve/status.hpp"
-// Internal: which kernel serves a problem (the same selection the call makes).
-#include "api/problem.hpp"
-#include "kernels/attention/select.hpp"
 #include "kernels/device_info.hpp"
 
 namespace {
@@ -420,8 +417,7 @@ struct Row {
 };
 
 std::string served_by(const AttentionParams& p, bool batched, const DeviceProps& dev) {
-  const detail::AttnProblem pr = detail::validate_attention(p, batched);
-  return kernels::kernel_name(kernels::select_attention_kernel(pr, dev).kernel);
+  return attention_kernel_name(p, batched, dev);
 }
 
 struct Options {

@@ -29,9 +29,9 @@ target_sources(flashserve PRIVATE ${FLASHSERVE_CUDA_SOURCES})
 target_compile_options(flashserve PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
 target_link_libraries(flashserve PUBLIC CUDA::cudart)
-target_compile_definitions(flashserve
-  PUBLIC FLASHSERVE_WITH_CUDA=1
-  PRIVATE FLASHSERVE_DEV_CONFIGS=$<BOOL:${FLASHSERVE_DEV_CONFIGS}>)
+# Public: tests that include the instantiation tables must see the same set as the library.
+target_compile_definitions(flashserve PUBLIC
+  FLASHSERVE_WITH_CUDA=1 FLASHSERVE_DEV_CONFIGS=$<BOOL:${FLASHSERVE_DEV_CONFIGS}>)
 
 list(LENGTH FLASHSERVE_CUDA_SOURCES _fs_num_cu)
 message(STATUS "flashserve: CUDA ${CMAKE_CUDA_COMPILER_VERSION}, archs ${CMAKE_CUDA_ARCHITECTURES}, "

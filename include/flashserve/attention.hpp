@@ -100,4 +100,9 @@ Plan plan_kvcache_attention(const AttentionParams& p, const DeviceProps& dev);
 std::string attention_unsupported_reason(const AttentionParams& p, bool batched,
                                          const DeviceProps& dev);
 
+// Which kernel serves this problem on `dev`: "reference" on the CPU; on CUDA the selection's
+// name ("decode", "prefill_mma", "generic"). Validates like the call (throws the same errors);
+// throws NotImplemented when no kernel serves it.
+std::string attention_kernel_name(const AttentionParams& p, bool batched, const DeviceProps& dev);
+
 }  // namespace flashserve

@@ -130,4 +130,17 @@ std::string attention_unsupported_reason(const AttentionParams& p, bool batched,
   return "";
 }
 
+std::string attention_kernel_name(const AttentionParams& p, bool batched, const DeviceProps& dev) {
+  const detail::AttnProblem pr = detail::validate_attention(p, batched);
+  if (pr.q.device.type != DeviceType::cuda && dev.device.type != DeviceType::cuda) return "reference";
+#if FLASHSERVE_WITH_CUDA
+  const DeviceProps cuda = dev.device.type == DeviceType::cuda ? dev : kernels::cuda_device_props(pr.q.device.index);
+  const kernels::AttnKernelChoice choice = kernels::select_attention_kernel(pr, cuda);
+  if (!choice.supported()) throw NotImplemented(choice.why_not);
+  return choice.name();
+#else
+  fail_cuda();
+#endif
+}
+
 }  // namespace flashserve

@@ -19,28 +19,6 @@ using fstest::KvMode;
 
 namespace {
 
-constexpr KvMode kModes[] = {KvMode::varlen_contiguous, KvMode::varlen_paged, KvMode::batched_paged,
-                             KvMode::batched_contiguous};
-
-CaseConfig base_config(KvMode mode, std::vector<int64_t> q_lens, std::vector<int64_t> k_lens) {
-  CaseConfig c;
-  c.mode = mode;
-  c.H = 4, c.H_kv = 2, c.D = c.Dv = 32;
-  c.q_dtype = c.kv_dtype = c.out_dtype = DType::f32;
-  c.q_lens = std::move(q_lens);
-  c.k_lens = std::move(k_lens);
-  c.lse = true;
-  c.extra_kv_rows = 1;
-  c.extra_table_cols = 1;
-  return c;
-}
-
-// Batched calls take one query length for the whole batch.
-CaseConfig for_mode(KvMode mode, const std::vector<int64_t>& q_lens, const std::vector<int64_t>& k_lens) {
-  const bool batched = mode == KvMode::batched_paged || mode == KvMode::batched_contiguous;
-  return base_config(mode, batched ? std::vector<int64_t>(k_lens.size(), q_lens[0]) : q_lens, k_lens);
-}
-
 fstest::AttentionCase build(const CaseConfig& c, uint64_t salt) {
   auto rng = fstest::make_rng(salt);
   return fstest::build_case(c, rng);
@@ -56,17 +34,17 @@ void expect_matches(const CaseConfig& c, uint64_t salt) {
 
 TEST(AttentionEdge, ZeroLengthSequencesInTheMiddle) {
   const std::vector<int64_t> q_lens = {3, 0, 4, 0, 2, 0}, k_lens = {5, 7, 0, 0, 9, 3};
-  for (KvMode mode : kModes)
+  for (KvMode mode : fstest::kAllKvModes)
     for (int splits : {1, 3}) {
-      CaseConfig c = for_mode(mode, q_lens, k_lens);
+      CaseConfig c = fstest::small_case_config(mode, q_lens, k_lens);
       c.num_splits = splits;
       c.causal = splits == 3;
       expect_matches(c, 1);
     }
   // A batched call whose every sequence has sq = 0, and one with every KV length 0.
   for (KvMode mode : {KvMode::batched_paged, KvMode::batched_contiguous}) {
-    expect_matches(base_config(mode, {0, 0}, {4, 6}), 2);
-    expect_matches(base_config(mode, {2, 2, 2}, {0, 0, 0}), 3);
+    expect_matches(fstest::small_case_config(mode, {0, 0}, {4, 6}), 2);
+    expect_matches(fstest::small_case_config(mode, {2, 2, 2}, {0, 0, 0}), 3);
   }
 }
 
@@ -80,10 +58,10 @@ TEST(AttentionEdge, FullyMaskedRows) {
     flashserve::Window window;
   };
   const Masking maskings[] = {{true, 0, {}}, {false, 3, {}}, {false, 0, {0, 0}}, {true, 2, {1, -1}}};
-  for (KvMode mode : kModes)
+  for (KvMode mode : fstest::kAllKvModes)
     for (const Masking& m : maskings)
       for (bool sinks : {false, true}) {
-        CaseConfig c = for_mode(mode, {7, 5}, {3, 0});
+        CaseConfig c = fstest::small_case_config(mode, {7, 5}, {3, 0});
         c.causal = m.causal, c.chunk = m.chunk, c.window = m.window;
         c.sinks = sinks;
         c.num_splits = 2;
@@ -118,7 +96,7 @@ TEST(AttentionEdge, FullyMaskedRows) {
 TEST(AttentionEdge, BlockSizeOne) {
   for (KvMode mode : {KvMode::varlen_paged, KvMode::batched_paged})
     for (KvLayout layout : {KvLayout::nhd, KvLayout::hnd}) {
-      CaseConfig c = for_mode(mode, {1, 9, 4}, {100, 37, 1});
+      CaseConfig c = fstest::small_case_config(mode, {1, 9, 4}, {100, 37, 1});
       c.block_size = 1;
       c.layout = layout;
       c.random_block_ids = true;
@@ -130,9 +108,9 @@ TEST(AttentionEdge, BlockSizeOne) {
 }
 
 TEST(AttentionEdge, SingleToken) {
-  for (KvMode mode : kModes)
+  for (KvMode mode : fstest::kAllKvModes)
     for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
-      CaseConfig c = for_mode(mode, {1}, {1});
+      CaseConfig c = fstest::small_case_config(mode, {1}, {1});
       c.q_dtype = c.kv_dtype = c.out_dtype = dt;
       c.block_size = 16;
       c.causal = true;
@@ -211,7 +189,7 @@ TEST(AttentionEdge, PagedCacheOver2GiB) {
   for (KvMode mode : {KvMode::varlen_paged, KvMode::batched_paged})
     for (KvLayout layout : {KvLayout::nhd, KvLayout::hnd})
       for (DType kv : {DType::f16, DType::f8e4m3}) {
-        CaseConfig c = for_mode(mode, {3, 1, 5}, {40, 70, 33});
+        CaseConfig c = fstest::small_case_config(mode, {3, 1, 5}, {40, 70, 33});
         c.block_size = 16, c.layout = layout, c.causal = true, c.num_splits = 2;
         c.q_dtype = c.out_dtype = DType::f16;
         c.kv_dtype = kv;
@@ -250,7 +228,7 @@ TEST(AttentionEdge, ContiguousCacheOver2GiB) {
   if (!r.ok()) GTEST_SKIP() << "mmap of " << region << " bytes of sparse virtual memory failed";
   // Batched: cache rows 1 GiB apart (rows 2 and 3 lie past 2^31 bytes), V 512 MiB into each row.
   {
-    CaseConfig c = base_config(KvMode::batched_contiguous, {2, 2}, {30, 12});
+    CaseConfig c = fstest::small_case_config(KvMode::batched_contiguous, {2, 2}, {30, 12});
     c.use_cache_batch_idx = true, c.extra_kv_rows = 2;
     fstest::AttentionCase ac = build(c, 9);
     auto& p = ac.params;
@@ -268,7 +246,7 @@ TEST(AttentionEdge, ContiguousCacheOver2GiB) {
   }
   // Varlen: a token stride of 384 MiB, so tokens 6 and later lie past 2^31 bytes.
   {
-    CaseConfig c = base_config(KvMode::varlen_contiguous, {2, 3}, {4, 5});
+    CaseConfig c = fstest::small_case_config(KvMode::varlen_contiguous, {2, 3}, {4, 5});
     c.use_seqused = false, c.extra_kv_rows = 0;
     fstest::AttentionCase ac = build(c, 10);
     auto& p = ac.params;

@@ -7,13 +7,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <numeric>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "flashserve/cache.hpp"
 #include "flashserve/status.hpp"
+#include "support/cache_operands.hpp"
+#include "support/checks.hpp"
 #include "support/host_tensor.hpp"
 
 namespace {
@@ -24,16 +24,13 @@ using fs::DType;
 using fs::KvCacheDType;
 using fs::KvLayout;
 using fs::TensorRef;
+using fstest::block_pairs;
 using fstest::HostTensor;
-
-// Counts failed checks and keeps the first message, so a broken kernel reports once per case.
-struct Mismatches {
-  int64_t count = 0;
-  std::string first;
-  void check(bool ok, const std::string& what) {
-    if (!ok && count++ == 0) first = what;
-  }
-};
+using fstest::mapping_tensor;
+using fstest::Mismatches;
+using fstest::pick;
+using fstest::uniform_int;
+using fstest::WriteCase;
 
 // The bytes a call may write in one buffer; every other byte must keep its snapshot.
 struct Tracker {
@@ -53,63 +50,10 @@ struct Tracker {
   }
 };
 
-template <class T>
-T pick(std::mt19937_64& rng, std::initializer_list<T> xs) {
-  return *(xs.begin() + int64_t(rng() % xs.size()));
-}
-int64_t uniform_int(std::mt19937_64& rng, int64_t lo, int64_t hi) {
-  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
-}
-
 void* cache_at(const TensorRef& c, KvLayout l, int64_t b, int64_t o, int64_t h, int64_t x) {
   return l == KvLayout::nhd ? c.at(b, o, h, x) : c.at(b, h, o, x);
 }
 
-// Paged K and V caches; interleaved: one buffer [num_blocks, 2, ...] holding both.
-struct Caches {
-  HostTensor kb, vb;
-  TensorRef k, v;
-  bool shared = false;
-};
-
-Caches make_caches(KvLayout l, bool interleaved, int64_t nb, int64_t bs, int64_t H, int64_t D, int64_t Dv,
-                   DType kd, DType vd) {
-  const bool nhd = l == KvLayout::nhd;
-  if (interleaved) {
-    HostTensor b = nhd ? HostTensor::zeros(kd, {nb, 2, bs, H, D}) : HostTensor::zeros(kd, {nb, 2, H, bs, D});
-    return {b, b, b.ref.select(1, 0), b.ref.select(1, 1), true};
-  }
-  auto one = [&](DType t, int64_t w, int64_t pad) {  // padded rows and blocks
-    const int64_t row = w + pad;
-    return nhd ? HostTensor::strided(t, {nb, bs, H, w}, {bs * H * row + 7, H * row, row, 1})
-               : HostTensor::strided(t, {nb, H, bs, w}, {H * bs * row + 7, bs * row, row, 1});
-  };
-  HostTensor k = one(kd, D, 2), v = one(vd, Dv, 1);
-  return {k, v, k.ref, v.ref, false};
-}
-
-struct WriteCase {
-  KvLayout layout;
-  bool interleaved;
-  int64_t block_size;
-  KvCacheDType mode;
-  DType dtype;      // key/value
-  DType fp8_tag;    // fp8 caches: u8 or the f8 format
-  int scale_rank;   // fp8 scales: 0 -> [], 1 -> [1], 2 -> [H_kv]
-  std::string str() const {
-    std::ostringstream os;
-    os << (layout == KvLayout::nhd ? "nhd" : "hnd") << (interleaved ? " interleaved" : "") << " bs "
-       << block_size << " " << fs::kv_cache_dtype_name(mode) << " " << fs::dtype_name(dtype) << " tag "
-       << fs::dtype_name(fp8_tag) << " scale_rank " << scale_rank;
-    return os.str();
-  }
-};
-
-HostTensor fp8_scale(std::mt19937_64& rng, int rank, int64_t H, float lo, float hi) {
-  HostTensor s = rank == 0 ? HostTensor::zeros(DType::f32, {}) : HostTensor::zeros(DType::f32, {rank == 1 ? 1 : H});
-  fstest::fill_uniform(s, rng, lo, hi);
-  return s;
-}
 float scale_for_head(const HostTensor& s, int64_t h) {
   return s.ref.ndim == 0 ? s.get({}) : s.get({s.ref.shape[0] == 1 ? 0 : h});
 }
@@ -138,9 +82,8 @@ void check_row(Mismatches& m, Tracker& tr, const TensorRef& src, int64_t i, int6
 
 void run_write_case(const WriteCase& wc, std::mt19937_64& rng) {
   SCOPED_TRACE(wc.str());
-  const bool fp8 = wc.mode == KvCacheDType::fp8_e4m3 || wc.mode == KvCacheDType::fp8_e5m2;
-  const bool int8 = wc.mode == KvCacheDType::int8_k8v8 || wc.mode == KvCacheDType::int8_k8v16;
-  const DType fmt = wc.mode == KvCacheDType::fp8_e5m2 ? DType::f8e5m2 : DType::f8e4m3;
+  const bool fp8 = wc.fp8(), int8 = wc.int8();
+  const DType fmt = wc.fp8_format();
   const int64_t H = pick<int64_t>(rng, {1, 2, 3, 4}), D = pick<int64_t>(rng, {8, 16, 40});
   const int64_t Dv = wc.interleaved ? D : pick<int64_t>(rng, {8, 24});
   const int64_t bs = wc.block_size, nb = (40 + bs - 1) / bs + uniform_int(rng, 0, 2);
@@ -152,23 +95,16 @@ void run_write_case(const WriteCase& wc, std::mt19937_64& rng) {
   fstest::fill_uniform(value, rng, -4.0f, 4.0f);
   key.set({0, 0, 0}, 3.9f);  // saturates every fp8 scale below (token 0 is never skipped)
   value.set({0, 0, 0}, -3.9f);
-  const DType kd = fp8 ? wc.fp8_tag : int8 ? DType::i8 : wc.dtype;
-  const DType vd = fp8 ? wc.fp8_tag : wc.mode == KvCacheDType::int8_k8v8 ? DType::i8 : wc.dtype;
-  Caches cc = make_caches(wc.layout, wc.interleaved, nb, bs, H, D, Dv, kd, vd);
+  fstest::Caches cc = fstest::make_caches(wc, nb, H, D, Dv);
   HostTensor ksc = HostTensor::strided(DType::f32, {nb, H, bs}, {H * (bs + 2) + 1, bs + 2, 1});
   for (const HostTensor* t : {&cc.kb, &cc.vb, &ksc}) fstest::poison_storage(*t);
 
-  std::vector<int64_t> slots(static_cast<size_t>(nb * bs));
-  std::iota(slots.begin(), slots.end(), 0);
-  std::shuffle(slots.begin(), slots.end(), rng);
-  slots.resize(size_t(T));
-  for (size_t i = 1; i < slots.size(); ++i)
-    if (rng() % 4 == 0) slots[i] = -1 - int64_t(rng() % 3);
-  HostTensor slot_mapping = HostTensor::zeros(DType::i64, {T});
-  for (int64_t i = 0; i < T; ++i) *static_cast<int64_t*>(slot_mapping.ref.at(i)) = slots[size_t(i)];
+  const std::vector<int64_t> slots = fstest::random_slots(rng, nb * bs, T);
+  HostTensor slot_mapping = fstest::slot_tensor(slots);
 
   const float lo = fmt == DType::f8e4m3 ? 0.004f : 3e-5f, hi = fmt == DType::f8e4m3 ? 0.008f : 6e-5f;  // |x| < 4: both saturated and in-range values
-  HostTensor k_scale = fp8_scale(rng, wc.scale_rank, H, lo, hi), v_scale = fp8_scale(rng, wc.scale_rank, H, lo, hi);
+  HostTensor k_scale = fstest::fp8_scale(rng, wc.scale_rank, H, lo, hi);
+  HostTensor v_scale = fstest::fp8_scale(rng, wc.scale_rank, H, lo, hi);
   HostTensor v_scale_i8 = HostTensor::zeros(DType::f32, {H, Dv});
   fstest::fill_uniform(v_scale_i8, rng, 0.02f, 0.05f);
 
@@ -240,16 +176,16 @@ std::vector<WriteCase> write_cases(std::mt19937_64& rng) {
     for (bool inter : {false, true})
       for (int64_t bs : {1, 5, 16}) {
         for (DType t : {DType::f16, DType::bf16, DType::f32})
-          cases.push_back({l, inter, bs, KvCacheDType::auto_, t, DType::u8, 0});
+          cases.push_back({l, inter, false, bs, KvCacheDType::auto_, t, DType::u8, 0});
         for (int rank : {0, 1, 2}) {
-          cases.push_back({l, inter, bs, KvCacheDType::fp8_e4m3, pick(rng, {DType::f16, DType::bf16}),
+          cases.push_back({l, inter, false, bs, KvCacheDType::fp8_e4m3, pick(rng, {DType::f16, DType::bf16}),
                            rank == 1 ? DType::f8e4m3 : DType::u8, rank});
-          cases.push_back({l, inter, bs, KvCacheDType::fp8_e5m2, pick(rng, {DType::f16, DType::bf16, DType::f32}),
+          cases.push_back({l, inter, false, bs, KvCacheDType::fp8_e5m2, pick(rng, {DType::f16, DType::bf16, DType::f32}),
                            rank == 1 ? DType::u8 : DType::f8e5m2, rank});
         }
-        cases.push_back({l, inter, bs, KvCacheDType::int8_k8v8, pick(rng, {DType::f16, DType::bf16}), DType::u8, 0});
+        cases.push_back({l, inter, false, bs, KvCacheDType::int8_k8v8, pick(rng, {DType::f16, DType::bf16}), DType::u8, 0});
         if (!inter)  // the v cache holds f16/bf16 while k is int8: separate buffers
-          cases.push_back({l, inter, bs, KvCacheDType::int8_k8v16, pick(rng, {DType::f16, DType::bf16}), DType::u8, 0});
+          cases.push_back({l, inter, false, bs, KvCacheDType::int8_k8v16, pick(rng, {DType::f16, DType::bf16}), DType::u8, 0});
       }
   return cases;
 }
@@ -308,21 +244,6 @@ void copy_block_bytes(std::vector<unsigned char>& expect, const std::vector<unsi
   });
 }
 
-// n (src, dst) pairs; destinations distinct and never a source, so the order does not matter.
-HostTensor block_pairs(std::mt19937_64& rng, int64_t src_blocks, int64_t dst_blocks, int64_t n, bool same_space) {
-  std::vector<int64_t> order(static_cast<size_t>(dst_blocks));
-  std::iota(order.begin(), order.end(), 0);
-  std::shuffle(order.begin(), order.end(), rng);
-  HostTensor m = HostTensor::strided(DType::i64, {n, 2}, {3, 1});  // padded rows
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t d = order[size_t(i)];
-    const int64_t s = same_space ? order[size_t(n + uniform_int(rng, 0, dst_blocks - n - 1))] : uniform_int(rng, 0, src_blocks - 1);
-    *static_cast<int64_t*>(m.ref.at(i, 0)) = s;
-    *static_cast<int64_t*>(m.ref.at(i, 1)) = d;
-  }
-  return m;
-}
-
 }  // namespace
 
 TEST(CopyBlocks, SeveralCachesAnyStrides) {
@@ -341,7 +262,7 @@ TEST(CopyBlocks, SeveralCachesAnyStrides) {
     const std::vector<TensorRef> caches{inter.ref.select(1, 0), inter.ref.select(1, 1), plain.ref, scales.ref, tags.ref};
     const std::vector<const HostTensor*> owner{&inter, &inter, &plain, &scales, &tags};
     const int64_t n = uniform_int(rng, 0, nb / 2);
-    HostTensor m = block_pairs(rng, nb, nb, n, true);
+    HostTensor m = mapping_tensor(block_pairs(rng, nb, nb, n, true));
 
     std::vector<std::vector<unsigned char>> orig, expect;
     for (const HostTensor* b : bufs) orig.push_back(fstest::snapshot(*b));
@@ -373,7 +294,7 @@ TEST(SwapBlocks, CpuToCpuBothWays) {
     const HostTensor& dbuf = out ? host : dev;
     const HostTensor& sbuf = out ? dev : host;
     const int64_t n = uniform_int(rng, 0, std::min(src.size(0), dst.size(0)));
-    HostTensor m = block_pairs(rng, src.size(0), dst.size(0), n, false);
+    HostTensor m = mapping_tensor(block_pairs(rng, src.size(0), dst.size(0), n, false));
     const auto sorig = fstest::snapshot(sbuf);
     auto expect = fstest::snapshot(dbuf);
     for (int64_t r = 0; r < n; ++r) {
@@ -396,14 +317,9 @@ TEST(AdvanceStep, MatchesNaiveLoop) {
     const int64_t num_seqs = uniform_int(rng, 1, 20), num_queries = uniform_int(rng, 0, num_seqs);
     const int64_t bs = pick<int64_t>(rng, {1, 5, 16}), max_blocks = uniform_int(rng, 1, 6), extra = 2;
     const int64_t R = num_seqs + extra;
-    HostTensor tokens = HostTensor::zeros(DType::i64, {R}), positions = HostTensor::zeros(DType::i64, {R});
-    HostTensor slots = HostTensor::zeros(DType::i64, {R}), lens = HostTensor::zeros(DType::i32, {R});
-    HostTensor sampled = HostTensor::strided(DType::i64, {num_queries + 1, 1}, {2, 1});
-    HostTensor tables = HostTensor::strided(DType::i32, {R, max_blocks}, {max_blocks + 3, 1});
-    for (const HostTensor* t : {&tokens, &positions, &slots}) fstest::poison_storage(*t);
-    fstest::fill_uniform(sampled, rng, 0, 50000);
-    fstest::fill_uniform(tables, rng, 0, 1000);
-    fstest::fill_uniform(lens, rng, 0, int(max_blocks * bs - 1));
+    const fstest::StepBuffers s = fstest::step_buffers(rng, R, num_queries, bs, max_blocks);
+    const HostTensor &tokens = s.tokens, &positions = s.positions, &slots = s.slots, &lens = s.lens;
+    const HostTensor &sampled = s.sampled, &tables = s.tables;
     std::vector<int64_t> want_tok(static_cast<size_t>(R)), want_pos(want_tok), want_slot(want_tok), want_len(want_tok);
     for (int64_t i = 0; i < R; ++i) {
       want_tok[size_t(i)] = int64_t(tokens.getd({i}));
@@ -421,17 +337,7 @@ TEST(AdvanceStep, MatchesNaiveLoop) {
       want_pos[size_t(i)] = pos;
       want_slot[size_t(i)] = int64_t(tables.getd({i, pos / bs})) * bs + pos % bs;
     }
-    fs::AdvanceStepParams p;
-    p.num_seqs = num_seqs;
-    p.num_queries = num_queries;
-    p.block_size = bs;
-    p.input_tokens = tokens;
-    p.sampled_token_ids = sampled;
-    p.input_positions = positions;
-    p.seq_lens = lens;
-    p.slot_mapping = slots;
-    p.block_tables = tables;
-    fs::advance_step(p);
+    fs::advance_step(fstest::step_params(s, num_seqs, num_queries, bs));
     for (int64_t i = 0; i < R; ++i) {
       EXPECT_EQ(int64_t(tokens.getd({i})), want_tok[size_t(i)]) << "row " << i;
       EXPECT_EQ(int64_t(positions.getd({i})), want_pos[size_t(i)]) << "row " << i;

@@ -11,6 +11,7 @@
 
 #include "flashserve/backend_variants.hpp"
 #include "flashserve/status.hpp"
+#include "support/checks.hpp"
 #include "support/host_tensor.hpp"
 #include "support/sim_comm.hpp"
 
@@ -23,11 +24,6 @@ using fs::TensorRef;
 using fstest::HostTensor;
 
 constexpr int64_t kBs = 16, kD = 64;
-
-uint64_t salt() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return std::hash<std::string>{}(std::string(info->test_suite_name()) + "." + info->name());
-}
 
 // One cache (the whole one, or rank r's shard) and its metadata inputs.
 struct Shard {
@@ -142,7 +138,7 @@ struct DcpCase {
 void run_case(const DcpCase& c) {
   SCOPED_TRACE(::testing::Message() << "world " << c.world << " H_local " << c.heads_per_rank << " H_kv " << c.H_kv
                                     << " q_len " << c.q_len << (c.sinks ? " sinks" : ""));
-  auto rng = fstest::make_rng(salt() + uint64_t(c.world * 1000 + c.heads_per_rank * 100 + c.H_kv * 10 + c.q_len));
+  auto rng = fstest::make_rng(fstest::test_salt() + uint64_t(c.world * 1000 + c.heads_per_rank * 100 + c.H_kv * 10 + c.q_len));
   const int W = c.world;
   const int64_t Hl = c.heads_per_rank, H = W * Hl;
   Batch bt;

@@ -9,10 +9,10 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
-#include <sstream>
 
 #include "flashserve/backend.hpp"
 #include "flashserve/status.hpp"
+#include "support/checks.hpp"
 #include "support/host_tensor.hpp"
 
 namespace {
@@ -289,21 +289,6 @@ void direct_paged(const Scenario& sc, Built& b, int64_t chunk = 0) {
   fs::varlen_attention(p);
 }
 
-// Every element of rows [0, T) finite and within atol + rtol * |want|.
-void expect_close(const HostTensor& got, const HostTensor& want, int64_t T, double atol, double rtol) {
-  int64_t bad = 0;
-  std::ostringstream first;
-  const TensorRef& g = got.ref;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < g.size(1); ++h)
-      for (int64_t c = 0; c < g.size(2); ++c) {
-        const double x = got.getd({t, h, c}), y = want.getd({t, h, c});
-        if (std::isfinite(x) && std::isfinite(y) && std::fabs(x - y) <= atol + rtol * std::fabs(y)) continue;
-        if (bad++ < 5) first << " [" << t << "," << h << "," << c << "] got " << x << " want " << y << ";";
-      }
-  EXPECT_EQ(bad, 0) << "mismatches:" << first.str();
-}
-
 double atol_of(const be::LayerSpec& s) { return s.dtype == DType::f32 ? 2e-5 : 2e-2; }
 
 // Forward writes the new tokens (the cache then equals the directly filled one) and gives the
@@ -311,7 +296,7 @@ double atol_of(const be::LayerSpec& s) { return s.dtype == DType::f32 ? 2e-5 : 2
 void check_paged(const Scenario& sc, const be::AttentionMetadata& md, Built& b, int64_t chunk = 0) {
   forward(sc, b, md);
   direct_paged(sc, b, chunk);
-  expect_close(b.out, b.out_ref, b.T, atol_of(sc.spec), 1e-3);
+  fstest::expect_rows_close(b.out, b.out_ref, b.T, atol_of(sc.spec), 1e-3);
   EXPECT_TRUE(fstest::same_bytes(b.kc, fstest::snapshot(b.kc_ref))) << "key cache differs from a direct write";
   EXPECT_TRUE(fstest::same_bytes(b.vc, fstest::snapshot(b.vc_ref))) << "value cache differs from a direct write";
   if (b.ksc.bytes) EXPECT_TRUE(fstest::same_bytes(b.ksc, fstest::snapshot(b.ksc_ref))) << "k_scale_cache differs";
@@ -325,18 +310,13 @@ Scenario mixed_batch(be::LayerSpec spec) {
   return sc;
 }
 
-uint64_t salt() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return std::hash<std::string>{}(std::string(info->test_suite_name()) + "." + info->name());
-}
-
 // ---------------------------------------------------------------- decode + prefill parts
 
 TEST(LayerForward, DecodeAndPrefillPartsMatchOneCall) {
   for (const DType dt : {DType::f32, DType::bf16}) {
     for (const fs::KvLayout layout : {fs::KvLayout::nhd, fs::KvLayout::hnd}) {
       SCOPED_TRACE(std::string(fs::dtype_name(dt)) + (layout == fs::KvLayout::nhd ? " NHD" : " HND"));
-      auto rng = fstest::make_rng(salt() + int(dt) * 2 + int(layout));
+      auto rng = fstest::make_rng(fstest::test_salt() + int(dt) * 2 + int(layout));
       be::LayerSpec spec = make_spec(8, 2, 64, dt);
       spec.kv_layout = layout;
       const Scenario sc = mixed_batch(spec);
@@ -352,7 +332,7 @@ TEST(LayerForward, DecodeAndPrefillPartsMatchOneCall) {
 }
 
 TEST(LayerForward, ModifiersReachEveryCall) {
-  auto rng = fstest::make_rng(salt());
+  auto rng = fstest::make_rng(fstest::test_salt());
   HostTensor slopes = HostTensor::zeros(DType::f32, {4});
   HostTensor sinks = HostTensor::zeros(DType::f32, {4});
   fstest::fill_uniform(slopes, rng, 0.01f, 0.1f);
@@ -380,7 +360,7 @@ TEST(LayerForward, QuantizedCachesMatchDirectCallsOnTheSameCache) {
                {KvCacheDType::int8_k8v8, false}, {KvCacheDType::int8_k8v16, false}};
   for (const auto& c : cases) {
     SCOPED_TRACE(std::string(fs::kv_cache_dtype_name(c.dtype)) + (c.as_u8 ? " (uint8)" : ""));
-    auto rng = fstest::make_rng(salt() + int(c.dtype) * 2 + c.as_u8);
+    auto rng = fstest::make_rng(fstest::test_salt() + int(c.dtype) * 2 + c.as_u8);
     be::LayerSpec spec = make_spec(8, 2, 64, DType::bf16);
     spec.kv_cache_dtype = c.dtype;
     Scenario sc = mixed_batch(spec);
@@ -392,7 +372,7 @@ TEST(LayerForward, QuantizedCachesMatchDirectCallsOnTheSameCache) {
 }
 
 TEST(LayerForward, SharedCacheLayerLeavesTheCacheUntouched) {
-  auto rng = fstest::make_rng(salt());
+  auto rng = fstest::make_rng(fstest::test_salt());
   be::LayerSpec spec = make_spec(8, 2, 64);
   spec.writes_kv_cache = false;
   const Scenario sc = mixed_batch(spec);
@@ -405,7 +385,7 @@ TEST(LayerForward, SharedCacheLayerLeavesTheCacheUntouched) {
   HostTensor got = b.out;
   b.out = HostTensor::zeros(DType::f32, {b.T, 8, 64});
   direct_paged(sc, b);
-  expect_close(got, b.out_ref, b.T, 2e-5, 1e-3);
+  fstest::expect_rows_close(got, b.out_ref, b.T, 2e-5, 1e-3);
 }
 
 // ---------------------------------------------------------------- cascade, local
@@ -423,7 +403,7 @@ Scenario prefix_batch(be::LayerSpec spec, bool all_decode) {
 }
 
 TEST(LayerForward, CascadeMatchesOneCall) {
-  auto rng = fstest::make_rng(salt());
+  auto rng = fstest::make_rng(fstest::test_salt());
   HostTensor sinks = HostTensor::zeros(DType::f32, {8});
   fstest::fill_uniform(sinks, rng, 0.0f, 3.0f);
   for (int variant = 0; variant < 3; ++variant) {
@@ -445,7 +425,7 @@ TEST(LayerForward, CascadeMatchesOneCall) {
 }
 
 TEST(LayerForward, WorkspaceOverflowNamesTheBuffer) {
-  auto rng = fstest::make_rng(salt());
+  auto rng = fstest::make_rng(fstest::test_salt());
   const Scenario sc = prefix_batch(make_spec(8, 2, 64), false);
   Built b = build(sc, rng);
   be::MetadataBuilder mb(config_of(sc));
@@ -464,7 +444,7 @@ TEST(LayerForward, WorkspaceOverflowNamesTheBuffer) {
 }
 
 TEST(LayerForward, ChunkedLocalMatchesOneCallWithChunks) {
-  auto rng = fstest::make_rng(salt());
+  auto rng = fstest::make_rng(fstest::test_salt());
   be::LayerSpec spec = make_spec(8, 4, 64);
   spec.attention_chunk_size = 32;
   Scenario sc;
@@ -535,7 +515,7 @@ void direct_tree(const Scenario& sc, Built& b, const std::vector<int32_t>& num_d
 }
 
 TEST(LayerForward, TreeVerifyMatchesAttentionOverAncestors) {
-  auto rng = fstest::make_rng(salt());
+  auto rng = fstest::make_rng(fstest::test_salt());
   HostTensor sinks = HostTensor::zeros(DType::f32, {8});
   fstest::fill_uniform(sinks, rng, -1.0f, 1.0f);
   for (int variant = 0; variant < 2; ++variant) {
@@ -562,7 +542,7 @@ TEST(LayerForward, TreeVerifyMatchesAttentionOverAncestors) {
     forward(sc, b, md);
     EXPECT_TRUE(fstest::same_bytes(b.kc, fstest::snapshot(b.kc_ref)));
     direct_tree(sc, b, num_drafts, parents);
-    expect_close(b.out, b.out_ref, b.T, 2e-5, 1e-3);
+    fstest::expect_rows_close(b.out, b.out_ref, b.T, 2e-5, 1e-3);
     sc.spec.kv_layout = fs::KvLayout::hnd;  // slots of an HND cache with 2 KV heads: no block-size-1 view
     Built h = build(sc, rng);
     const auto snap = fstest::snapshot(h.kc);
@@ -574,7 +554,7 @@ TEST(LayerForward, TreeVerifyMatchesAttentionOverAncestors) {
 // ---------------------------------------------------------------- encoders, cross-attention
 
 TEST(LayerForward, EncoderLayersAttendNonCausallyWithoutACache) {
-  auto rng = fstest::make_rng(salt());
+  auto rng = fstest::make_rng(fstest::test_salt());
   const struct { be::AttnType type; int64_t window; } cases[] = {
       {be::AttnType::encoder, 0}, {be::AttnType::encoder_only, 0}, {be::AttnType::encoder_only, 9}};
   for (const auto& c : cases) {
@@ -597,12 +577,12 @@ TEST(LayerForward, EncoderLayersAttendNonCausallyWithoutACache) {
     fs::AttentionParams p;
     if (c.window > 0) p.window = fs::Window{int(c.window - 1), int(c.window - 1)};
     direct_contiguous(p, b.q, b.key, b.value, b.out_ref, b.cu_q, b.cu_q, 40, 40);
-    expect_close(b.out, b.out_ref, b.T, 2e-5, 1e-3);
+    fstest::expect_rows_close(b.out, b.out_ref, b.T, 2e-5, 1e-3);
   }
 }
 
 TEST(LayerForward, CrossAttentionFillsTheCacheOnceAndSeesEveryEncoderToken) {
-  auto rng = fstest::make_rng(salt());
+  auto rng = fstest::make_rng(fstest::test_salt());
   be::LayerSpec spec = make_spec(8, 2, 64);
   spec.type = be::AttnType::encoder_decoder;
   Scenario enc;  // encoder outputs {30, 12, 50}: every token new; e.key/value, e.slots
@@ -646,7 +626,7 @@ TEST(LayerForward, CrossAttentionFillsTheCacheOnceAndSeesEveryEncoderToken) {
     p.max_seqlen_k = 50;
     p.num_splits = 1;
     fs::varlen_attention(p);
-    expect_close(d.out, d.out_ref, d.T, 2e-5, 1e-3);
+    fstest::expect_rows_close(d.out, d.out_ref, d.T, 2e-5, 1e-3);
   }
 }
 

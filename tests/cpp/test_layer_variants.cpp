@@ -6,10 +6,10 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
-#include <sstream>
 
 #include "flashserve/backend_variants.hpp"
 #include "flashserve/status.hpp"
+#include "support/checks.hpp"
 #include "support/host_tensor.hpp"
 
 namespace {
@@ -19,11 +19,6 @@ namespace be = flashserve::backend;
 using fs::DType;
 using fs::TensorRef;
 using fstest::HostTensor;
-
-uint64_t salt() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return std::hash<std::string>{}(std::string(info->test_suite_name()) + "." + info->name());
-}
 
 // Requests over a paged cache: query lengths, KV lengths (new tokens included), shuffled
 // block ids, and the host metadata tensors.
@@ -97,20 +92,6 @@ HostTensor random(DType dt, std::initializer_list<int64_t> shape, std::mt19937_6
   return t;
 }
 
-void expect_close(const HostTensor& got, const HostTensor& want, double atol, double rtol) {
-  int64_t bad = 0;
-  std::ostringstream first;
-  const TensorRef& g = got.ref;
-  for (int64_t t = 0; t < g.size(0); ++t)
-    for (int64_t h = 0; h < g.size(1); ++h)
-      for (int64_t c = 0; c < g.size(2); ++c) {
-        const double x = got.getd({t, h, c}), y = want.getd({t, h, c});
-        if (std::isfinite(x) && std::isfinite(y) && std::fabs(x - y) <= atol + rtol * std::fabs(y)) continue;
-        if (bad++ < 5) first << " [" << t << "," << h << "," << c << "] got " << x << " want " << y << ";";
-      }
-  EXPECT_EQ(bad, 0) << "mismatches:" << first.str();
-}
-
 // Even (0) or odd (1) heads of x [n, H, D].
 TensorRef half_heads(const TensorRef& x, int half) {
   TensorRef v = x.slice(1, half, x.size(1));
@@ -161,7 +142,7 @@ DiffCaches diff_caches(const Paged& pg, DType dt, int64_t Hk, int64_t D) {
 }
 
 TEST(DifferentialAttention, LambdaFollowsTheFourVectors) {
-  auto rng = fstest::make_rng(salt());
+  auto rng = fstest::make_rng(fstest::test_salt());
   be::DifferentialSpec s;
   s.base.num_heads = 4;
   s.base.num_kv_heads = 2;
@@ -188,7 +169,7 @@ TEST(DifferentialAttention, LambdaFollowsTheFourVectors) {
 TEST(DifferentialAttention, MatchesTheFormulaOverWholeSequences) {
   for (const DType dt : {DType::f32, DType::bf16}) {
     SCOPED_TRACE(fs::dtype_name(dt));
-    auto rng = fstest::make_rng(salt() + int(dt));
+    auto rng = fstest::make_rng(fstest::test_salt() + int(dt));
     const int64_t H = 8, Hk = 4, D = 32;
     const Paged pg = make_paged({1, 1, 9, 20}, {30, 1, 9, 64}, 16, rng);
     const HostTensor kf = random(dt, {pg.N, Hk, D}, rng), vf = random(dt, {pg.N, Hk, D}, rng);
@@ -284,7 +265,7 @@ TEST(DifferentialAttention, MatchesTheFormulaOverWholeSequences) {
         for (int64_t c = 0; c < 2 * D; ++c)
           ref.set({t, 2 * h + c / D, c % D}, float(x[size_t(c)] * r * w.getd({c}) * (1.0 - s.lambda_init)));
       }
-    expect_close(out, ref, dt == DType::f32 ? 1e-4 : 4e-2, 1e-3);
+    fstest::expect_rows_close(out, ref, out.ref.size(0), dt == DType::f32 ? 1e-4 : 4e-2, 1e-3);
   }
 }
 
@@ -297,7 +278,7 @@ TEST(Mla, PrefillMergesContextChunksWithTheCausalNewTokens) {
     for (const std::vector<int64_t>& cuts :
          {std::vector<int64_t>{}, std::vector<int64_t>{0}, std::vector<int64_t>{0, 16, 64}}) {
       SCOPED_TRACE(std::string(fs::dtype_name(dt)) + " chunks " + std::to_string(cuts.size()));
-      auto rng = fstest::make_rng(salt() + int(dt) * 8 + cuts.size());
+      auto rng = fstest::make_rng(fstest::test_salt() + int(dt) * 8 + cuts.size());
       std::vector<int32_t> seq(4);
       for (size_t r = 0; r < 4; ++r) seq[r] = ctx[r] + fresh[r];
       const Paged pg = make_paged(fresh, seq, 16, rng);
@@ -357,7 +338,7 @@ TEST(Mla, PrefillMergesContextChunksWithTheCausalNewTokens) {
       p.causal = true;
       p.num_splits = 1;
       fs::varlen_attention(p);
-      expect_close(out, ref, dt == DType::f32 ? 2e-5 : 2e-2, 1e-3);
+      fstest::expect_rows_close(out, ref, out.ref.size(0), dt == DType::f32 ? 2e-5 : 2e-2, 1e-3);
     }
   }
 }
@@ -378,7 +359,7 @@ TEST(Mla, AbsorbedDecodeMatchesAttentionWithQv) {
   for (const DType dt : {DType::f32, DType::bf16}) {
     for (const int32_t q_len : {1, 3}) {
       SCOPED_TRACE(std::string(fs::dtype_name(dt)) + " q_len " + std::to_string(q_len));
-      auto rng = fstest::make_rng(salt() + int(dt) * 4 + q_len);
+      auto rng = fstest::make_rng(fstest::test_salt() + int(dt) * 4 + q_len);
       const Paged pg = make_paged({q_len, q_len, q_len, q_len}, {33, q_len, 70, 16}, 16, rng);
       const HostTensor latent = random(dt, {pg.num_blocks, pg.bs, 576}, rng);
       const HostTensor q_pe = random(dt, {pg.T, H, 64}, rng), q_nope = random(dt, {pg.T, H, 512}, rng);
@@ -405,13 +386,13 @@ TEST(Mla, AbsorbedDecodeMatchesAttentionWithQv) {
       p.softmax_scale = float(1.0 / std::sqrt(192.0));
       p.num_splits = 1;
       fs::varlen_attention(p);
-      expect_close(out, ref, dt == DType::f32 ? 2e-5 : 2e-2, 1e-3);
+      fstest::expect_rows_close(out, ref, out.ref.size(0), dt == DType::f32 ? 2e-5 : 2e-2, 1e-3);
     }
   }
 }
 
 TEST(Mla, GatherContextCopiesTheLatentRowsOfARange) {
-  auto rng = fstest::make_rng(salt());
+  auto rng = fstest::make_rng(fstest::test_salt());
   const Paged pg = make_paged({3, 1, 8, 2}, {40, 1, 20, 70}, 16, rng);  // contexts 37, 0, 12, 68
   const HostTensor latent = random(DType::bf16, {pg.num_blocks, pg.bs, 576}, rng);
   be::MlaSpec spec;

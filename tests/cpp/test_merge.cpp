@@ -7,13 +7,14 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <sstream>
 #include <string>
 #include <vector>
 
 #include "flashserve/merge.hpp"
 #include "flashserve/status.hpp"
+#include "support/checks.hpp"
 #include "support/host_tensor.hpp"
+#include "support/merge_operands.hpp"
 
 namespace {
 
@@ -23,45 +24,13 @@ using fs::DType;
 using fs::LseLayout;
 using fs::TensorRef;
 using fstest::HostTensor;
+using fstest::lse_at;
+using fstest::lse_tensor;
+using fstest::MergeCase;
+using fstest::Mismatches;
+using fstest::uniform_int;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-struct Mismatches {
-  int64_t count = 0;
-  std::string first;
-  void check(bool ok, const std::string& what) {
-    if (!ok && count++ == 0) first = what;
-  }
-};
-
-int64_t uniform_int(std::mt19937_64& rng, int64_t lo, int64_t hi) {
-  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
-}
-
-// [T, H, D] with padded heads and tokens.
-HostTensor rows(DType t, int64_t T, int64_t H, int64_t D) {
-  return HostTensor::strided(t, {T, H, D}, {H * (D + 3) + 1, D + 3, 1});
-}
-// An fp32 LSE in `layout` with a padded leading stride.
-HostTensor lse_tensor(LseLayout layout, int64_t T, int64_t H) {
-  return layout == LseLayout::head_major ? HostTensor::strided(DType::f32, {H, T}, {T + 2, 1})
-                                         : HostTensor::strided(DType::f32, {T, H}, {H + 1, 1});
-}
-float* lse_at(const HostTensor& l, LseLayout layout, int64_t t, int64_t h) {
-  return static_cast<float*>(layout == LseLayout::head_major ? l.ref.at(h, t) : l.ref.at(t, h));
-}
-
-// Whether every storage byte outside the view still holds the 0xFF poison.
-bool padding_untouched(const HostTensor& t) {
-  std::vector<char> in_view(t.bytes->size(), 0);
-  const size_t es = fs::dtype_size(t.ref.dtype);
-  fstest::for_each_index(t.ref, [&](const std::vector<int64_t>&, int64_t off) {
-    std::fill_n(in_view.begin() + off * int64_t(es), es, 1);
-  });
-  for (size_t i = 0; i < in_view.size(); ++i)
-    if (!in_view[i] && (*t.bytes)[i] != 0xFF) return false;
-  return true;
-}
 
 // Relative rounding bound of storing into `t` (half an ulp).
 double half_ulp(DType t) {
@@ -83,49 +52,18 @@ double min_step(DType t) {
   }
 }
 
-struct MergeCase {
-  DType a_dtype, b_dtype, out_dtype;  // out: f8*/u8 -> fp8 output with a scale
-  LseLayout layout;
-  bool with_out_lse, prefill, scalar_scale;
-  std::string str() const {
-    std::ostringstream os;
-    os << fs::dtype_name(a_dtype) << "+" << fs::dtype_name(b_dtype) << "->" << fs::dtype_name(out_dtype)
-       << (layout == LseLayout::head_major ? " head_major" : " token_major") << (with_out_lse ? " out_lse" : "")
-       << (prefill ? " prefill" : "");
-    return os.str();
-  }
-};
-
-// LSE pairs covering finite, -inf, +inf and both-empty rows.
-void fill_lse(std::mt19937_64& rng, const HostTensor& a, const HostTensor& b, LseLayout layout, int64_t T, int64_t H) {
-  std::uniform_real_distribution<float> d(-6.0f, 6.0f);
-  const float special[] = {-INFINITY, INFINITY};
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < H; ++h) {
-      float la = d(rng), lb = d(rng);
-      switch (rng() % 10) {
-        case 0: la = special[rng() % 2]; break;
-        case 1: lb = special[rng() % 2]; break;
-        case 2: la = special[rng() % 2], lb = special[rng() % 2]; break;
-        case 3: la = lb + 40.0f; break;  // b's weight underflows in fp32
-        default: break;
-      }
-      *lse_at(a, layout, t, h) = la;
-      *lse_at(b, layout, t, h) = lb;
-    }
-}
-
 void run_merge_case(const MergeCase& mc, std::mt19937_64& rng) {
   SCOPED_TRACE(mc.str());
-  const bool fp8 = fs::is_fp8(mc.out_dtype) || mc.out_dtype == DType::u8;
-  const DType fmt = mc.out_dtype == DType::u8 ? DType::f8e4m3 : mc.out_dtype;
+  const bool fp8 = mc.fp8();
+  const DType fmt = mc.format();
   const int64_t T = uniform_int(rng, 1, 40), H = uniform_int(rng, 1, 6);
   const int64_t D = std::vector<int64_t>{8, 40, 64, 128}[rng() % 4];
-  HostTensor a = rows(mc.a_dtype, T, H, D), b = rows(mc.b_dtype, T, H, D), out = rows(mc.out_dtype, T, H, D);
+  HostTensor a = fstest::merge_rows(mc.a_dtype, false, T, H, D), b = fstest::merge_rows(mc.b_dtype, false, T, H, D);
+  HostTensor out = fstest::merge_rows(mc.out_dtype, false, T, H, D);
   fstest::fill_uniform(a, rng, -4.0f, 4.0f);
   fstest::fill_uniform(b, rng, -4.0f, 4.0f);
   HostTensor la = lse_tensor(mc.layout, T, H), lb = lse_tensor(mc.layout, T, H), lo = lse_tensor(mc.layout, T, H);
-  fill_lse(rng, la, lb, mc.layout, T, H);
+  fstest::fill_lse(rng, la, lb, mc.layout, T, H);
   fstest::poison_storage(out);
   fstest::poison_storage(lo);
   HostTensor scale = mc.scalar_scale ? HostTensor::zeros(DType::f32, {}) : HostTensor::zeros(DType::f32, {1});
@@ -183,8 +121,8 @@ void run_merge_case(const MergeCase& mc, std::mt19937_64& rng) {
               "lse " + std::to_string(got) + " ref " + std::to_string(ref_lse));
     }
   EXPECT_EQ(m.count, 0) << m.first;
-  EXPECT_TRUE(padding_untouched(out)) << "out written outside its view";
-  EXPECT_TRUE(padding_untouched(lo)) << "out_lse written outside its view";
+  EXPECT_TRUE(fstest::padding_untouched(out)) << "out written outside its view";
+  EXPECT_TRUE(fstest::padding_untouched(lo)) << "out_lse written outside its view";
 }
 
 // The (out, lse) of softmax(s) v over keys [lo, hi), in fp64.
@@ -215,10 +153,10 @@ TEST(MergeStates, MatchesFp64Merge) {
     for (LseLayout layout : {LseLayout::head_major, LseLayout::token_major}) {
       for (DType in : floats)
         for (DType out : floats)
-          for (int v = 0; v < 2; ++v) run_merge_case({in, floats[rng() % 3], out, layout, v == 0, v == 1, false}, rng);
+          for (int v = 0; v < 2; ++v) run_merge_case({in, floats[rng() % 3], out, layout, v == 0, v == 1}, rng);
       for (DType out : {DType::f8e4m3, DType::f8e5m2, DType::u8})
         for (int v = 0; v < 2; ++v)
-          run_merge_case({floats[rng() % 3], floats[rng() % 3], out, layout, true, v == 1, v == 0}, rng);
+          run_merge_case({floats[rng() % 3], floats[rng() % 3], out, layout, true, v == 1, false, v == 0}, rng);
     }
   }
 }
@@ -227,7 +165,8 @@ TEST(MergeStates, TwoHalvesOfASoftmaxMergeToTheWhole) {
   auto rng = fstest::make_rng(0x4a1f);
   for (LseLayout layout : {LseLayout::head_major, LseLayout::token_major}) {
     const int64_t T = 24, H = 3, D = 40;
-    HostTensor a = rows(DType::f32, T, H, D), b = rows(DType::f32, T, H, D), out = rows(DType::f32, T, H, D);
+    HostTensor a = fstest::merge_rows(DType::f32, false, T, H, D), b = fstest::merge_rows(DType::f32, false, T, H, D);
+    HostTensor out = fstest::merge_rows(DType::f32, false, T, H, D);
     HostTensor la = lse_tensor(layout, T, H), lb = lse_tensor(layout, T, H), lo = lse_tensor(layout, T, H);
     fstest::poison_storage(out);
     fstest::poison_storage(lo);

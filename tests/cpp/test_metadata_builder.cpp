@@ -11,6 +11,7 @@
 #include "flashserve/backend.hpp"
 #include "flashserve/backend_variants.hpp"
 #include "flashserve/status.hpp"
+#include "support/engine_step.hpp"
 
 namespace {
 
@@ -23,36 +24,15 @@ using V64 = std::vector<int64_t>;
 
 // ---------------------------------------------------------------- an engine's step
 
-struct Step {
-  V32 qsl, seq, enc;
-  int64_t bs = 16, rows = 0, cols = 0, stride = 0;
-  V32 table;  // [rows, cols] with row stride `stride`
-  V64 slots;  // per query token
+// The engine's step with its block size; slots from the table.
+struct Step : fstest::EngineStep {
+  int64_t bs = 16;
 
-  TensorRef table_ref() const {
-    return TensorRef::strided(const_cast<int32_t*>(table.data()), DType::i32, {rows, cols}, {stride, 1});
-  }
-  int64_t num_reqs() const { return int64_t(seq.size()); }
-  int64_t q(int64_t r) const { return qsl[size_t(r) + 1] - qsl[size_t(r)]; }
-  int32_t block(int64_t r, int64_t j) const { return table[size_t(r * stride + j)]; }
   int64_t slot_of(int64_t r, int64_t pos) const { return int64_t(block(r, pos / bs)) * bs + pos % bs; }
   void fill_slots() {
     slots.assign(size_t(qsl.back()), -1);
     for (int64_t r = 0; r < num_reqs(); ++r)
       for (int64_t i = 0; i < q(r); ++i) slots[size_t(qsl[size_t(r)] + i)] = slot_of(r, seq[size_t(r)] - q(r) + i);
-  }
-  be::CommonMetadata common() const {
-    be::CommonMetadata c;
-    c.num_reqs = num_reqs();
-    c.num_actual_tokens = qsl.back();
-    for (int64_t r = 0; r < num_reqs(); ++r) c.max_query_len = std::max<int64_t>(c.max_query_len, q(r));
-    for (int32_t s : seq) c.max_seq_len = std::max<int64_t>(c.max_seq_len, s);
-    c.query_start_loc = qsl;
-    c.seq_lens = seq;
-    c.encoder_seq_lens = enc;
-    c.block_table = table_ref();
-    c.slot_mapping = TensorRef::contiguous(const_cast<int64_t*>(slots.data()), DType::i64, {int64_t(slots.size())});
-    return c;
   }
 };
 

@@ -22,6 +22,7 @@
 
 #include "flashserve/backend.hpp"
 #include "flashserve/backend_variants.hpp"
+#include "support/engine_step.hpp"
 #include "support/host_tensor.hpp"
 
 namespace {
@@ -33,58 +34,30 @@ using fs::TensorRef;
 using V32 = std::vector<int32_t>;
 using V64 = std::vector<int64_t>;
 
-struct Case {
+// The engine's step for a random builder config.
+struct Case : fstest::EngineStep {
   be::BuilderConfig config;
   bool tree = false;
-  // The engine's step.
-  V32 qsl{0}, seq, enc, parents, num_drafts;
-  int64_t rows = 0, cols = 0, stride = 0, common_prefix_len = 0;
-  V32 table;
-  V64 slots;
+  V32 parents, num_drafts;
+  int64_t common_prefix_len = 0;
 
-  int64_t R() const { return int64_t(seq.size()); }
-  int64_t T() const { return qsl.back(); }
-  int64_t q(int64_t r) const { return qsl[size_t(r) + 1] - qsl[size_t(r)]; }
   int64_t bs() const { return config.block_size; }
   bool encoder() const {
     return config.layer.type == be::AttnType::encoder || config.layer.type == be::AttnType::encoder_only;
   }
   // Physical slot of KV position `pos` (on this rank) of request r.
-  int64_t slot(int64_t r, int64_t pos) const {
-    return int64_t(table[size_t(r * stride + pos / bs())]) * bs() + pos % bs();
-  }
-  TensorRef table_ref() const {
-    return TensorRef::strided(const_cast<int32_t*>(table.data()), DType::i32, {rows, cols}, {stride, 1});
-  }
-  bool in_table(const void* p) const {
-    const auto* x = static_cast<const int32_t*>(p);
-    return x >= table.data() && x < table.data() + table.size();
-  }
+  int64_t slot(int64_t r, int64_t pos) const { return int64_t(block(r, pos / bs())) * bs() + pos % bs(); }
   // The engine's slot of each query token; under DCP only this rank's positions have one.
   void fill_slots() {
     slots.clear();
     const int64_t w = config.dcp_world_size;
-    for (int64_t r = 0; r < R(); ++r)
+    for (int64_t r = 0; r < num_reqs(); ++r)
       for (int64_t i = 0; i < q(r); ++i) {
         const int64_t pos = seq[size_t(r)] - q(r) + i;
         slots.push_back(pos % w == config.dcp_rank ? slot(r, pos / w) : -1);
       }
   }
-  be::CommonMetadata common() const {
-    be::CommonMetadata c;
-    c.num_reqs = R();
-    c.num_actual_tokens = T();
-    for (int64_t r = 0; r < R(); ++r) c.max_query_len = std::max<int64_t>(c.max_query_len, q(r));
-    for (int32_t s : seq) c.max_seq_len = std::max<int64_t>(c.max_seq_len, s);
-    c.query_start_loc = qsl;
-    c.seq_lens = seq;
-    c.encoder_seq_lens = enc;
-    if (!encoder()) {
-      c.block_table = table_ref();
-      c.slot_mapping = TensorRef::contiguous(const_cast<int64_t*>(slots.data()), DType::i64, {T()});
-    }
-    return c;
-  }
+  be::CommonMetadata common() const { return EngineStep::common(!encoder()); }
 };
 
 be::BuilderConfig random_config(std::mt19937_64& rng, bool& tree) {
@@ -136,7 +109,7 @@ Case make_case(std::mt19937_64& rng, const be::BuilderConfig& c, bool tree, bool
       q = 1;
     } else {
       q = r < nd ? int32_t(rng() % 10 == 0 ? 0 : 1 + rng() % thr) : int32_t(thr + 1 + rng() % 14);
-      if (k.T() + q > c.max_num_tokens) break;
+      if (k.num_tokens() + q > c.max_num_tokens) break;
     }
     k.qsl.push_back(k.qsl.back() + q);
     const int64_t ctx = k.encoder() ? 0 : (all_share || rng() % 3 ? shared * bs : 0) + int64_t(rng() % 40);
@@ -145,11 +118,11 @@ Case make_case(std::mt19937_64& rng, const be::BuilderConfig& c, bool tree, bool
   }
   // The table: room for each request's KV on this rank (and the encoder's), and spare.
   int64_t need = 1;
-  for (int64_t r = 0; r < k.R(); ++r) {
+  for (int64_t r = 0; r < k.num_reqs(); ++r) {
     need = std::max<int64_t>(need, be::DcpAttentionLayer::local_len(k.seq[size_t(r)], c.dcp_world_size, c.dcp_rank));
     need = std::max<int64_t>(need, k.enc[size_t(r)]);
   }
-  k.rows = k.R() + int64_t(rng() % 3);
+  k.rows = k.num_reqs() + int64_t(rng() % 3);
   k.cols = (need + bs - 1) / bs + 1 + int64_t(rng() % 3);
   k.stride = k.cols + int64_t(rng() % 4);
   k.table.assign(size_t(std::max<int64_t>(1, k.rows * k.stride)), -3);
@@ -230,7 +203,7 @@ void check_views(const Case& k, const be::PartMetadata& p, const Group& g, std::
   ASSERT_EQ(p.cu_seqlens_q.size(0), p.num_reqs + 1);
   ASSERT_EQ(at1(p.cu_seqlens_q, 0), 0);
   ASSERT_EQ(at1(p.cu_seqlens_q, p.num_reqs), p.num_tokens);
-  ASSERT_LE(p.token_begin + p.num_tokens, k.T());
+  ASSERT_LE(p.token_begin + p.num_tokens, k.num_tokens());
   ASSERT_EQ(p.seqused_k.size(0), p.num_reqs);
   for (int64_t b = 0; b < p.num_reqs; ++b) {
     ASSERT_LE(at1(p.cu_seqlens_q, b), at1(p.cu_seqlens_q, b + 1));
@@ -298,24 +271,24 @@ std::vector<Group> groups_of(const Case& k, const be::AttentionMetadata& md) {
 void check_case(const Case& k, const be::AttentionMetadata& md, size_t max_ws) {
   const be::PartMetadata* all[] = {&md.decode, &md.prefill, &md.cascade.prefix, &md.cascade.suffix,
                                    &md.local.part, &md.tree.prefix, &md.tree.tree};
-  std::vector<V64> seen(size_t(k.T()));
+  std::vector<V64> seen(size_t(k.num_tokens()));
   std::vector<Span> owned;
   for (const Group& g : groups_of(k, md)) {
-    std::vector<int> hits(size_t(k.T()), 0);
+    std::vector<int> hits(size_t(k.num_tokens()), 0);
     for (const be::PartMetadata* p : g.parts) {
       check_views(k, *p, g, owned);
       if (testing::Test::HasFatalFailure()) return;
       part_keys(k, *p, g, seen, hits);
       if (k.config.device.device.type == fs::DeviceType::cuda) ASSERT_LE(p->plan.workspace.total_bytes, max_ws);
     }
-    for (int64_t t = 0; t < k.T(); ++t) ASSERT_EQ(hits[size_t(t)], 1) << "query token " << t;
+    for (int64_t t = 0; t < k.num_tokens(); ++t) ASSERT_EQ(hits[size_t(t)], 1) << "query token " << t;
   }
   for (const be::PartMetadata* p : all) {
     bool in_use = false;
     for (const Group& g : groups_of(k, md)) in_use |= std::find(g.parts.begin(), g.parts.end(), p) != g.parts.end();
     ASSERT_TRUE(in_use || p->empty()) << "a part outside the groups in use has requests";
   }
-  for (int64_t r = 0; r < k.R(); ++r)
+  for (int64_t r = 0; r < k.num_reqs(); ++r)
     for (int64_t i = 0; i < k.q(r); ++i) {
       V64 got = seen[size_t(k.qsl[size_t(r)] + i)], want = expected_keys(k, r, i);
       std::sort(got.begin(), got.end());
@@ -335,7 +308,7 @@ TEST(PlannerFuzz, RandomBatchesCoverEveryTokenAndKeyExactlyOnce) {
   int modes[5] = {};
   for (int it = 0; it < 8000; ++it) {
     const Case k = random_case(rng);
-    SCOPED_TRACE(testing::Message() << "case " << it << ": reqs " << k.R() << " tokens " << k.T() << " bs " << k.bs()
+    SCOPED_TRACE(testing::Message() << "case " << it << ": reqs " << k.num_reqs() << " tokens " << k.num_tokens() << " bs " << k.bs()
                                     << " type " << int(k.config.layer.type) << " chunk "
                                     << k.config.layer.attention_chunk_size << " window " << k.config.layer.sliding_window
                                     << " dcp " << k.config.dcp_world_size << "/" << k.config.dcp_rank << " tree "

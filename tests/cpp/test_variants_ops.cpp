@@ -17,6 +17,7 @@
 
 #include "flashserve/status.hpp"
 #include "flashserve/variants_ops.hpp"
+#include "support/checks.hpp"
 #include "support/host_tensor.hpp"
 
 namespace {
@@ -26,22 +27,13 @@ using fs::DType;
 using fs::LseLayout;
 using fs::TensorRef;
 using fstest::HostTensor;
+using fstest::Mismatches;
+using fstest::padding_untouched;
+using fstest::pick;
+using fstest::uniform_int;
 
 constexpr fs::Device kCuda{fs::DeviceType::cuda, 0};
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-uint64_t salt() {
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return std::hash<std::string>{}(std::string(info->test_suite_name()) + "." + info->name());
-}
-
-int64_t uniform_int(std::mt19937_64& rng, int64_t lo, int64_t hi) {
-  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
-}
-template <class T>
-T pick(std::mt19937_64& rng, std::initializer_list<T> xs) {
-  return *(xs.begin() + uniform_int(rng, 0, int64_t(xs.size()) - 1));
-}
 
 // Relative rounding bound of a store into `t` (half an ulp).
 double half_ulp(DType t) {
@@ -55,18 +47,6 @@ double half_ulp(DType t) {
 // Spacing of float16's subnormals: the absolute rounding floor of a store (0 elsewhere here).
 double min_step(DType t) { return t == DType::f16 ? std::ldexp(1.0, -24) : 0.0; }
 
-// Whether every storage byte outside the view still holds the 0xFF poison.
-bool padding_untouched(const HostTensor& t) {
-  std::vector<char> in_view(t.bytes->size(), 0);
-  const size_t es = fs::dtype_size(t.ref.dtype);
-  fstest::for_each_index(t.ref, [&](const std::vector<int64_t>&, int64_t off) {
-    std::fill_n(in_view.begin() + off * int64_t(es), es, 1);
-  });
-  for (size_t i = 0; i < in_view.size(); ++i)
-    if (!in_view[i] && (*t.bytes)[i] != 0xFF) return false;
-  return true;
-}
-
 // A poisoned view with padded strides over every dim but the last.
 HostTensor padded(DType t, std::initializer_list<int64_t> shape) {
   std::vector<int64_t> s(shape), st(s.size(), 1);
@@ -77,14 +57,6 @@ HostTensor padded(DType t, std::initializer_list<int64_t> shape) {
   fstest::poison_storage(h);
   return h;
 }
-
-struct Mismatches {
-  int64_t count = 0;
-  std::string first;
-  void check(bool ok, const std::string& what) {
-    if (!ok && count++ == 0) first = what;
-  }
-};
 
 std::string at_str(std::initializer_list<int64_t> idx, double got, double want) {
   std::ostringstream os;
@@ -173,7 +145,7 @@ void run_differential(const DiffCase& dc, std::mt19937_64& rng) {
 }
 
 TEST(VariantsOps, DifferentialCombineMatchesFp64) {
-  auto rng = fstest::make_rng(salt());
+  auto rng = fstest::make_rng(fstest::test_salt());
   const DiffCase cases[] = {
       {DType::f32, DType::f32, DType::f32, false}, {DType::f32, DType::f32, DType::f32, true},
       {DType::bf16, DType::bf16, DType::bf16, true}, {DType::f16, DType::f16, DType::f16, false},
@@ -281,7 +253,7 @@ void run_lse_correct(const LseCase& lc, std::mt19937_64& rng) {
 }
 
 TEST(VariantsOps, LseCorrectMatchesFp64) {
-  auto rng = fstest::make_rng(salt());
+  auto rng = fstest::make_rng(fstest::test_salt());
   for (int rep = 0; rep < 6; ++rep)
     for (DType dt : {DType::f32, DType::bf16, DType::f16})
       for (LseLayout layout : {LseLayout::head_major, LseLayout::token_major})
@@ -290,7 +262,7 @@ TEST(VariantsOps, LseCorrectMatchesFp64) {
 
 // The defining property: the corrected partial states of W ranks sum to the merged state.
 TEST(VariantsOps, LseCorrectedRanksSumToTheMergedState) {
-  auto rng = fstest::make_rng(salt());
+  auto rng = fstest::make_rng(fstest::test_salt());
   const int64_t W = 4, T = 7, H = 3, Dv = 16;
   HostTensor all = padded(DType::f32, {W, H, T});
   fstest::fill_uniform(all, rng, -5.0f, 5.0f);
@@ -420,7 +392,7 @@ void run_gather(std::mt19937_64& rng, DType dt) {
 }
 
 TEST(VariantsOps, GatherCacheMatchesNaive) {
-  auto rng = fstest::make_rng(salt());
+  auto rng = fstest::make_rng(fstest::test_salt());
   for (int rep = 0; rep < 12; ++rep)
     for (DType dt : {DType::bf16, DType::f32, DType::u8, DType::f16}) run_gather(rng, dt);
 }

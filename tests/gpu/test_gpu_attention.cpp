@@ -14,6 +14,7 @@
 
 #include "flashserve/status.hpp"
 #include "gpu_attention_case.hpp"
+#include "kernels/device_info.hpp"
 
 using flashserve::DType;
 using fstest::CaseConfig;
@@ -25,9 +26,6 @@ namespace {
 constexpr uint64_t kSalt = 0x6a7e4c0da11ull;
 constexpr int kCases = 1000;
 constexpr int kMaxReported = 5;
-constexpr KvMode kModes[] = {KvMode::varlen_contiguous, KvMode::varlen_paged, KvMode::batched_paged,
-                             KvMode::batched_contiguous};
-
 std::string plan_summary(const fs::Plan& p) {
   return "plan: num_splits=" + std::to_string(p.num_splits) + " granularity=" + std::to_string(p.split_granularity) +
          " workspace=" + std::to_string(p.workspace.total_bytes) + " bytes";
@@ -60,7 +58,8 @@ std::string run_and_check(fstest::AttentionCase& ac, bool own_plan = false) {
     return plan_summary(plan) + "\nthe CUDA call threw: " + e.what();
   }
   std::string err = fstest::check_case(ac);
-  err += fsgpu::compare_with_cpu(ac, cpu.first, cpu.second);
+  const std::string kernel = fs::attention_kernel_name(dc.params, ac.cfg.batched(), fs::kernels::cuda_device_props(0));
+  err += fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, kernel == "prefill_mma");
   return err.empty() ? err : plan_summary(plan) + "\n" + err;
 }
 
@@ -68,21 +67,6 @@ void expect_gpu_matches(const CaseConfig& c, uint64_t salt) {
   auto rng = fstest::make_rng(salt);
   fstest::AttentionCase ac = fstest::build_case(c, rng);
   EXPECT_EQ(run_and_check(ac), "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
-}
-
-CaseConfig small_config(KvMode mode, std::vector<int64_t> q_lens, std::vector<int64_t> k_lens) {
-  CaseConfig c;
-  c.mode = mode;
-  const bool batched = mode == KvMode::batched_paged || mode == KvMode::batched_contiguous;
-  if (batched) q_lens.assign(k_lens.size(), q_lens[0]);
-  c.H = 4, c.H_kv = 2, c.D = c.Dv = 32;
-  c.q_dtype = c.kv_dtype = c.out_dtype = DType::f32;
-  c.q_lens = std::move(q_lens);
-  c.k_lens = std::move(k_lens);
-  c.lse = true;
-  c.extra_kv_rows = 1;
-  c.extra_table_cols = 1;
-  return c;
 }
 
 }  // namespace
@@ -113,24 +97,24 @@ TEST(GpuAttentionFuzz, MatchesOracleAndReference) {
 }
 
 TEST(GpuAttentionEdge, ZeroLengthSequences) {
-  for (KvMode mode : kModes)
+  for (KvMode mode : fstest::kAllKvModes)
     for (int splits : {1, 3}) {
-      CaseConfig c = small_config(mode, {3, 0, 4, 0, 2, 0}, {5, 7, 0, 0, 9, 3});
+      CaseConfig c = fstest::small_case_config(mode, {3, 0, 4, 0, 2, 0}, {5, 7, 0, 0, 9, 3});
       c.num_splits = splits;
       c.causal = splits == 3;
       expect_gpu_matches(c, 1);
     }
   for (KvMode mode : {KvMode::batched_paged, KvMode::batched_contiguous}) {
-    expect_gpu_matches(small_config(mode, {0}, {4, 6}), 2);
-    expect_gpu_matches(small_config(mode, {2}, {0, 0, 0}), 3);
+    expect_gpu_matches(fstest::small_case_config(mode, {0}, {4, 6}), 2);
+    expect_gpu_matches(fstest::small_case_config(mode, {2}, {0, 0, 0}), 3);
   }
 }
 
 // Rows that see no key: out exactly 0 and lse -inf, or the sink's logit with a sink.
 TEST(GpuAttentionEdge, FullyMaskedRows) {
-  for (KvMode mode : kModes)
+  for (KvMode mode : fstest::kAllKvModes)
     for (bool sinks : {false, true}) {
-      CaseConfig c = small_config(mode, {6, 3}, {2, 5});  // causal, sq > sk: leading rows see nothing
+      CaseConfig c = fstest::small_case_config(mode, {6, 3}, {2, 5});  // causal, sq > sk: leading rows see nothing
       c.causal = true;
       c.sinks = sinks;
       expect_gpu_matches(c, 4);
@@ -149,15 +133,15 @@ TEST(GpuAttentionEdge, FullyMaskedRows) {
 TEST(GpuAttentionEdge, BlockSizeOneAndOneToken) {
   for (KvMode mode : {KvMode::varlen_paged, KvMode::batched_paged})
     for (int splits : {1, 2, 5}) {
-      CaseConfig c = small_config(mode, {1, 4, 1}, {37, 1, 300});
+      CaseConfig c = fstest::small_case_config(mode, {1, 4, 1}, {37, 1, 300});
       c.block_size = 1;
       c.random_block_ids = true;
       c.num_splits = splits;
       c.layout = splits == 2 ? fs::KvLayout::hnd : fs::KvLayout::nhd;
       expect_gpu_matches(c, 7);
     }
-  for (KvMode mode : kModes) {
-    CaseConfig c = small_config(mode, {1}, {1});
+  for (KvMode mode : fstest::kAllKvModes) {
+    CaseConfig c = fstest::small_case_config(mode, {1}, {1});
     c.block_size = 1;
     expect_gpu_matches(c, 8);
   }
@@ -166,7 +150,7 @@ TEST(GpuAttentionEdge, BlockSizeOneAndOneToken) {
 // Long KV with every split count, GQA decode packing, MLA head sizes and D = 256.
 TEST(GpuAttentionEdge, LongSplitsAndWideHeads) {
   for (int splits : {1, 2, 3, 7, 16}) {
-    CaseConfig c = small_config(KvMode::varlen_paged, {1, 1, 5}, {2000, 700, 1290});
+    CaseConfig c = fstest::small_case_config(KvMode::varlen_paged, {1, 1, 5}, {2000, 700, 1290});
     c.H = 16, c.H_kv = 2;
     c.q_dtype = c.kv_dtype = c.out_dtype = DType::bf16;
     c.num_splits = splits;
@@ -177,7 +161,7 @@ TEST(GpuAttentionEdge, LongSplitsAndWideHeads) {
   struct Heads { int64_t D, Dv; bool qv; };
   for (Heads hd : {Heads{256, 256, false}, Heads{192, 128, false}, Heads{64, 512, true}, Heads{40, 40, false}})
     for (int splits : {1, 4}) {
-      CaseConfig c = small_config(KvMode::batched_paged, {2}, {300, 129});
+      CaseConfig c = fstest::small_case_config(KvMode::batched_paged, {2}, {300, 129});
       c.D = hd.D, c.Dv = hd.Dv, c.has_qv = hd.qv;
       c.H = 8, c.H_kv = 1;
       c.q_dtype = c.out_dtype = DType::f16;
@@ -192,7 +176,7 @@ namespace {
 
 // A case with forced splits whose plan needs a workspace.
 fstest::AttentionCase split_case(uint64_t salt, int64_t k_len) {
-  CaseConfig c = small_config(KvMode::varlen_paged, {2, 1}, {k_len, 300});
+  CaseConfig c = fstest::small_case_config(KvMode::varlen_paged, {2, 1}, {k_len, 300});
   c.num_splits = 4;
   auto rng = fstest::make_rng(salt);
   return fstest::build_case(c, rng);
@@ -313,7 +297,7 @@ TEST(GpuAttentionErrors, OutOfRangeBlockIndexGivesNanRows) {
   for (KvMode mode : {KvMode::varlen_paged, KvMode::batched_paged})
     for (int splits : {1, 3})
       for (int bad_id : {-1, 1 << 20}) {
-        CaseConfig c = small_config(mode, {3, 5, 2}, {10, 13, 7});
+        CaseConfig c = fstest::small_case_config(mode, {3, 5, 2}, {10, 13, 7});
         c.block_size = 4;
         c.causal = true;
         c.num_splits = splits;
@@ -334,7 +318,7 @@ TEST(GpuAttentionErrors, OutOfRangeBlockIndexGivesNanRows) {
         expect_nan_rows(ac, cpu, 1, 12, 16, "block id " + std::to_string(bad_id) + " splits " + std::to_string(splits));
       }
   // A contiguous cache row outside the cache (cache_batch_idx past B_cache).
-  CaseConfig c = small_config(KvMode::batched_contiguous, {2}, {6, 9, 4});
+  CaseConfig c = fstest::small_case_config(KvMode::batched_contiguous, {2}, {6, 9, 4});
   c.use_cache_batch_idx = true;
   auto rng = fstest::make_rng(14);
   fstest::AttentionCase ac = fstest::build_case(c, rng);
@@ -356,7 +340,7 @@ TEST(GpuAttentionEdge, ContextParallelMatchesReference) {
       for (int variant = 0; variant < 3; ++variant) {
         std::vector<int64_t> local;
         for (int64_t g : global) local.push_back(g > rank ? (g - rank + world - 1) / world : 0);
-        CaseConfig c = small_config(variant == 2 ? KvMode::batched_paged : KvMode::varlen_paged, {3, 1, 6}, local);
+        CaseConfig c = fstest::small_case_config(variant == 2 ? KvMode::batched_paged : KvMode::varlen_paged, {3, 1, 6}, local);
         c.causal = variant != 1;
         if (variant == 1) c.window = {20, 3};
         c.alibi = variant == 2 ? 1 : 0;

@@ -13,7 +13,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <numeric>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -21,6 +20,8 @@
 #include "flashserve/cache.hpp"
 #include "flashserve/status.hpp"
 #include "support/device_tensor.hpp"
+#include "support/cache_operands.hpp"
+#include "support/checks.hpp"
 #include "support/host_tensor.hpp"
 
 namespace {
@@ -32,35 +33,14 @@ using fs::KvCacheDType;
 using fs::KvLayout;
 using fs::TensorRef;
 using fsgpu::DeviceTensor;
+using fstest::block_pairs;
 using fstest::HostTensor;
-
-std::string seed_note() {
-  return " (seed " + std::to_string(fstest::test_seed()) + ", rerun with FLASHSERVE_SEED=" +
-         std::to_string(fstest::test_seed()) + ")";
-}
-
-template <class T>
-T pick(std::mt19937_64& rng, std::initializer_list<T> xs) {
-  return *(xs.begin() + int64_t(rng() % xs.size()));
-}
-int64_t uniform_int(std::mt19937_64& rng, int64_t lo, int64_t hi) {
-  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
-}
-
-// A deep copy: own storage, same view.
-HostTensor clone(const HostTensor& h) {
-  HostTensor c = h;
-  c.bytes = std::make_shared<std::vector<unsigned char>>(*h.bytes);
-  c.ref.data = c.bytes->data() + (static_cast<unsigned char*>(h.ref.data) - h.bytes->data());
-  return c;
-}
-
-// The device storage of `d` as a host tensor laid out as `like`.
-HostTensor download(const DeviceTensor& d, const HostTensor& like) {
-  HostTensor c = clone(like);
-  d.copy_to(c);
-  return c;
-}
+using fstest::mapping_tensor;
+using fstest::pick;
+using fstest::seed_note;
+using fstest::StepBuffers;
+using fstest::uniform_int;
+using fstest::WriteCase;
 
 // A view of host buffer `h` moved onto the same offset of storage `base` on `dev`.
 TensorRef moved(const TensorRef& view, const HostTensor& h, void* base, fs::Device dev) {
@@ -79,31 +59,6 @@ TensorRef on_clone(const TensorRef& view, const HostTensor& h, const HostTensor&
 
 void fill_random_bytes(const HostTensor& h, std::mt19937_64& rng) {
   for (unsigned char& b : *h.bytes) b = static_cast<unsigned char>(rng());
-}
-
-// An int64 [n, 2] block mapping with padded rows.
-HostTensor mapping_tensor(const std::vector<std::pair<int64_t, int64_t>>& rows) {
-  HostTensor m = HostTensor::strided(DType::i64, {int64_t(rows.size()), 2}, {3, 1});
-  for (size_t i = 0; i < rows.size(); ++i) {
-    *static_cast<int64_t*>(m.ref.at(i, 0)) = rows[i].first;
-    *static_cast<int64_t*>(m.ref.at(i, 1)) = rows[i].second;
-  }
-  return m;
-}
-
-// n (src, dst) pairs; destinations distinct and never a source (same_space), so order is free.
-std::vector<std::pair<int64_t, int64_t>> block_pairs(std::mt19937_64& rng, int64_t src_blocks, int64_t dst_blocks,
-                                                     int64_t n, bool same_space) {
-  std::vector<int64_t> order(static_cast<size_t>(dst_blocks));
-  std::iota(order.begin(), order.end(), 0);
-  std::shuffle(order.begin(), order.end(), rng);
-  std::vector<std::pair<int64_t, int64_t>> rows;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t s = same_space ? order[size_t(n + uniform_int(rng, 0, dst_blocks - n - 1))]
-                                 : uniform_int(rng, 0, src_blocks - 1);
-    rows.emplace_back(s, order[size_t(i)]);
-  }
-  return rows;
 }
 
 // "" when both storages hold the same bytes; else how many differ and the first, as an element
@@ -126,67 +81,11 @@ std::string diff_storage(const std::string& name, const HostTensor& cpu, const H
 }
 
 void expect_same(const std::string& what, const std::string& name, const HostTensor& cpu, const DeviceTensor& gpu) {
-  const std::string d = diff_storage(name, cpu, download(gpu, cpu));
+  const std::string d = diff_storage(name, cpu, gpu.download(cpu));
   EXPECT_TRUE(d.empty()) << what << ": " << d << seed_note();
 }
 
-// Poisons a host buffer and its device mirror alike.
-DeviceTensor poisoned_mirror(const HostTensor& h) {
-  fstest::poison_storage(h);
-  DeviceTensor d = DeviceTensor::mirror(h);
-  fsgpu::poison(d);
-  return d;
-}
-
 // ---- reshape_and_cache
-
-struct WriteCase {
-  KvLayout layout;
-  bool interleaved;  // K and V halves of one [nb, 2, ...] buffer
-  bool dense;        // contiguous rows and caches (the kernels' vector path)
-  int64_t block_size;
-  KvCacheDType mode;
-  DType dtype;       // key/value
-  DType fp8_tag;     // fp8 caches: u8 or the f8 format
-  int scale_rank;    // fp8 scales: 0 -> [], 1 -> [1], 2 -> [H_kv]
-  std::string str() const {
-    std::ostringstream os;
-    os << (layout == KvLayout::nhd ? "nhd" : "hnd") << (interleaved ? " interleaved" : "") << (dense ? " dense" : " padded")
-       << " bs " << block_size << " " << fs::kv_cache_dtype_name(mode) << " " << fs::dtype_name(dtype) << " tag "
-       << fs::dtype_name(fp8_tag) << " scale_rank " << scale_rank;
-    return os.str();
-  }
-};
-
-// The K and V cache buffers (one when interleaved) and their views.
-struct Caches {
-  HostTensor kb, vb;
-  TensorRef k, v;
-  bool shared = false;
-};
-
-Caches make_caches(const WriteCase& wc, int64_t nb, int64_t H, int64_t D, int64_t Dv, DType kd, DType vd) {
-  const bool nhd = wc.layout == KvLayout::nhd;
-  const int64_t bs = wc.block_size;
-  if (wc.interleaved) {
-    HostTensor b = nhd ? HostTensor::zeros(kd, {nb, 2, bs, H, D}) : HostTensor::zeros(kd, {nb, 2, H, bs, D});
-    return {b, b, b.ref.select(1, 0), b.ref.select(1, 1), true};
-  }
-  auto one = [&](DType t, int64_t w, int64_t pad, int64_t block_pad) {
-    const int64_t row = w + pad;
-    return nhd ? HostTensor::strided(t, {nb, bs, H, w}, {bs * H * row + block_pad, H * row, row, 1})
-               : HostTensor::strided(t, {nb, H, bs, w}, {H * bs * row + block_pad, bs * row, row, 1});
-  };
-  HostTensor k = wc.dense ? one(kd, D, 0, 0) : one(kd, D, 2, 7);
-  HostTensor v = wc.dense ? one(vd, Dv, 0, 0) : one(vd, Dv, 1, 7);
-  return {k, v, k.ref, v.ref, false};
-}
-
-HostTensor fp8_scale(std::mt19937_64& rng, int rank, int64_t H, float lo, float hi) {
-  HostTensor s = rank == 0 ? HostTensor::zeros(DType::f32, {}) : HostTensor::zeros(DType::f32, {rank == 1 ? 1 : H});
-  fstest::fill_uniform(s, rng, lo, hi);
-  return s;
-}
 
 // Key/value rows [rows, H, w]: padded token and head strides, or contiguous when dense.
 HostTensor kv_rows(DType t, bool dense, int64_t rows, int64_t H, int64_t w, int64_t pad) {
@@ -194,9 +93,8 @@ HostTensor kv_rows(DType t, bool dense, int64_t rows, int64_t H, int64_t w, int6
 }
 
 void run_write_case(const WriteCase& wc, std::mt19937_64& rng) {
-  const bool fp8 = wc.mode == KvCacheDType::fp8_e4m3 || wc.mode == KvCacheDType::fp8_e5m2;
-  const bool int8 = wc.mode == KvCacheDType::int8_k8v8 || wc.mode == KvCacheDType::int8_k8v16;
-  const DType fmt = wc.mode == KvCacheDType::fp8_e5m2 ? DType::f8e5m2 : DType::f8e4m3;
+  const bool fp8 = wc.fp8(), int8 = wc.int8();
+  const DType fmt = wc.fp8_format();
   const int64_t H = pick<int64_t>(rng, {1, 2, 3, 8}), D = pick<int64_t>(rng, {8, 16, 40, 64, 72, 128});
   const int64_t Dv = wc.interleaved ? D : pick<int64_t>(rng, {8, 24, 128});
   const int64_t bs = wc.block_size, nb = (48 + bs - 1) / bs + uniform_int(rng, 0, 2);
@@ -215,33 +113,25 @@ void run_write_case(const WriteCase& wc, std::mt19937_64& rng) {
   key.set({2, 0, 3}, INFINITY);
   value.set({2, 0, 0}, -0.0f);
 
-  const DType kd = fp8 ? wc.fp8_tag : int8 ? DType::i8 : wc.dtype;
-  const DType vd = fp8 ? wc.fp8_tag : wc.mode == KvCacheDType::int8_k8v8 ? DType::i8 : wc.dtype;
-  Caches cc = make_caches(wc, nb, H, D, Dv, kd, vd);
+  fstest::Caches cc = fstest::make_caches(wc, nb, H, D, Dv);
   HostTensor ksc = HostTensor::strided(DType::f32, {nb, H, bs}, {H * (bs + 2) + 1, bs + 2, 1});
 
   // Distinct slots; some skipped (-1, -2, -3); one out of range on the device (-1 on the CPU).
-  std::vector<int64_t> slots(static_cast<size_t>(nb * bs));
-  std::iota(slots.begin(), slots.end(), 0);
-  std::shuffle(slots.begin(), slots.end(), rng);
-  slots.resize(size_t(T));
-  for (size_t i = 1; i < slots.size(); ++i)
-    if (rng() % 4 == 0) slots[i] = -1 - int64_t(rng() % 3);
-  HostTensor slot_cpu = HostTensor::zeros(DType::i64, {T});
-  for (int64_t i = 0; i < T; ++i) *static_cast<int64_t*>(slot_cpu.ref.at(i)) = slots[size_t(i)];
-  HostTensor slot_gpu = clone(slot_cpu);
+  HostTensor slot_cpu = fstest::slot_tensor(fstest::random_slots(rng, nb * bs, T));
+  HostTensor slot_gpu = slot_cpu.clone();
   const int64_t bad = uniform_int(rng, 1, T - 1);
   *static_cast<int64_t*>(slot_cpu.ref.at(bad)) = -1;
   *static_cast<int64_t*>(slot_gpu.ref.at(bad)) = nb * bs + uniform_int(rng, 0, 1000);
 
   const float lo = fmt == DType::f8e4m3 ? 0.004f : 3e-5f, hi = fmt == DType::f8e4m3 ? 0.008f : 6e-5f;
-  HostTensor k_scale = fp8_scale(rng, wc.scale_rank, H, lo, hi), v_scale = fp8_scale(rng, wc.scale_rank, H, lo, hi);
+  HostTensor k_scale = fstest::fp8_scale(rng, wc.scale_rank, H, lo, hi);
+  HostTensor v_scale = fstest::fp8_scale(rng, wc.scale_rank, H, lo, hi);
   HostTensor v_scale_i8 = HostTensor::zeros(DType::f32, {H, Dv});
   fstest::fill_uniform(v_scale_i8, rng, 0.02f, 0.05f);
 
   // Device mirrors (caches poisoned on both sides), then the params for each side.
-  DeviceTensor dkb = poisoned_mirror(cc.kb), dvb = cc.shared ? dkb : poisoned_mirror(cc.vb);
-  DeviceTensor dksc = poisoned_mirror(ksc);
+  DeviceTensor dkb = DeviceTensor::poisoned_mirror(cc.kb), dvb = cc.shared ? dkb : DeviceTensor::poisoned_mirror(cc.vb);
+  DeviceTensor dksc = DeviceTensor::poisoned_mirror(ksc);
   DeviceTensor dkey = DeviceTensor::mirror(key), dvalue = DeviceTensor::mirror(value);
   DeviceTensor dslots = DeviceTensor::mirror(slot_gpu);
   DeviceTensor dks = DeviceTensor::mirror(k_scale), dvs = DeviceTensor::mirror(v_scale);
@@ -307,7 +197,7 @@ TEST(GpuReshapeAndCache, ValidateOnlyWritesNothing) {
   fstest::fill_uniform(key, rng, -1, 1);
   HostTensor kc = HostTensor::zeros(DType::f16, {2, 4, 2, 8}), vc = HostTensor::zeros(DType::f16, {2, 4, 2, 8});
   DeviceTensor dkey = DeviceTensor::mirror(key), dslots = DeviceTensor::mirror(slots);
-  DeviceTensor dkc = poisoned_mirror(kc), dvc = poisoned_mirror(vc);
+  DeviceTensor dkc = DeviceTensor::poisoned_mirror(kc), dvc = DeviceTensor::poisoned_mirror(vc);
   fs::CacheWriteParams p;
   p.key = p.value = dkey.ref;
   p.key_cache = dkc.ref;
@@ -385,9 +275,10 @@ TEST(GpuSwapBlocks, EveryDirectionPageableAndPinned) {
     fill_random_bytes(b, rng);
     const bool a_is_src = dir != 1;
     const int64_t src_blocks = a_is_src ? na : nh, dst_blocks = a_is_src ? nh : na;
-    HostTensor map = mapping_tensor(block_pairs(rng, src_blocks, dst_blocks, uniform_int(rng, 0, std::min(na, nh)), false));
+    const int64_t n = uniform_int(rng, 0, std::min(na, nh));
+    HostTensor map = mapping_tensor(block_pairs(rng, src_blocks, dst_blocks, n, false));
 
-    HostTensor ra = clone(a), rb = clone(b);  // the reference's run
+    HostTensor ra = a.clone(), rb = b.clone();  // the reference's run
     const TensorRef rav = on_clone(av, a, ra), rbv = on_clone(bv, b, rb);
     fs::swap_blocks(a_is_src ? rav : rbv, a_is_src ? rbv : rav, map);
 
@@ -413,45 +304,13 @@ TEST(GpuSwapBlocks, EveryDirectionPageableAndPinned) {
 
 namespace {
 
-// advance_step buffers ([R] rows, R = num_seqs + 2) and their device mirrors.
-struct StepBuffers {
-  HostTensor tokens, positions, slots, lens, sampled, tables;
-  std::vector<const HostTensor*> all() const { return {&tokens, &positions, &slots, &lens, &sampled, &tables}; }
-};
-
-StepBuffers step_buffers(std::mt19937_64& rng, int64_t R, int64_t num_queries, int64_t bs, int64_t max_blocks) {
-  StepBuffers s{HostTensor::zeros(DType::i64, {R}), HostTensor::strided(DType::i64, {R}, {2}),
-                HostTensor::zeros(DType::i64, {R}), HostTensor::zeros(DType::i32, {R}),
-                HostTensor::strided(DType::i64, {num_queries + 1, 1}, {2, 1}),
-                HostTensor::strided(DType::i32, {R, max_blocks}, {max_blocks + 3, 1})};
-  for (const HostTensor* t : {&s.tokens, &s.positions, &s.slots}) fstest::poison_storage(*t);
-  fstest::fill_uniform(s.sampled, rng, 0, 50000);
-  fstest::fill_uniform(s.tables, rng, 0, 100000);
-  fstest::fill_uniform(s.lens, rng, 0, float(max_blocks * bs - 1));
-  return s;
-}
-
-fs::AdvanceStepParams step_params(const StepBuffers& s, int64_t num_seqs, int64_t num_queries, int64_t bs) {
-  fs::AdvanceStepParams p;
-  p.num_seqs = num_seqs;
-  p.num_queries = num_queries;
-  p.block_size = bs;
-  p.input_tokens = s.tokens;
-  p.sampled_token_ids = s.sampled;
-  p.input_positions = s.positions;
-  p.seq_lens = s.lens;
-  p.slot_mapping = s.slots;
-  p.block_tables = s.tables;
-  return p;
-}
-
 // Runs advance_step on device mirrors of `s` (num_seqs, num_queries, bs) and compares every
 // buffer with `want` (the expected host state).
 void expect_step(const std::string& what, const StepBuffers& s, const StepBuffers& want, int64_t num_seqs,
                  int64_t num_queries, int64_t bs) {
   std::vector<DeviceTensor> d;
   for (const HostTensor* t : s.all()) d.push_back(DeviceTensor::mirror(*t));
-  fs::AdvanceStepParams p = step_params(s, num_seqs, num_queries, bs);
+  fs::AdvanceStepParams p = fstest::step_params(s, num_seqs, num_queries, bs);
   TensorRef* refs[] = {&p.input_tokens, &p.input_positions, &p.slot_mapping, &p.seq_lens, &p.sampled_token_ids, &p.block_tables};
   for (size_t i = 0; i < d.size(); ++i) *refs[i] = d[i].ref;
   fs::advance_step(p);
@@ -460,9 +319,6 @@ void expect_step(const std::string& what, const StepBuffers& s, const StepBuffer
   for (size_t i = 0; i < d.size(); ++i) expect_same(what, names[i], *want.all()[i], d[i]);
 }
 
-StepBuffers clone_step(const StepBuffers& s) {
-  return {clone(s.tokens), clone(s.positions), clone(s.slots), clone(s.lens), clone(s.sampled), clone(s.tables)};
-}
 
 }  // namespace
 
@@ -471,9 +327,9 @@ TEST(GpuAdvanceStep, EqualsCpuWithPaddingRows) {
   for (int rep = 0; rep < 30; ++rep) {
     const int64_t num_seqs = uniform_int(rng, 1, 300), num_queries = uniform_int(rng, 0, num_seqs);
     const int64_t bs = pick<int64_t>(rng, {1, 5, 16}), max_blocks = uniform_int(rng, 1, 6);
-    StepBuffers s = step_buffers(rng, num_seqs + 2, num_queries, bs, max_blocks);
-    StepBuffers want = clone_step(s);
-    fs::advance_step(step_params(want, num_seqs, num_queries, bs));
+    StepBuffers s = fstest::step_buffers(rng, num_seqs + 2, num_queries, bs, max_blocks);
+    StepBuffers want = s.clone();
+    fs::advance_step(fstest::step_params(want, num_seqs, num_queries, bs));
     expect_step("rep " + std::to_string(rep) + " num_seqs " + std::to_string(num_seqs) + " num_queries " +
                     std::to_string(num_queries) + " bs " + std::to_string(bs),
                 s, want, num_seqs, num_queries, bs);
@@ -485,12 +341,12 @@ TEST(GpuAdvanceStep, EqualsCpuWithPaddingRows) {
 TEST(GpuAdvanceStep, RowPastItsBlockTableBecomesPadding) {
   auto rng = fstest::make_rng(0xadd7);
   const int64_t num_seqs = 6, num_queries = 5, bs = 4, max_blocks = 2;
-  StepBuffers s = step_buffers(rng, num_seqs + 2, num_queries, bs, max_blocks);
+  StepBuffers s = fstest::step_buffers(rng, num_seqs + 2, num_queries, bs, max_blocks);
   for (const auto& [row, len] : {std::pair<int64_t, int32_t>{1, 8}, {3, -5}})
     *static_cast<int32_t*>(s.lens.ref.at(row)) = len;
-  StepBuffers want = clone_step(s);
+  StepBuffers want = s.clone();
   for (int64_t row : {1, 3}) *static_cast<int32_t*>(want.lens.ref.at(row)) = 0;  // valid for the reference
-  fs::advance_step(step_params(want, num_seqs, num_queries, bs));
+  fs::advance_step(fstest::step_params(want, num_seqs, num_queries, bs));
   for (const auto& [row, len] : {std::pair<int64_t, int32_t>{1, 8}, {3, -5}}) {
     *static_cast<int32_t*>(want.lens.ref.at(row)) = len;
     *static_cast<int64_t*>(want.tokens.ref.at(row)) = 0;
@@ -512,7 +368,8 @@ TEST(GpuQuantizeInt8, EqualsCpu) {
     if (T > 1) x.set({1, 0, 3}, NAN);
     HostTensor out = dense ? HostTensor::zeros(DType::i8, {T, H, D}) : HostTensor::strided(DType::i8, {T, H, D}, {H * D + 3, D, 1});
     HostTensor scale = HostTensor::strided(DType::f32, {T, H}, {1, T + 1});  // head-major storage
-    DeviceTensor dx = DeviceTensor::mirror(x), dout = poisoned_mirror(out), dscale = poisoned_mirror(scale);
+    DeviceTensor dx = DeviceTensor::mirror(x), dout = DeviceTensor::poisoned_mirror(out);
+    DeviceTensor dscale = DeviceTensor::poisoned_mirror(scale);
     fs::quantize_int8(x, out, scale);
     fs::quantize_int8(dx.ref, dout.ref, dscale.ref);
     fsgpu::sync();

@@ -14,7 +14,6 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -22,7 +21,9 @@
 #include "flashserve/merge.hpp"
 #include "flashserve/status.hpp"
 #include "support/device_tensor.hpp"
+#include "support/checks.hpp"
 #include "support/host_tensor.hpp"
+#include "support/merge_operands.hpp"
 
 namespace {
 
@@ -33,92 +34,12 @@ using fs::LseLayout;
 using fs::TensorRef;
 using fsgpu::DeviceTensor;
 using fstest::HostTensor;
-
-std::string seed_note() {
-  return " (seed " + std::to_string(fstest::test_seed()) + ", rerun with FLASHSERVE_SEED=" +
-         std::to_string(fstest::test_seed()) + ")";
-}
-
-int64_t uniform_int(std::mt19937_64& rng, int64_t lo, int64_t hi) {
-  return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
-}
-
-HostTensor clone(const HostTensor& h) {
-  HostTensor c = h;
-  c.bytes = std::make_shared<std::vector<unsigned char>>(*h.bytes);
-  c.ref.data = c.bytes->data() + (static_cast<unsigned char*>(h.ref.data) - h.bytes->data());
-  return c;
-}
-
-HostTensor download(const DeviceTensor& d, const HostTensor& like) {
-  HostTensor c = clone(like);
-  d.copy_to(c);
-  return c;
-}
-
-DeviceTensor poisoned_mirror(const HostTensor& h) {
-  fstest::poison_storage(h);
-  DeviceTensor d = DeviceTensor::mirror(h);
-  fsgpu::poison(d);
-  return d;
-}
-
-struct Mismatches {
-  int64_t count = 0;
-  std::string first;
-  void check(bool ok, const std::string& what) {
-    if (!ok && count++ == 0) first = what;
-  }
-};
-
-// [T, H, D]: padded heads and tokens, or contiguous.
-HostTensor rows(DType t, bool dense, int64_t T, int64_t H, int64_t D) {
-  return dense ? HostTensor::zeros(t, {T, H, D}) : HostTensor::strided(t, {T, H, D}, {H * (D + 3) + 1, D + 3, 1});
-}
-HostTensor lse_tensor(LseLayout layout, int64_t T, int64_t H) {
-  return layout == LseLayout::head_major ? HostTensor::strided(DType::f32, {H, T}, {T + 2, 1})
-                                         : HostTensor::strided(DType::f32, {T, H}, {H + 1, 1});
-}
-float lse_at(const HostTensor& l, LseLayout layout, int64_t t, int64_t h) {
-  return *static_cast<const float*>(layout == LseLayout::head_major ? l.ref.at(h, t) : l.ref.at(t, h));
-}
-void set_lse(const HostTensor& l, LseLayout layout, int64_t t, int64_t h, float x) {
-  *static_cast<float*>(layout == LseLayout::head_major ? l.ref.at(h, t) : l.ref.at(t, h)) = x;
-}
-
-// LSE pairs covering finite, -inf, +inf, both-empty rows and an underflowing weight.
-void fill_lse(std::mt19937_64& rng, const HostTensor& a, const HostTensor& b, LseLayout layout, int64_t T, int64_t H) {
-  std::uniform_real_distribution<float> d(-6.0f, 6.0f);
-  const float special[] = {-INFINITY, INFINITY};
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < H; ++h) {
-      float la = d(rng), lb = d(rng);
-      switch (rng() % 10) {
-        case 0: la = special[rng() % 2]; break;
-        case 1: lb = special[rng() % 2]; break;
-        case 2: la = special[rng() % 2], lb = special[rng() % 2]; break;
-        case 3: la = lb + 40.0f; break;
-        default: break;
-      }
-      set_lse(a, layout, t, h, la);
-      set_lse(b, layout, t, h, lb);
-    }
-}
-
-struct MergeCase {
-  DType a_dtype, b_dtype, out_dtype;  // out: f8*/u8 -> fp8 output with a scale
-  LseLayout layout;
-  bool with_out_lse, prefill, dense;
-  std::string str() const {
-    std::ostringstream os;
-    os << fs::dtype_name(a_dtype) << "+" << fs::dtype_name(b_dtype) << "->" << fs::dtype_name(out_dtype)
-       << (layout == LseLayout::head_major ? " head_major" : " token_major") << (with_out_lse ? " out_lse" : "")
-       << (prefill ? " prefill" : "") << (dense ? " dense" : " padded");
-    return os.str();
-  }
-  bool fp8() const { return fs::is_fp8(out_dtype) || out_dtype == DType::u8; }
-  DType format() const { return out_dtype == DType::u8 ? DType::f8e4m3 : out_dtype; }
-};
+using fstest::lse_at;
+using fstest::lse_tensor;
+using fstest::MergeCase;
+using fstest::Mismatches;
+using fstest::seed_note;
+using fstest::uniform_int;
 
 // Host operands (the reference runs on them) and their device mirrors (outputs poisoned).
 struct MergeRun {
@@ -128,14 +49,15 @@ struct MergeRun {
   DeviceTensor da, db, dla, dlb, dout, dlo, dscale;
 
   MergeRun(const MergeCase& c, int64_t T_, int64_t H_, int64_t D_, std::mt19937_64& rng)
-      : mc(c), T(T_), H(H_), D(D_), a(rows(c.a_dtype, c.dense, T, H, D)), b(rows(c.b_dtype, c.dense, T, H, D)),
-        la(lse_tensor(c.layout, T, H)), lb(lse_tensor(c.layout, T, H)), out(rows(c.out_dtype, c.dense, T, H, D)),
+      : mc(c), T(T_), H(H_), D(D_), a(fstest::merge_rows(c.a_dtype, c.dense, T, H, D)),
+        b(fstest::merge_rows(c.b_dtype, c.dense, T, H, D)), la(lse_tensor(c.layout, T, H)), lb(lse_tensor(c.layout, T, H)),
+        out(fstest::merge_rows(c.out_dtype, c.dense, T, H, D)),
         lo(lse_tensor(c.layout, T, H)), scale(HostTensor::zeros(DType::f32, {1})) {
     ptwc = c.prefill ? uniform_int(rng, 0, T) : T;
     *scale.ref.ptr<float>() = c.format() == DType::f8e4m3 ? 0.006f : 4e-5f;  // |x| < 4: some outputs saturate
     randomize(rng);
-    dout = poisoned_mirror(out);
-    dlo = poisoned_mirror(lo);
+    dout = DeviceTensor::poisoned_mirror(out);
+    dlo = DeviceTensor::poisoned_mirror(lo);
     dscale = DeviceTensor::mirror(scale);
   }
   // New inputs, copied into the same device buffers once they exist (a captured graph keeps
@@ -144,7 +66,7 @@ struct MergeRun {
     fstest::fill_uniform(a, rng, -4.0f, 4.0f);
     fstest::fill_uniform(b, rng, -4.0f, 4.0f);
     for (int64_t t = 0; t < T; t += 3) b.set({t, 0, 0}, -0.0f);  // copied rows keep the sign
-    fill_lse(rng, la, lb, mc.layout, T, H);
+    fstest::fill_lse(rng, la, lb, mc.layout, T, H);
     if (!da.storage) {
       da = DeviceTensor::mirror(a), db = DeviceTensor::mirror(b);
       dla = DeviceTensor::mirror(la), dlb = DeviceTensor::mirror(lb);
@@ -186,17 +108,6 @@ double step_of(DType fmt, double x) {
   }
 }
 
-// Bytes of the storage inside the view.
-std::vector<char> view_bytes(const HostTensor& t) {
-  std::vector<char> in(t.bytes->size(), 0);
-  const size_t es = fs::dtype_size(t.ref.dtype);
-  const auto base = static_cast<unsigned char*>(t.ref.data) - t.bytes->data();
-  fstest::for_each_index(t.ref, [&](const std::vector<int64_t>&, int64_t off) {
-    std::fill_n(in.begin() + base + off * int64_t(es), es, 1);
-  });
-  return in;
-}
-
 // Compares the GPU's out / out_lse (downloaded) with the reference's (in r's host tensors).
 // Counts bit-exact elements in `exact` out of `total`.
 void check_merge(const MergeRun& r, const HostTensor& gout, const HostTensor& glo, Mismatches& m, int64_t& exact,
@@ -209,7 +120,7 @@ void check_merge(const MergeRun& r, const HostTensor& gout, const HostTensor& gl
   };
   for (int64_t t = 0; t < r.T; ++t)
     for (int64_t h = 0; h < r.H; ++h) {
-      const float la = lse_at(r.la, r.mc.layout, t, h), lb = lse_at(r.lb, r.mc.layout, t, h);
+      const float la = *lse_at(r.la, r.mc.layout, t, h), lb = *lse_at(r.lb, r.mc.layout, t, h);
       const bool exact_row = t >= r.ptwc || std::isinf(la) || std::isinf(lb);
       const std::string at = " at t=" + std::to_string(t) + " h=" + std::to_string(h) + " (lse_a " +
                              std::to_string(la) + ", lse_b " + std::to_string(lb) + ")";
@@ -228,13 +139,13 @@ void check_merge(const MergeRun& r, const HostTensor& gout, const HostTensor& gl
         m.check(ok, buf + at);
       }
       if (!r.mc.with_out_lse) continue;
-      const float cpu = lse_at(r.lo, r.mc.layout, t, h), gpu = lse_at(glo, r.mc.layout, t, h);
+      const float cpu = *lse_at(r.lo, r.mc.layout, t, h), gpu = *lse_at(glo, r.mc.layout, t, h);
       const bool same = std::memcmp(&cpu, &gpu, 4) == 0;
       const bool ok = same || (!exact_row && std::fabs(double(cpu) - gpu) <= 1e-6 * std::max(1.0, std::fabs(double(cpu))));
       m.check(ok, "out_lse: cpu " + std::to_string(cpu) + " gpu " + std::to_string(gpu) + at);
     }
   auto padding = [&](const HostTensor& cpu, const HostTensor& gpu, const char* name) {  // both poisoned
-    const std::vector<char> in = view_bytes(cpu);
+    const std::vector<char> in = fstest::view_bytes(cpu);
     for (size_t i = 0; i < in.size(); ++i)
       m.check(in[i] || (*cpu.bytes)[i] == (*gpu.bytes)[i], std::string(name) + ": bytes outside the view written");
   };
@@ -251,7 +162,7 @@ void run_merge_case(const MergeCase& mc, std::mt19937_64& rng, int64_t& exact, i
   fs::merge_states(r.params(true));
   fsgpu::sync();
   Mismatches m;
-  check_merge(r, download(r.dout, r.out), download(r.dlo, r.lo), m, exact, total);
+  check_merge(r, r.dout.download(r.out), r.dlo.download(r.lo), m, exact, total);
   EXPECT_EQ(m.count, 0) << r.str() << ": " << m.count << " mismatches; first: " << m.first << seed_note();
 }
 
@@ -283,8 +194,8 @@ TEST(GpuMergeStates, ValidateOnlyWritesNothing) {
   ctx.validate_only = true;
   fs::merge_states(r.params(true), ctx);
   fsgpu::sync();
-  EXPECT_TRUE(fstest::same_bytes(download(r.dout, r.out), *r.out.bytes)) << "out written";
-  EXPECT_TRUE(fstest::same_bytes(download(r.dlo, r.lo), *r.lo.bytes)) << "out_lse written";
+  EXPECT_TRUE(fstest::same_bytes(r.dout.download(r.out), *r.out.bytes)) << "out written";
+  EXPECT_TRUE(fstest::same_bytes(r.dlo.download(r.lo), *r.lo.bytes)) << "out_lse written";
 }
 
 namespace {
@@ -364,8 +275,8 @@ TEST(GpuGraph, ReshapeAndCacheThenMergeReplaysEqualEager) {
     fsgpu::sync();
     ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    const HostTensor g_kc = download(cr.dkc, cr.kc), g_vc = download(cr.dvc, cr.vc);
-    const HostTensor g_out = download(mr.dout, mr.out), g_lo = download(mr.dlo, mr.lo);
+    const HostTensor g_kc = cr.dkc.download(cr.kc), g_vc = cr.dvc.download(cr.vc);
+    const HostTensor g_out = mr.dout.download(mr.out), g_lo = mr.dlo.download(mr.lo);
 
     cr.upload();  // the same inputs again, outputs poisoned: the eager run
     fsgpu::poison(mr.dout);
@@ -374,10 +285,10 @@ TEST(GpuGraph, ReshapeAndCacheThenMergeReplaysEqualEager) {
     fs::reshape_and_cache(cr.params(true), ctx);
     fs::merge_states(mr.params(true), ctx);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    EXPECT_TRUE(fstest::same_bytes(g_kc, *download(cr.dkc, cr.kc).bytes)) << "key cache: graph != eager" << seed_note();
-    EXPECT_TRUE(fstest::same_bytes(g_vc, *download(cr.dvc, cr.vc).bytes)) << "value cache: graph != eager" << seed_note();
-    EXPECT_TRUE(fstest::same_bytes(g_out, *download(mr.dout, mr.out).bytes)) << "merge out: graph != eager" << seed_note();
-    EXPECT_TRUE(fstest::same_bytes(g_lo, *download(mr.dlo, mr.lo).bytes)) << "merge lse: graph != eager" << seed_note();
+    EXPECT_TRUE(fstest::same_bytes(g_kc, *cr.dkc.download(cr.kc).bytes)) << "key cache: graph != eager" << seed_note();
+    EXPECT_TRUE(fstest::same_bytes(g_vc, *cr.dvc.download(cr.vc).bytes)) << "value cache: graph != eager" << seed_note();
+    EXPECT_TRUE(fstest::same_bytes(g_out, *mr.dout.download(mr.out).bytes)) << "merge out: graph != eager" << seed_note();
+    EXPECT_TRUE(fstest::same_bytes(g_lo, *mr.dlo.download(mr.lo).bytes)) << "merge lse: graph != eager" << seed_note();
 
     fs::reshape_and_cache(cr.params(false));  // and both equal the CPU reference
     fs::merge_states(mr.params(false));

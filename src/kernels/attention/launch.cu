@@ -124,7 +124,9 @@ void attention(const detail::AttnProblem& pr, const Plan& plan, const ExecContex
   a.head_slices = choice.head_slices;
   if (a.batch == 0 || a.total_rows() == 0) return;
   const DeviceGuard guard(pr.q.device.index);
-  launch_generic_attention(a, choice, ctx.stream);
+  if (choice.kernel == AttnKernelId::decode) launch_decode_attention(a, ctx.stream);
+  else if (choice.kernel == AttnKernelId::prefill_mma) launch_prefill_attention(a, choice, ctx.stream);
+  else launch_generic_attention(a, choice, ctx.stream);
   if (a.num_splits > 1) launch_split_combine(a, ctx.stream);
 }
 

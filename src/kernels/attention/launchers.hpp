@@ -13,6 +13,14 @@ namespace flashserve::kernels {
 // p.num_splits == 1, else the partials in p.o_partial / p.lse_partial.
 void launch_generic_attention(const AttnParams& p, const AttnKernelChoice& choice, void* stream);
 
+// prefill_fwd.cu: the tensor-core prefill kernel for choice.dv_bucket (= D) and p.q.dtype.
+// Writes out/lse directly when p.num_splits == 1, else the partials.
+void launch_prefill_attention(const AttnParams& p, const AttnKernelChoice& choice, void* stream);
+
+// decode_fwd.cu: the decode kernel for (p.k.dtype, p.head_dim) (decode_config.hpp). Writes
+// out/lse directly when p.num_splits == 1, else the partials.
+void launch_decode_attention(const AttnParams& p, void* stream);
+
 // combine.cu: merges the p.num_splits partials of every covered (row, head) in split order,
 // applies the sink once and writes out/lse.
 void launch_split_combine(const AttnParams& p, void* stream);

@@ -1,6 +1,7 @@
 // select_attention_kernel: the candidates in order and the reason each one declines.
 #include <algorithm>
 #include <climits>
+#include <cstdint>
 #include <iterator>
 
 #include "flashserve/status.hpp"
@@ -52,6 +53,53 @@ std::string try_generic(const detail::AttnProblem& pr, const DeviceProps& dev, A
   return {};
 }
 
+// Whether a strided operand suits 16-byte vector access: base and every stride of a dim
+// longer than 1 a multiple of 16 bytes, last dim contiguous.
+bool rows_16b_aligned(const TensorRef& t) {
+  const int64_t es = int64_t(dtype_size(t.dtype));
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0 || t.ndim < 1 || t.stride[size_t(t.ndim - 1)] != 1) return false;
+  for (int d = 0; d + 1 < t.ndim; ++d)
+    if (t.size(d) > 1 && (t.stride[size_t(d)] * es) % 16 != 0) return false;
+  return true;
+}
+
+// The tensor-core prefill kernel (prefill_fwd.cuh): f16/bf16 q/k/v of one dtype, out of that
+// dtype or f32, D == Dv in kPrefillConfigs, causal / window / soft-cap, contiguous or paged KV
+// (any block size), any split count; no q_v, quantization, ALiBi, sinks, chunks or context
+// parallelism. Fills `c` and returns "" when it applies.
+std::string try_prefill_mma(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
+  const AttentionParams& p = *pr.params;
+  const DType t = pr.q.dtype;
+  const char* what = "prefill_mma kernel: ";
+  if (dev.cc_major < 8) return detail::cat(what, "compute capability >= 8.0, got ", dev.cc_major, ".", dev.cc_minor);
+  if (t != DType::bf16 && t != DType::f16) return detail::cat(what, "q f16/bf16, got ", dtype_name(t));
+  if (pr.k.dtype != t || pr.v.dtype != t) return detail::cat(what, "k and v of q's dtype");
+  if (pr.out.dtype != t && pr.out.dtype != DType::f32) return detail::cat(what, "out of q's dtype or f32");
+  if (pr.head_dim != pr.head_dim_v || !prefill_config_built(t, pr.head_dim))
+    return detail::cat(what, "D == Dv in the built configurations, got ", pr.head_dim, "/", pr.head_dim_v);
+  if (pr.q_v || pr.q_scale || pr.k_scale_cache || pr.v_scale || pr.q_descale || pr.k_descale || pr.v_descale)
+    return detail::cat(what, "no q_v, scales or descales");
+  if (pr.alibi_slopes || pr.s_aux || p.chunk_size > 0 || p.cp_world_size > 1 || pr.cp_tot_seqused_k)
+    return detail::cat(what, "no ALiBi, sinks, chunked attention or context parallelism");
+  if (!rows_16b_aligned(pr.q) || !rows_16b_aligned(pr.k) || !rows_16b_aligned(pr.v) || !rows_16b_aligned(pr.out))
+    return detail::cat(what, "q, k, v, out with 16-byte aligned rows");
+  if (pr.paged && pr.k.size(1) > INT_MAX) return detail::cat(what, "block_size <= ", INT_MAX);
+  const int64_t tiles = pr.batched ? pr.batch * ceil_div(pr.q.size(1), kPrefillRowsPerCta)
+                                   : pr.total_q / kPrefillRowsPerCta + pr.batch + 1;
+  if (tiles > INT_MAX || pr.num_heads > 65535)
+    return detail::cat(what, "at most ", INT_MAX, " row tiles and 65535 heads, got ", tiles, " and ", pr.num_heads);
+  const size_t smem = prefill_smem_bytes(pr.head_dim);
+  if (smem > max_smem_per_block(dev))
+    return detail::cat(what, smem, " bytes of shared memory per block, the device allows ", max_smem_per_block(dev));
+  c.kernel = AttnKernelId::prefill_mma;
+  c.dv_bucket = int(pr.head_dim);
+  c.rows_per_cta = kPrefillRowsPerCta;
+  c.heads_per_cta = 1;
+  c.head_slices = 1;
+  c.smem_bytes = smem;
+  return {};
+}
+
 }  // namespace
 
 size_t generic_smem_bytes(int64_t d, int64_t dv, int64_t qv_dim) {
@@ -69,9 +117,13 @@ size_t max_smem_per_block(const DeviceProps& dev) {
 
 AttnKernelChoice select_attention_kernel(const detail::AttnProblem& pr, const DeviceProps& dev) {
   AttnKernelChoice c;
+  const std::string why_decode = try_decode(pr, dev, c);  // decode_select.cu
+  if (c.supported()) return c;
+  const std::string why_prefill = try_prefill_mma(pr, dev, c);
+  if (c.supported()) return c;
   std::string why = try_generic(pr, dev, c);
   if (c.supported()) return c;
-  c.why_not = "attention on CUDA: no kernel for this problem (" + why + ")";
+  c.why_not = "attention on CUDA: no kernel for this problem (" + why_decode + "; " + why_prefill + "; " + why + ")";
   return c;
 }
 
@@ -79,8 +131,12 @@ const char* kernel_name(AttnKernelId id) {
   switch (id) {
     case AttnKernelId::none: return "none";
     case AttnKernelId::generic: return "generic";
+    case AttnKernelId::prefill_mma: return "prefill_mma";
+    case AttnKernelId::decode: return "decode";
   }
   return "?";
 }
+
+const char* AttnKernelChoice::name() const { return kernel_name(kernel); }
 
 }  // namespace flashserve::kernels

@@ -2,9 +2,9 @@
 // (or why none can). The support query, the planner's dry run and the launch all call it, so
 // "is it supported" and "what runs" never disagree. Plain C++ (no CUDA headers).
 //
-// Candidates are tried in order; today only the generic kernel exists. A fast path (mma.sync
-// / wgmma) slots in before it: it returns its own reason when it does not apply, and the
-// generic kernel stays the fallback for every validated problem.
+// Candidates are tried in order: fast paths first (prefill_mma: tensor-core prefill), each
+// returning its own reason when it does not apply; the generic kernel stays the fallback for
+// every validated problem.
 #pragma once
 
 #include <cstddef>
@@ -12,11 +12,12 @@
 #include <string>
 
 #include "api/problem.hpp"
+#include "kernels/attention/decode_config.hpp"
 #include "flashserve/plan.hpp"
 
 namespace flashserve::kernels {
 
-enum class AttnKernelId : uint8_t { none, generic };
+enum class AttnKernelId : uint8_t { none, generic, prefill_mma, decode };
 
 // ---- the generic kernel's fixed shape (generic_fwd.cuh)
 inline constexpr int kGenericWarps = 4;
@@ -48,15 +49,47 @@ size_t generic_smem_bytes(int64_t d, int64_t dv, int64_t qv_dim);
 // Largest dynamic shared memory per block on a device of this compute capability (opt-in).
 size_t max_smem_per_block(const DeviceProps& dev);
 
+// ---- the tensor-core prefill kernel (prefill_fwd.cuh): FlashAttention-2 on mma.sync (sm80+)
+inline constexpr int kPrefillRowsPerCta = 128;  // 8 warps x 16 query rows
+inline constexpr int kPrefillTileKeys = 64;     // keys per KV tile (double-buffered)
+inline constexpr int kPrefillWarps = 8;
+inline constexpr int kPrefillThreads = 32 * kPrefillWarps;
+
+// The instantiated prefill configurations (q/k/v dtype, D == Dv): the one table read by the
+// selection and by prefill_fwd.cu's dispatch.
+struct PrefillConfig {
+  DType dtype;
+  int head_dim;
+};
+#if FLASHSERVE_DEV_CONFIGS
+inline constexpr PrefillConfig kPrefillConfigs[] = {{DType::bf16, 128}};
+#else
+inline constexpr PrefillConfig kPrefillConfigs[] = {
+    {DType::bf16, 64}, {DType::bf16, 128}, {DType::f16, 64}, {DType::f16, 128}};
+#endif
+
+constexpr bool prefill_config_built(DType t, int64_t d) {
+  for (const PrefillConfig& c : kPrefillConfigs)
+    if (c.dtype == t && c.head_dim == d) return true;
+  return false;
+}
+
+// Dynamic shared memory of the prefill kernel: Q [128, D] + K and V [2 stages, 64, D], 16-bit.
+constexpr size_t prefill_smem_bytes(int64_t d) {
+  return size_t(kPrefillRowsPerCta + 4 * kPrefillTileKeys) * size_t(d) * 2;
+}
+
 struct AttnKernelChoice {
   AttnKernelId kernel = AttnKernelId::none;
-  int dv_bucket = 0;        // generic: accumulator channels per row (a built bucket >= Dv)
+  int dv_bucket = 0;        // generic: accumulator channels per row (a built bucket >= Dv);
+                            // prefill_mma: D (== Dv)
   int rows_per_cta = 0;     // query rows per CTA
   int heads_per_cta = 0;    // query heads (of one KV head's group) per CTA
   int head_slices = 0;      // ceil(group / heads_per_cta)
   size_t smem_bytes = 0;    // dynamic shared memory per CTA
   std::string why_not;      // kernel == none: every candidate's reason, "; "-separated
   bool supported() const { return kernel != AttnKernelId::none; }
+  const char* name() const;  // kernel_name(kernel): "decode", "generic", ...
 };
 
 // The kernel for a validated problem on `dev`. Reads shapes and dtypes only (never device

@@ -90,6 +90,13 @@ std::vector<std::string> coverage_tags(const CaseConfig& c);
 // A random valid configuration (lengths kept small; see the budget in the .cpp).
 CaseConfig random_case_config(std::mt19937_64& rng);
 
+// Every KvMode, for hand-written cases run in each.
+inline constexpr KvMode kAllKvModes[] = {KvMode::varlen_contiguous, KvMode::varlen_paged, KvMode::batched_paged,
+                                         KvMode::batched_contiguous};
+// A small fp32 configuration for hand-written cases: H 4, H_kv 2, D = Dv = 32, lse, one unused
+// KV row and block-table column. Batched modes take q_lens[0] for every sequence.
+CaseConfig small_case_config(KvMode mode, std::vector<int64_t> q_lens, std::vector<int64_t> k_lens);
+
 // The built case: the call's params over owning storage, and the oracle's view.
 struct AttentionCase {
   CaseConfig cfg;

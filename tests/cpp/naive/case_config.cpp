@@ -130,6 +130,20 @@ void draw_features(CaseConfig& c, Draw& r) {
 
 }  // namespace
 
+CaseConfig small_case_config(KvMode mode, std::vector<int64_t> q_lens, std::vector<int64_t> k_lens) {
+  CaseConfig c;
+  c.mode = mode;
+  if (c.batched()) q_lens.assign(k_lens.size(), q_lens[0]);
+  c.H = 4, c.H_kv = 2, c.D = c.Dv = 32;
+  c.q_dtype = c.kv_dtype = c.out_dtype = DType::f32;
+  c.q_lens = std::move(q_lens);
+  c.k_lens = std::move(k_lens);
+  c.lse = true;
+  c.extra_kv_rows = 1;
+  c.extra_table_cols = 1;
+  return c;
+}
+
 CaseConfig random_case_config(std::mt19937_64& rng) {
   Draw r{rng};
   CaseConfig c;

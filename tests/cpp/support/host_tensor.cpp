@@ -18,6 +18,13 @@ HostTensor HostTensor::with_view(TensorRef view, int64_t storage_elems) {
   return h;
 }
 
+HostTensor HostTensor::clone() const {
+  HostTensor c = *this;
+  c.bytes = std::make_shared<std::vector<unsigned char>>(*bytes);
+  c.ref.data = c.bytes->data() + (static_cast<unsigned char*>(ref.data) - bytes->data());
+  return c;
+}
+
 HostTensor HostTensor::zeros(DType dtype, std::initializer_list<int64_t> shape) {
   TensorRef v = TensorRef::contiguous(nullptr, dtype, shape);
   return with_view(v, v.numel());

@@ -28,6 +28,8 @@ struct HostTensor {
                             std::initializer_list<int64_t> stride);
   // From a view whose storage is `storage_elems` long (the view sits at its start).
   static HostTensor with_view(TensorRef view, int64_t storage_elems);
+  // A deep copy: its own storage, the same view.
+  HostTensor clone() const;
 
   float get(std::initializer_list<int64_t> idx) const;   // through numeric::load_float
   double getd(std::initializer_list<int64_t> idx) const;

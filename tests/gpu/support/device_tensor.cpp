@@ -32,12 +32,25 @@ DeviceTensor DeviceTensor::mirror(const fstest::HostTensor& h) {
   return d;
 }
 
+DeviceTensor DeviceTensor::poisoned_mirror(const fstest::HostTensor& h) {
+  fstest::poison_storage(h);
+  DeviceTensor d = mirror(h);
+  poison(d);
+  return d;
+}
+
 void DeviceTensor::copy_to(const fstest::HostTensor& h) const {
   check(cudaMemcpy(h.bytes->data(), storage.get(), bytes, cudaMemcpyDeviceToHost), "copy_to");
 }
 
 void DeviceTensor::copy_from(const fstest::HostTensor& h) const {
   check(cudaMemcpy(storage.get(), h.bytes->data(), bytes, cudaMemcpyHostToDevice), "copy_from");
+}
+
+fstest::HostTensor DeviceTensor::download(const fstest::HostTensor& like) const {
+  fstest::HostTensor c = like.clone();
+  copy_to(c);
+  return c;
 }
 
 std::optional<DeviceTensor> mirror(const std::optional<fstest::HostTensor>& h) {

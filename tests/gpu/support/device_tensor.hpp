@@ -21,10 +21,14 @@ struct DeviceTensor {
 
   // Copies `h`'s storage to the device; ref keeps h's view (device = cuda:0).
   static DeviceTensor mirror(const fstest::HostTensor& h);
+  // Poisons h's whole storage, then mirrors it (device storage poisoned alike).
+  static DeviceTensor poisoned_mirror(const fstest::HostTensor& h);
   // Device copy of the storage back into h's storage (whole storage, including padding).
   void copy_to(const fstest::HostTensor& h) const;
   // Host copy -> device (re-upload after the host side changed).
   void copy_from(const fstest::HostTensor& h) const;
+  // The device storage as a new host tensor laid out as `like`.
+  fstest::HostTensor download(const fstest::HostTensor& like) const;
 };
 
 // A mirror of an optional host tensor (empty when absent).

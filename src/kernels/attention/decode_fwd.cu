@@ -1,0 +1,59 @@
+// Instantiations and launch of the decode kernel: one per entry of decode_config.hpp's
+// kDecodeConfigs (KV storage dtype x head size), the one table of decode instantiations.
+#include <cuda_runtime.h>
+
+#include <array>
+#include <atomic>
+#include <iterator>
+#include <utility>
+
+#include "kernels/attention/decode_fwd.cuh"
+#include "kernels/attention/launchers.hpp"
+#include "kernels/common/cuda_check.cuh"
+
+namespace flashserve::kernels {
+
+namespace {
+
+constexpr int kMaxDevices = 64;
+
+// Grants the instantiation its (fixed) dynamic shared memory once per device.
+template <size_t I, class Kernel>
+void grant_smem(Kernel* kernel, size_t smem) {
+  static std::array<std::atomic<bool>, kMaxDevices> granted{};
+  int device = 0;
+  FS_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < kMaxDevices && granted[size_t(device)].load()) return;
+  FS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  if (device < kMaxDevices) granted[size_t(device)].store(true);
+}
+
+template <size_t I>
+void launch_config(const AttnParams& p, cudaStream_t stream) {
+  constexpr DecodeConfig c = kDecodeConfigs[I];
+  constexpr size_t smem = decode_smem_bytes(decode::kv_bytes(c.kv), c.d);
+  auto* kernel = &decode::decode_fwd<c.kv, c.d>;
+  grant_smem<I>(kernel, smem);
+  const dim3 grid(unsigned(p.batch), unsigned(p.num_kv_heads), unsigned(p.num_splits));
+  kernel<<<grid, 32 * decode_warps(c.d), smem, stream>>>(p);
+  FS_CUDA_CHECK_LAUNCH();
+}
+
+template <size_t... I>
+bool launch_built(const AttnParams& p, cudaStream_t stream, std::index_sequence<I...>) {
+  return ((kDecodeConfigs[I].kv == p.k.dtype && kDecodeConfigs[I].d == p.head_dim
+               ? (launch_config<I>(p, stream), true)
+               : false) ||
+          ...);
+}
+
+}  // namespace
+
+void launch_decode_attention(const AttnParams& p, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (!launch_built(p, s, std::make_index_sequence<std::size(kDecodeConfigs)>{}))
+    throw RuntimeError(detail::cat("decode attention: no instantiation for KV ", dtype_name(p.k.dtype), " and D ",
+                                   p.head_dim));
+}
+
+}  // namespace flashserve::kernels

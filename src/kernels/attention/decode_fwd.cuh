@@ -1,0 +1,150 @@
+// The decode kernel: few query rows per KV head (decode, short speculative verify), KV streamed
+// once per KV head, fp32 math, the generic kernel's modifiers (masks.cuh, softmax.cuh,
+// epilogue.cuh).
+//
+// CTA = (sequence b, KV head g, split); grid (B, H_kv, num_splits). Its packed rows are the
+// sequence's q_len x group (query row, head) pairs of KV head g, taken kRows at a time (one
+// pass over the split's KV per row group). Warps split the keys: warp w owns tiles w, w + W,
+// ... of 32 keys and streams them through its own kDecodeStages-deep cp.async ring (16-byte
+// copies, block-table lookup once per token per tile, no CTA barrier in the main loop):
+//   q.k:  lane t scores key t for every row (K row from shared memory, q broadcast, fp32);
+//   softmax: per row, warp max/sum (online, fp32); p [rows, 32] to shared memory;
+//   p.v:  lane l accumulates channels [l * D/32, (l+1) * D/32) of every row.
+// The W warp states merge at the end (shared memory), then out (or the split partial) and LSE.
+//
+// Prediction (H200, paged bf16, B=64, L=4096, H=32, H_kv=8, D=128, block 16): KV bytes =
+// 64 * 4096 * 8 * 128 * 2 (K, V) * 2 B = 1.07 GB, q/out < 1 MB. 512 CTAs, 1 per SM (~220 KB
+// shared memory), 4 warps x 2 tiles (16 KB each) in flight = 128 KB per SM, well over the
+// ~40 KB that latency x bandwidth per SM needs. Compute per 32-key tile and warp (4 rows):
+// ~1000 FMA + ~300 LDS/shuffle issue slots, about a third of the tile's memory time. Expected
+// ~0.33 ms (3.2 TB/s, ~75% of the 4.25 TB/s copy ceiling); with 16 rows (group 16, or
+// q_len 4 x group 4) the FMA issue rate binds: ~1.5-2 TB/s.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/attention/decode_config.hpp"
+#include "kernels/attention/epilogue.cuh"
+#include "kernels/attention/generic_fwd.cuh"
+#include "kernels/attention/load.cuh"
+#include "kernels/attention/masks.cuh"
+#include "kernels/attention/schedule.cuh"
+#include "kernels/attention/softmax.cuh"
+
+namespace flashserve::kernels::decode {
+
+constexpr int kTile = kDecodeTileKeys;
+constexpr int kStages = kDecodeStages;
+constexpr int32_t kTokenSkip = 2;  // TokenLoc.state: not loaded (outside every row's keys); zeros
+
+constexpr int kv_bytes(DType t) { return (t == DType::f16 || t == DType::bf16) ? 2 : 1; }
+
+// ---- cp.async (sm_80+): 16-byte global -> shared copies, L1 bypassed (streamed once)
+FS_DEV void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+FS_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+FS_DEV void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// ---- N stored K/V elements in shared memory as float (one vector load of N * bytes)
+template <int kBytes> struct VecOf;
+template <> struct VecOf<2> { using type = uint16_t; };
+template <> struct VecOf<4> { using type = uint32_t; };
+template <> struct VecOf<8> { using type = uint2; };
+template <> struct VecOf<16> { using type = uint4; };
+
+template <DType kKv, int N>
+FS_DEV void smem_to_float(const unsigned char* src, float (&out)[N]) {
+  constexpr int kB = N * kv_bytes(kKv);
+  union {
+    typename VecOf<kB>::type v;
+    uint8_t b[kB];
+    uint16_t h[kB / 2];
+  } u;
+  u.v = *reinterpret_cast<const typename VecOf<kB>::type*>(src);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if constexpr (kKv == DType::bf16) out[i] = __uint_as_float(uint32_t(u.h[i]) << 16);
+    else if constexpr (kKv == DType::f16) out[i] = __half2float(__ushort_as_half(u.h[i]));
+    else if constexpr (kKv == DType::f8e4m3) out[i] = fp8_to_float(u.b[i], __NV_E4M3);
+    else out[i] = fp8_to_float(u.b[i], __NV_E5M2);
+  }
+}
+
+// One packed row of the CTA's current row group (shared by all warps).
+struct RowMeta {
+  int64_t pos;      // aligned global position i + sk_global - sq
+  int64_t lo, hi;   // visible local keys within the split's range, bounded to the cache
+  float slope;      // ALiBi
+  int32_t active;
+};
+static_assert(sizeof(RowMeta) == kDecodeRowMetaBytes, "decode_config.hpp sizes shared memory with it");
+
+template <DType kKv, int kD>
+struct Shape {
+  static constexpr int kDim = kD;
+  static constexpr int kWarps = decode_warps(kD);
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRows = decode_row_capacity(kD);
+  static constexpr int kVb = kv_bytes(kKv);
+  static constexpr int kChunks = kD * kVb / kDecodeChunk;  // 16-byte chunks per K/V row
+  static constexpr int kElems = kDecodeChunk / kVb;       // K elements per chunk
+  static constexpr int kChan = kD / 32;                   // output channels per lane
+  static constexpr int kKStride = int(decode_k_stride(kVb, kD));  // +16 B: lanes hit distinct banks
+  static constexpr int kVStride = int(decode_v_stride(kVb, kD));
+  static constexpr size_t kStageBytes = decode_stage_bytes(kVb, kD);
+  static constexpr size_t kWarpBytes = decode_warp_bytes(kVb, kD);
+  static_assert(kChunks >= 1 && kChunks <= 32 && 32 % kChunks == 0, "a warp copies whole rows");
+  static_assert(kChan >= 2, "channels per lane");
+};
+
+// A warp's view of its stage `s`: K [32, kKStride] bytes, V [32, kVStride], TokenLoc [32].
+template <class S>
+struct Stage {
+  unsigned char* k;
+  unsigned char* v;
+  TokenLoc* loc;
+  FS_DEV Stage(unsigned char* warp_base, int s) {
+    k = warp_base + size_t(s) * S::kStageBytes;
+    v = k + kTile * S::kKStride;
+    loc = reinterpret_cast<TokenLoc*>(v + kTile * S::kVStride);
+  }
+};
+
+// The CTA's sequence: q rows [row_begin, row_end) (clamped into the flat rows: metadata is
+// never trusted) and its KV.
+struct DecodeSeq {
+  SeqRows rows;
+  SeqKv kv;
+  int64_t sk = 0, sk_global = 0;
+  KvRange range{0, 0};
+  KeyRange cache{0, 0};
+};
+
+FS_DEV DecodeSeq decode_sequence(const AttnParams& p, int64_t b, int64_t g, int split) {
+  DecodeSeq s;
+  s.rows.b = b;
+  if (p.batched) {
+    s.rows.qb = b;
+    s.rows.row_begin = b * p.q_rows;
+    s.rows.row_end = s.rows.row_begin + p.q_rows;
+  } else {
+    s.rows.row_begin = imax(0, load_index(p.cu_seqlens_q, b));
+    s.rows.row_end = imin(p.total_rows(), load_index(p.cu_seqlens_q, b + 1));
+    s.rows.row_end = imax(s.rows.row_begin, s.rows.row_end);
+  }
+  s.kv = seq_kv(p, b, g);
+  s.sk = kv_len(p, b);
+  s.sk_global = kv_len_global(p, b, s.sk);
+  s.range = split_kv_range(s.sk, p.num_splits, split, p.split_granularity);
+  s.cache = generic::cache_tokens(p, s.kv);
+  return s;
+}
+
+}  // namespace flashserve::kernels::decode
+
+#include "kernels/attention/decode_mainloop.cuh"

@@ -1,0 +1,70 @@
+// try_decode: when the decode kernel (decode_fwd.cuh) serves a problem, and why not otherwise.
+// Reads shapes, dtypes and pointer alignment only (never device memory).
+#include <climits>
+#include <cstdint>
+
+#include "flashserve/status.hpp"
+#include "kernels/attention/decode_config.hpp"
+#include "kernels/attention/select.hpp"
+
+namespace flashserve::kernels {
+
+namespace {
+
+// cp.async copies 16 bytes: the base and every stride of a dimension with more than one
+// element must be 16-byte multiples.
+bool chunk_aligned(const TensorRef& t) {
+  const int64_t es = int64_t(dtype_size(t.dtype));
+  if (reinterpret_cast<uintptr_t>(t.data) % kDecodeChunk != 0) return false;
+  for (int d = 0; d + 1 < t.ndim; ++d)
+    if (t.shape[size_t(d)] > 1 && (t.stride[size_t(d)] * es) % kDecodeChunk != 0) return false;
+  return t.ndim == 0 || t.shape[size_t(t.ndim - 1)] <= 1 || t.stride[size_t(t.ndim - 1)] == 1;
+}
+
+std::string dtype_reason(const detail::AttnProblem& pr) {
+  const DType qt = pr.q.dtype, kt = pr.k.dtype;
+  if (!is_half(qt)) return detail::cat("q float16/bfloat16, got ", dtype_name(qt));
+  if (pr.q_v) return "no q_v";
+  if (pr.k_scale_cache || pr.v_scale || pr.q_scale || pr.q_descale) return "no int8 scales or q descale";
+  if (pr.v.dtype != kt) return detail::cat("k and v of one dtype, got ", dtype_name(kt), "/", dtype_name(pr.v.dtype));
+  if (kt != qt && !is_fp8(kt)) return detail::cat("k/v of q's dtype or fp8, got ", dtype_name(kt));
+  return {};
+}
+
+// Packed query rows per (sequence, KV head) by the shape (varlen: the caller's max_seqlen_q).
+int64_t packed_rows_bound(const detail::AttnProblem& pr) {
+  const int64_t sq = pr.batched ? pr.q.size(1) : pr.params->max_seqlen_q;
+  return sq * pr.group();
+}
+
+}  // namespace
+
+std::string try_decode(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
+  if (dev.cc_major < 8)
+    return detail::cat("decode kernel: compute capability >= 8.0, got ", dev.cc_major, ".", dev.cc_minor);
+  if (std::string why = dtype_reason(pr); !why.empty()) return "decode kernel: " + why;
+  if (pr.head_dim != pr.head_dim_v || !decode_config_built(pr.k.dtype, pr.head_dim))
+    return detail::cat("decode kernel: D == Dv with (", dtype_name(pr.k.dtype), ", D) instantiated, got D=",
+                       pr.head_dim, " Dv=", pr.head_dim_v);
+  const int64_t rows = packed_rows_bound(pr);
+  if (rows > kDecodeMaxRows)
+    return detail::cat("decode kernel: q_len x group <= ", kDecodeMaxRows, ", got ", rows);
+  if (!chunk_aligned(pr.k) || !chunk_aligned(pr.v))
+    return "decode kernel: k/v base and strides multiples of 16 bytes";
+  if (pr.batch > INT_MAX || pr.num_kv_heads > 65535)
+    return detail::cat("decode kernel: B <= ", INT_MAX, " and H_kv <= 65535, got ", pr.batch, "/", pr.num_kv_heads);
+  const int kvb = is_fp8(pr.k.dtype) ? 1 : 2;
+  const size_t smem = decode_smem_bytes(kvb, int(pr.head_dim));
+  if (smem > max_smem_per_block(dev))
+    return detail::cat("decode kernel: ", smem, " bytes of shared memory per block, the device allows ",
+                       max_smem_per_block(dev));
+  c.kernel = AttnKernelId::decode;
+  c.dv_bucket = int(pr.head_dim);
+  c.rows_per_cta = int(decode_row_capacity(int(pr.head_dim)));
+  c.heads_per_cta = int(pr.group());
+  c.head_slices = 1;
+  c.smem_bytes = smem;
+  return {};
+}
+
+}  // namespace flashserve::kernels

@@ -1,0 +1,246 @@
+// The decode kernel (src/kernels/attention/decode_fwd.cuh) on problems that select it (checked:
+// attention_kernel_name == "decode"), against the fp64 oracle and the CPU reference under the
+// same plan: batches up to 64, KV up to 8k, block sizes 1/16/256, NHD/HND, GQA 1..16, q_len x
+// group up to 16, fp8 KV, sinks, soft-cap, window, ALiBi, splits 1..16, LSE; bad block indices
+// give NaN rows; a varlen max_seqlen_q below the truth still computes every row.
+// Configurations not instantiated in this build (FLASHSERVE_DEV_CONFIGS) are skipped, named.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "gpu_attention_case.hpp"
+
+using flashserve::DType;
+using fstest::CaseConfig;
+using fstest::KvMode;
+namespace fs = flashserve;
+
+namespace {
+
+// A batched paged bf16 decode problem with D = 128 (the instantiation every build has).
+CaseConfig decode_config(int64_t B, int64_t max_k, int64_t group, std::mt19937_64& rng) {
+  CaseConfig c;
+  c.mode = KvMode::batched_paged;
+  c.H_kv = 2;
+  c.H = c.H_kv * group;
+  c.D = c.Dv = 128;
+  c.q_dtype = c.kv_dtype = c.out_dtype = DType::bf16;
+  std::uniform_int_distribution<int64_t> len(1, max_k);
+  for (int64_t b = 0; b < B; ++b) c.k_lens.push_back(len(rng));
+  c.q_lens.assign(size_t(B), 1);
+  c.lse = true;
+  c.extra_kv_rows = 1;
+  c.extra_table_cols = 1;
+  c.random_block_ids = true;
+  return c;
+}
+
+std::string served(const fs::AttentionParams& p, bool batched) {
+  try {
+    return fs::attention_kernel_name(p, batched, fs::kernels::cuda_device_props(0));
+  } catch (const std::exception& e) {
+    return std::string("(threw: ") + e.what() + ")";
+  }
+}
+
+struct Outcome {
+  std::string kernel;  // the kernel that served the GPU call
+  std::string error;   // "" when the GPU agrees with the oracle and the reference
+};
+
+// Plan (forced splits from the config), CPU reference under it, GPU run, both comparisons.
+// `gpu_params_edit` changes only the GPU call's params (after the plan is made).
+template <class Edit>
+Outcome run_decode(fstest::AttentionCase& ac, Edit gpu_params_edit) {
+  fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
+  const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
+  const auto cpu = fsgpu::run_cpu(ac, plan);
+  gpu_params_edit(dc.params);
+  Outcome o;
+  o.kernel = served(dc.params, ac.cfg.batched());
+  const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
+  fs::ExecContext ctx;
+  ctx.workspace = ws.get();
+  ctx.workspace_bytes = plan.workspace.total_bytes;
+  ctx.plan = &plan;
+  if (!(dc.params.max_seqlen_q == ac.params.max_seqlen_q)) ctx.plan = nullptr;  // its own (same) plan
+  try {
+    fsgpu::run_gpu(ac, dc, ctx);
+  } catch (const std::exception& e) {
+    o.error = std::string("the CUDA call threw: ") + e.what();
+    return o;
+  }
+  o.error = fstest::check_case(ac) + fsgpu::compare_with_cpu(ac, cpu.first, cpu.second);
+  return o;
+}
+
+// Builds and checks one case that must select the decode kernel. Returns false when the
+// build lacks the instantiation (the caller skips).
+bool expect_decode(const CaseConfig& c, uint64_t salt) {
+  auto rng = fstest::make_rng(salt);
+  fstest::AttentionCase ac = fstest::build_case(c, rng);
+  const Outcome o = run_decode(ac, [](fs::AttentionParams&) {});
+  if (o.kernel == "generic" && !(c.kv_dtype == DType::bf16 && c.D == 128)) return false;
+  EXPECT_EQ(o.kernel, "decode") << fstest::describe(c);
+  EXPECT_EQ(o.error, "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
+  return true;
+}
+
+}  // namespace
+
+TEST(GpuDecode, GqaLayoutsAndBlockSizes) {
+  auto rng = fstest::make_rng(1);
+  int i = 0;
+  for (int64_t group : {1, 2, 3, 4, 8, 16})
+    for (int64_t bs : {1, 16, 256})
+      for (fs::KvLayout layout : {fs::KvLayout::nhd, fs::KvLayout::hnd}) {
+        CaseConfig c = decode_config(6, 700, group, rng);
+        c.block_size = bs;
+        c.layout = layout;
+        c.num_splits = 1 + i % 3;
+        expect_decode(c, 100 + uint64_t(i++));
+      }
+}
+
+TEST(GpuDecode, LargeBatchLongKv) {
+  auto rng = fstest::make_rng(2);
+  CaseConfig c = decode_config(64, 8192, 4, rng);
+  c.H_kv = 1, c.H = 4;
+  c.k_lens[0] = 8192;
+  c.num_splits = 1;
+  expect_decode(c, 200);
+  for (int splits : {2, 5, 16}) {
+    CaseConfig s = decode_config(16, 8192, 8, rng);
+    s.H_kv = 1, s.H = 8;
+    s.num_splits = splits;
+    s.layout = splits == 5 ? fs::KvLayout::hnd : fs::KvLayout::nhd;
+    expect_decode(s, 200 + uint64_t(splits));
+  }
+}
+
+// Speculative verify: q_len x group up to 16 rows, causal (rows see different prefixes).
+TEST(GpuDecode, ShortVerifyCausal) {
+  auto rng = fstest::make_rng(3);
+  for (int64_t q_len : {2, 4, 8})
+    for (int splits : {1, 3}) {
+      CaseConfig c = decode_config(5, 500, 16 / q_len, rng);
+      c.q_lens.assign(c.k_lens.size(), q_len);
+      for (int64_t& k : c.k_lens) k = std::max(k, q_len);
+      c.causal = true;
+      c.num_splits = splits;
+      expect_decode(c, 300 + uint64_t(q_len * 10 + splits));
+    }
+}
+
+TEST(GpuDecode, ScoreModifiers) {
+  auto rng = fstest::make_rng(4);
+  for (int v = 0; v < 8; ++v) {
+    CaseConfig c = decode_config(7, 900, 4, rng);
+    c.sinks = v % 2 == 0;
+    c.sink_dtype = v % 4 == 0 ? DType::bf16 : DType::f32;
+    c.softcap = v % 3 == 0 ? 30.0f : 0.0f;
+    if (v % 4 == 1) c.window = {127, 0};
+    if (v == 3) c.window = {40, -1};
+    c.alibi = v % 5 == 2 ? 1 + v % 2 : 0;
+    c.alibi_sqrt = v == 7;
+    c.chunk = v == 6 ? 64 : 0;
+    c.causal = v % 2 == 1;
+    c.out_dtype = v == 5 ? DType::f32 : DType::bf16;
+    c.num_splits = 1 + v % 4;
+    c.lse = v != 4;
+    expect_decode(c, 400 + uint64_t(v));
+  }
+}
+
+// Varlen and contiguous KV, zero-length sequences, q_len 0 and rows that see nothing.
+TEST(GpuDecode, VarlenContiguousAndEmpty) {
+  auto rng = fstest::make_rng(5);
+  for (KvMode mode : {KvMode::varlen_paged, KvMode::varlen_contiguous, KvMode::batched_contiguous})
+    for (int splits : {1, 4}) {
+      CaseConfig c = decode_config(6, 300, 4, rng);
+      c.mode = mode;
+      c.k_lens[1] = 0;
+      if (!c.batched()) c.q_lens = {1, 1, 0, 2, 1, 4};
+      c.window = {0, 0};
+      c.causal = splits == 4;
+      c.num_splits = splits;
+      expect_decode(c, 500 + uint64_t(splits));
+    }
+}
+
+TEST(GpuDecode, Fp8KvAndOtherHeadSizes) {
+  auto rng = fstest::make_rng(6);
+  int i = 0, skipped = 0;
+  for (DType kv : {DType::f8e4m3, DType::f8e5m2, DType::f16, DType::bf16})
+    for (int64_t d : {64, 128, 256}) {
+      CaseConfig c = decode_config(5, 600, d == 256 ? 16 : 8, rng);  // 16 rows at D = 256: two row groups
+      c.D = c.Dv = d;
+      c.q_dtype = kv == DType::f16 ? DType::f16 : DType::bf16;
+      c.kv_dtype = kv;
+      c.out_dtype = c.q_dtype;
+      if (fs::is_fp8(kv)) c.quant = fstest::QuantMode::fp8_kv;
+      c.descale_broadcast = i % 3;
+      c.sinks = i % 2 == 0;
+      c.num_splits = 1 + i % 3;
+      c.layout = i % 2 ? fs::KvLayout::hnd : fs::KvLayout::nhd;
+      skipped += !expect_decode(c, 600 + uint64_t(i++));
+    }
+  if (skipped) GTEST_SKIP() << skipped << " (KV dtype, D) configurations not instantiated in this build";
+}
+
+// A varlen max_seqlen_q below the truth (the GPU never trusts it): 5 rows x group 8 = 40
+// packed rows, selected as decode by the bound of 1 x 8, computed in row groups.
+TEST(GpuDecode, UnderstatedMaxSeqlenQ) {
+  auto rng = fstest::make_rng(7);
+  CaseConfig c = decode_config(3, 400, 8, rng);
+  c.mode = KvMode::varlen_paged;
+  c.q_lens = {5, 1, 3};
+  c.causal = true;
+  c.num_splits = 1;
+  fstest::AttentionCase ac = fstest::build_case(c, rng);
+  const Outcome o = run_decode(ac, [](fs::AttentionParams& p) { p.max_seqlen_q = 1; });
+  EXPECT_EQ(o.kernel, "decode");
+  EXPECT_EQ(o.error, "") << fstest::describe(c);
+}
+
+// A block index outside the cache is never read: exactly the rows that see its keys are NaN.
+TEST(GpuDecode, BadBlockIndexGivesNanRows) {
+  for (int splits : {1, 3})
+    for (int bad_id : {-1, 1 << 20}) {
+      auto rng = fstest::make_rng(8);
+      CaseConfig c = decode_config(3, 10, 4, rng);
+      c.k_lens = {40, 70, 33};
+      c.block_size = 16;
+      c.window = {20, 0};  // the last row of sequence 1 sees keys 49..69, not block 1 (16..31)
+      c.num_splits = splits;
+      fstest::AttentionCase ac = fstest::build_case(c, rng);
+      fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
+      const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
+      const auto cpu = fsgpu::run_cpu(ac, plan);
+      ASSERT_EQ(served(dc.params, true), "decode");
+      for (int col : {1, 3}) {  // sequence 1: block 1 is not visible, block 3 (48..63) is
+        int32_t* entry = static_cast<int32_t*>(ac.params.block_table->at(1, col));
+        const int32_t good_id = *entry;
+        *entry = bad_id;
+        dc.upload(ac);
+        const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
+        fs::ExecContext ctx;
+        ctx.workspace = ws.get();
+        ctx.workspace_bytes = plan.workspace.total_bytes;
+        ctx.plan = &plan;
+        fsgpu::run_gpu(ac, dc, ctx);
+        for (int64_t b = 0; b < 3; ++b)
+          for (int64_t h = 0; h < c.H; ++h)
+            for (int64_t d = 0; d < c.Dv; ++d) {
+              const float x = ac.out.get({b, 0, h, d}), y = cpu.first.get({b, 0, h, d});
+              const bool want_nan = b == 1 && col == 3;
+              if (want_nan) ASSERT_TRUE(std::isnan(x)) << "b=1 h=" << h << " d=" << d << " splits " << splits;
+              else ASSERT_NEAR(x, y, 1e-2 * (1.0 + std::fabs(y))) << "b=" << b << " h=" << h << " col " << col;
+            }
+        *entry = good_id;
+      }
+    }
+}

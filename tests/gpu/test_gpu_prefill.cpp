@@ -1,0 +1,196 @@
+// The tensor-core prefill kernel (kernels/attention/prefill_fwd.cuh) against the fp64 oracle
+// (tests/cpp/naive: 2 output roundings + 4 eps of the head's max |v|) and the CPU reference run
+// under the same plan (relative error ||out - ref|| / ||ref|| < 1e-2: P is rounded to the
+// operand dtype before the PV product). Every case first checks which kernel the selection
+// picks: bf16 D = 128 (built in every configuration) must get "prefill_mma"; f16 and D = 64
+// may be served by the generic kernel in dev builds. Varlen batches with uneven lengths,
+// causal / non-causal, GQA 1..8, paged caches of any block size, splits, window and soft-cap,
+// fully masked rows and zero-length sequences; problems outside the kernel's scope must fall
+// back to the generic kernel.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "api/problem.hpp"
+#include "gpu_attention_case.hpp"
+#include "kernels/attention/select.hpp"
+
+using flashserve::DType;
+using fstest::CaseConfig;
+using fstest::KvMode;
+namespace fs = flashserve;
+
+namespace {
+
+// A bf16 D = 128 prefill configuration (the kernel's always-built case) with LSE.
+CaseConfig prefill_config(KvMode mode, std::vector<int64_t> q_lens, std::vector<int64_t> k_lens, int64_t H,
+                          int64_t H_kv) {
+  CaseConfig c;
+  c.mode = mode;
+  if (c.batched()) q_lens.assign(k_lens.size(), q_lens[0]);
+  c.H = H, c.H_kv = H_kv, c.D = c.Dv = 128;
+  c.q_dtype = c.kv_dtype = c.out_dtype = DType::bf16;
+  c.q_lens = std::move(q_lens);
+  c.k_lens = std::move(k_lens);
+  c.lse = true;
+  c.num_splits = 1;
+  c.extra_kv_rows = 1;
+  c.extra_table_cols = 1;
+  return c;
+}
+
+// The kernel the selection picks for the case on device 0.
+std::string selected_kernel(const fstest::AttentionCase& ac, const fs::AttentionParams& p) {
+  const fs::detail::AttnProblem pr = fs::detail::validate_attention(p, ac.cfg.batched());
+  const fs::kernels::AttnKernelChoice c = fs::kernels::select_attention_kernel(pr, fs::kernels::cuda_device_props(0));
+  return fs::kernels::kernel_name(c.kernel);
+}
+
+// ||gpu - cpu|| / ||cpu|| over every valid output element (NaN anywhere: infinity).
+double relative_error(const fstest::AttentionCase& ac, const fstest::HostTensor& cpu) {
+  const CaseConfig& c = ac.cfg;
+  double num = 0.0, den = 0.0;
+  for (int64_t b = 0; b < c.batch(); ++b) {
+    const fstest::NaiveSequence& s = ac.seqs[size_t(b)];
+    const int64_t row0 = ac.q_row0[size_t(b)];
+    for (int64_t i = 0; i < s.sq; ++i)
+      for (int64_t h = 0; h < s.H; ++h)
+        for (int64_t d = 0; d < s.Dv; ++d) {
+          const double x = c.batched() ? ac.out.get({b, i, h, d}) : ac.out.get({row0 + i, h, d});
+          const double y = c.batched() ? cpu.get({b, i, h, d}) : cpu.get({row0 + i, h, d});
+          if (!std::isfinite(x)) return INFINITY;
+          num += (x - y) * (x - y);
+          den += y * y;
+        }
+  }
+  return den == 0.0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+// Runs the case on the CPU (reference, GPU plan) and the GPU; returns "" when the GPU agrees
+// with the oracle and the reference. `kernel` receives the selected kernel's name.
+std::string run_and_check(fstest::AttentionCase& ac, std::string& kernel) {
+  fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
+  kernel = selected_kernel(ac, dc.params);
+  const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
+  const auto cpu = fsgpu::run_cpu(ac, plan);
+  const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
+  fs::ExecContext ctx;
+  ctx.workspace = ws.get();
+  ctx.workspace_bytes = plan.workspace.total_bytes;
+  ctx.plan = &plan;
+  fsgpu::run_gpu(ac, dc, ctx);
+  std::string err = fstest::check_case(ac);
+  const double rel = relative_error(ac, cpu.first);
+  if (!(rel < 1e-2)) err += "relative error against the CPU reference " + std::to_string(rel) + "\n";
+  return err.empty() ? err : "kernel " + kernel + ", splits " + std::to_string(plan.num_splits) + "\n" + err;
+}
+
+// Checks the case; bf16 D = 128 cases must be served by prefill_mma.
+void expect_prefill_matches(const CaseConfig& c, uint64_t salt) {
+  auto rng = fstest::make_rng(salt);
+  fstest::AttentionCase ac = fstest::build_case(c, rng);
+  std::string kernel;
+  EXPECT_EQ(run_and_check(ac, kernel), "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
+  if (c.q_dtype == DType::bf16 && c.D == 128) EXPECT_EQ(kernel, "prefill_mma") << fstest::describe(c);
+}
+
+}  // namespace
+
+TEST(GpuPrefill, VarlenUnevenLengthsCausalAndGqa) {
+  const std::vector<int64_t> q = {1, 130, 777, 1100, 64, 129};
+  struct Variant { bool causal; int64_t H_kv; };
+  for (Variant v : {Variant{true, 4}, Variant{true, 1}, Variant{false, 2}}) {  // groups 1, 4, 2
+    CaseConfig c = prefill_config(KvMode::varlen_contiguous, q, q, 4, v.H_kv);
+    c.causal = v.causal;
+    expect_prefill_matches(c, 1);
+  }
+  // Chunked prefill: more keys than queries (bottom-right alignment), group 8.
+  CaseConfig c = prefill_config(KvMode::varlen_contiguous, {200, 3, 90}, {3000, 70, 90}, 8, 1);
+  c.causal = true;
+  expect_prefill_matches(c, 2);
+}
+
+TEST(GpuPrefill, PagedAnyBlockSize) {
+  for (int64_t bs : {1, 16, 64, 80})
+    for (fs::KvLayout layout : {fs::KvLayout::nhd, fs::KvLayout::hnd}) {
+      CaseConfig c = prefill_config(KvMode::varlen_paged, {300, 17, 129}, {700, 17, 300}, 4, 2);
+      c.block_size = bs;
+      c.layout = layout;
+      c.random_block_ids = true;
+      c.causal = bs != 64;
+      expect_prefill_matches(c, 3);
+    }
+  CaseConfig c = prefill_config(KvMode::batched_paged, {150}, {150, 400, 9}, 4, 4);
+  c.block_size = 32;
+  c.causal = true;
+  expect_prefill_matches(c, 4);
+}
+
+TEST(GpuPrefill, SplitsWindowSoftcapAndOutputDtypes) {
+  for (int splits : {2, 3}) {
+    CaseConfig c = prefill_config(KvMode::varlen_paged, {256, 40}, {1000, 520}, 4, 2);
+    c.num_splits = splits;
+    c.causal = splits == 2;
+    expect_prefill_matches(c, 5);
+  }
+  CaseConfig c = prefill_config(KvMode::varlen_contiguous, {500, 260}, {500, 300}, 4, 1);
+  c.causal = true;
+  c.window = {100, 0};
+  c.softcap = 30.0f;
+  expect_prefill_matches(c, 6);
+  c.causal = false;
+  c.window = {64, 37};
+  c.out_dtype = DType::f32;
+  expect_prefill_matches(c, 7);
+}
+
+TEST(GpuPrefill, HeadDim64AndF16) {
+  for (DType t : {DType::f16, DType::bf16})
+    for (int64_t D : {64, 128}) {
+      CaseConfig c = prefill_config(KvMode::varlen_contiguous, {333, 90}, {333, 200}, 4, 2);
+      c.q_dtype = c.kv_dtype = c.out_dtype = t;
+      c.D = c.Dv = D;
+      c.causal = D == 64;
+      expect_prefill_matches(c, 8);
+    }
+}
+
+TEST(GpuPrefill, FullyMaskedRowsAndZeroLengthSequences) {
+  // Causal with sq > sk: the leading rows see no key (out 0, lse -inf).
+  CaseConfig c = prefill_config(KvMode::varlen_contiguous, {300, 0, 150, 0}, {100, 50, 0, 0}, 4, 2);
+  c.causal = true;
+  expect_prefill_matches(c, 9);
+  c.mode = KvMode::varlen_paged;
+  c.num_splits = 2;
+  expect_prefill_matches(c, 10);
+  CaseConfig w = prefill_config(KvMode::batched_contiguous, {130}, {0, 200}, 4, 4);
+  w.window = {0, 0};
+  expect_prefill_matches(w, 11);
+}
+
+// Problems outside the kernel's scope stay on the generic kernel (and stay correct).
+TEST(GpuPrefill, OutOfScopeFallsBackToGeneric) {
+  struct Variant {
+    const char* what;
+    void (*apply)(CaseConfig&);
+  };
+  const Variant variants[] = {
+      {"alibi", [](CaseConfig& c) { c.alibi = 1; }},
+      {"sinks", [](CaseConfig& c) { c.sinks = true; }},
+      {"chunk", [](CaseConfig& c) { c.chunk = 64; }},
+      {"q_pad 4 (8-byte rows)", [](CaseConfig& c) { c.q_pad = 4; }},
+      {"fp8 kv", [](CaseConfig& c) { c.quant = fstest::QuantMode::fp8_kv, c.kv_dtype = DType::f8e4m3; }},
+  };
+  for (const Variant& v : variants) {
+    CaseConfig c = prefill_config(KvMode::varlen_contiguous, {70, 20}, {90, 20}, 2, 1);
+    c.causal = true;
+    v.apply(c);
+    auto rng = fstest::make_rng(12);
+    fstest::AttentionCase ac = fstest::build_case(c, rng);
+    std::string kernel;
+    EXPECT_EQ(run_and_check(ac, kernel), "") << v.what << "\n" << fstest::describe(c);
+    EXPECT_NE(kernel, "prefill_mma") << v.what;
+  }
+}
