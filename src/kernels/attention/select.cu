@@ -74,7 +74,9 @@ std::string try_prefill_mma(const detail::AttnProblem& pr, const DeviceProps& de
   if (dev.cc_major < 8) return detail::cat(what, "compute capability >= 8.0, got ", dev.cc_major, ".", dev.cc_minor);
   if (t != DType::bf16 && t != DType::f16) return detail::cat(what, "q f16/bf16, got ", dtype_name(t));
   if (pr.k.dtype != t || pr.v.dtype != t) return detail::cat(what, "k and v of q's dtype");
-  if (pr.out.dtype != t && pr.out.dtype != DType::f32) return detail::cat(what, "out of q's dtype or f32");
+  // fp32 out holds partial states merged later (cascade, MLA chunks): it keeps P in fp32, so
+  // it stays with a kernel that does not round P to q's dtype before P·V.
+  if (pr.out.dtype != t) return detail::cat(what, "out of q's dtype (fp32 out needs fp32 P)");
   if (pr.head_dim != pr.head_dim_v || !prefill_config_built(t, pr.head_dim))
     return detail::cat(what, "D == Dv in the built configurations, got ", pr.head_dim, "/", pr.head_dim_v);
   if (pr.q_v || pr.q_scale || pr.k_scale_cache || pr.v_scale || pr.q_descale || pr.k_descale || pr.v_descale)
