@@ -28,15 +28,25 @@ void grant_smem(Kernel* kernel, size_t smem) {
   if (device < kMaxDevices) granted[size_t(device)].store(true);
 }
 
-template <size_t I>
-void launch_config(const AttnParams& p, cudaStream_t stream) {
+template <size_t I, int kRows>
+void launch_rows(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeConfig c = kDecodeConfigs[I];
-  constexpr size_t smem = decode_smem_bytes(decode::kv_bytes(c.kv), c.d);
-  auto* kernel = &decode::decode_fwd<c.kv, c.d>;
-  grant_smem<I>(kernel, smem);
+  constexpr size_t smem = decode_smem_bytes(decode::kv_bytes(c.kv), c.d, kRows);
+  auto* kernel = &decode::decode_fwd<c.kv, c.d, kRows>;
+  grant_smem<I * 3 + kRows / 8>(kernel, smem);
   const dim3 grid(unsigned(p.batch), unsigned(p.num_kv_heads), unsigned(p.num_splits));
   kernel<<<grid, 32 * decode_warps(c.d), smem, stream>>>(p);
   FS_CUDA_CHECK_LAUNCH();
+}
+
+// The row-count instantiation the selection sized (AttnParams::rows_per_cta: 4, 8 or the
+// capacity; decode_rows_for).
+template <size_t I>
+void launch_config(const AttnParams& p, cudaStream_t stream) {
+  constexpr int kCap = decode_row_capacity(kDecodeConfigs[I].d);
+  if (p.rows_per_cta <= 4) launch_rows<I, 4>(p, stream);
+  else if (p.rows_per_cta <= 8) launch_rows<I, 8>(p, stream);
+  else launch_rows<I, kCap>(p, stream);
 }
 
 template <size_t... I>

@@ -3,22 +3,26 @@
 // epilogue.cuh).
 //
 // CTA = (sequence b, KV head g, split); grid (B, H_kv, num_splits). Its packed rows are the
-// sequence's q_len x group (query row, head) pairs of KV head g, taken kRows at a time (one
-// pass over the split's KV per row group). Warps split the keys: warp w owns tiles w, w + W,
-// ... of 32 keys and streams them through its own kDecodeStages-deep cp.async ring (16-byte
-// copies, block-table lookup once per token per tile, no CTA barrier in the main loop):
-//   q.k:  lane t scores key t for every row (K row from shared memory, q broadcast, fp32);
-//   softmax: per row, warp max/sum (online, fp32); p [rows, 32] to shared memory;
+// sequence's q_len x group (query row, head) pairs of KV head g, taken kRows (4, 8 or 16: one
+// instantiation each) at a time (one pass over the split's KV per row group). Warps split the
+// keys: warp w owns tiles w, w + W, ... of 16 keys and streams them through its own
+// kDecodeStages-deep cp.async ring (16-byte copies, block-table lookup once per token per tile,
+// no CTA barrier in the main loop):
+//   q.k:  lanes t and t + 16 score key t over one half of D each (K row half from shared
+//         memory, q broadcast, fp32), one shuffle joins the halves;
+//   softmax: per row, warp max/sum (online, fp32); p [rows, 16] to shared memory;
 //   p.v:  lane l accumulates channels [l * D/32, (l+1) * D/32) of every row.
 // The W warp states merge at the end (shared memory), then out (or the split partial) and LSE.
 //
-// Prediction (H200, paged bf16, B=64, L=4096, H=32, H_kv=8, D=128, block 16): KV bytes =
-// 64 * 4096 * 8 * 128 * 2 (K, V) * 2 B = 1.07 GB, q/out < 1 MB. 512 CTAs, 1 per SM (~220 KB
-// shared memory), 4 warps x 2 tiles (16 KB each) in flight = 128 KB per SM, well over the
-// ~40 KB that latency x bandwidth per SM needs. Compute per 32-key tile and warp (4 rows):
-// ~1000 FMA + ~300 LDS/shuffle issue slots, about a third of the tile's memory time. Expected
-// ~0.33 ms (3.2 TB/s, ~75% of the 4.25 TB/s copy ceiling); with 16 rows (group 16, or
-// q_len 4 x group 4) the FMA issue rate binds: ~1.5-2 TB/s.
+// Arithmetic (H200, paged bf16, B=64, L=4096, H=32, H_kv=8, D=128, block 16): KV bytes =
+// 64 * 4096 * 8 * 128 * 2 (K, V) * 2 B = 1.07 GB, q/out < 1 MB; ~4.3 TB/s copy ceiling = 33 GB/s
+// per SM, so ~1 us of latency needs ~33 KB in flight per SM and 4 KB of keys consumed per SM
+// every ~120 ns. A warp's 8 KB tile costs ~1000 issue slots (q.k 256 FMA + ~80 LDS, softmax
+// ~4 x 25, p.v 256 FMA + ~80 LDS, issue ~150). The old shape (32-key tiles, 16-row shared
+// memory, 224 KB: 1 CTA = 4 warps per SM) left one warp per scheduler, every stall exposed
+// (~1 TB/s measured). Now 4 or 8 rows take ~107-110 KB: 2 CTAs = 8 warps per SM (2 per
+// scheduler), 8 x 2 tiles x 8 KB = 128 KB in flight per SM. With 16 rows (group 16, or
+// q_len 4 x group 4) shared memory is ~118 KB: 1 CTA per SM, and the FMA issue rate binds.
 #pragma once
 
 #include <cstdint>
@@ -84,25 +88,29 @@ struct RowMeta {
 };
 static_assert(sizeof(RowMeta) == kDecodeRowMetaBytes, "decode_config.hpp sizes shared memory with it");
 
-template <DType kKv, int kD>
+template <DType kKv, int kD, int kR>
 struct Shape {
   static constexpr int kDim = kD;
   static constexpr int kWarps = decode_warps(kD);
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kRows = decode_row_capacity(kD);
+  static constexpr int kRows = kR;
   static constexpr int kVb = kv_bytes(kKv);
   static constexpr int kChunks = kD * kVb / kDecodeChunk;  // 16-byte chunks per K/V row
   static constexpr int kElems = kDecodeChunk / kVb;       // K elements per chunk
   static constexpr int kChan = kD / 32;                   // output channels per lane
   static constexpr int kKStride = int(decode_k_stride(kVb, kD));  // +16 B: lanes hit distinct banks
   static constexpr int kVStride = int(decode_v_stride(kVb, kD));
+  static constexpr int kHalfChunks = kChunks / kDecodeLanesPerKey;  // K chunks per lane in q.k
   static constexpr size_t kStageBytes = decode_stage_bytes(kVb, kD);
-  static constexpr size_t kWarpBytes = decode_warp_bytes(kVb, kD);
-  static_assert(kChunks >= 1 && kChunks <= 32 && 32 % kChunks == 0, "a warp copies whole rows");
+  static constexpr size_t kWarpBytes = decode_warp_bytes(kVb, kD, kR);
+  static_assert(kChunks >= 2 && kChunks <= 32 && 32 % kChunks == 0, "a warp copies whole rows, halves in q.k");
+  static_assert(kTile % (32 / kChunks) == 0, "a tile is whole copy steps");
   static_assert(kChan >= 2, "channels per lane");
+  static_assert(kR % 4 == 0 && kR <= decode_row_capacity(kD), "rows in fours, within the register budget");
+  static_assert(decode_merge_fits(kVb, kD, kR), "the merge area fits in the warps' area");
 };
 
-// A warp's view of its stage `s`: K [32, kKStride] bytes, V [32, kVStride], TokenLoc [32].
+// A warp's view of its stage `s`: K [16, kKStride] bytes, V [16, kVStride], TokenLoc [16].
 template <class S>
 struct Stage {
   unsigned char* k;

@@ -57,15 +57,16 @@ FS_DEV KeyRange setup_rows(const AttnParams& p, const DecodeSeq& s, int64_t g, i
   return u;
 }
 
-// Issues the copies of keys [t0, t0 + 32) into stage st: keys in [lo, hi) are located (one
-// block-table read per key) and copied; the others, and bad keys, become zero rows.
+// Issues the copies of keys [t0, t0 + 16) into stage st: keys in [lo, hi) are located (one
+// block-table read per key, by lanes t and t + 16 alike) and copied; the others, and bad keys,
+// become zero rows.
 template <class S>
 FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st, int64_t t0, int64_t lo, int64_t hi,
                        int lane) {
-  const int64_t key = t0 + lane;
+  const int64_t key = t0 + lane % kTile;
   TokenLoc L{0, 0, 0.0f, kTokenSkip};
   if (key >= lo && key < hi) L = locate_token(p, kv, key);
-  st.loc[lane] = L;
+  if (lane < kTile) st.loc[lane] = L;
   __syncwarp();
   const char* kg = static_cast<const char*>(p.k.data);
   const char* vg = static_cast<const char*>(p.v.data);
@@ -100,14 +101,17 @@ struct WarpAcc {
   }
 };
 
-// q.k of the lane's key for every active row (rows in fours; q broadcast from shared memory).
+// q.k of key lane % 16 for every active row (rows in fours; q broadcast from shared memory):
+// lane t sums K chunks [0, C/2), lane t + 16 chunks [C/2, C), one shuffle adds the halves
+// (both lanes hold the score). A quarter warp reads 8 rows at the padded stride: no conflicts.
 template <DType kKv, class S>
 FS_DEV void tile_dots(const Stage<S>& st, const float* q, int nrows, int lane, float (&dots)[S::kRows]) {
 #pragma unroll
   for (int j = 0; j < S::kRows; ++j) dots[j] = 0.0f;
-  const unsigned char* krow = st.k + lane * S::kKStride;
+  const int c0 = lane / kTile * S::kHalfChunks;
+  const unsigned char* krow = st.k + (lane % kTile) * S::kKStride;
 #pragma unroll 2
-  for (int c = 0; c < S::kChunks; ++c) {
+  for (int c = c0; c < c0 + S::kHalfChunks; ++c) {
     float kf[S::kElems];
     smem_to_float<kKv, S::kElems>(krow + c * kDecodeChunk, kf);
 #pragma unroll
@@ -127,6 +131,18 @@ FS_DEV void tile_dots(const Stage<S>& st, const float* q, int nrows, int lane, f
       }
     }
   }
+#pragma unroll
+  for (int j = 0; j < S::kRows; ++j) {
+    if (j >= nrows) break;
+    dots[j] += __shfl_xor_sync(kFullMask, dots[j], kTile);
+  }
+}
+
+// Sum over the 16 keys of a tile (lanes t and t + 16 hold the same value).
+FS_DEV float tile_sum(float x) {
+#pragma unroll
+  for (int o = kTile / 2; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
+  return x;
 }
 
 // One tile of the warp: scores, online softmax (p into pbuf [kRows, 32]) and p.v.
@@ -136,8 +152,8 @@ FS_DEV void consume_tile(const AttnParams& p, const Stage<S>& st, const float* q
   float dots[S::kRows];
   tile_dots<kKv, S>(st, q, nrows, lane, dots);
   const ScoreTransform score = make_score_transform(p);
-  const int64_t key = t0 + lane;
-  const bool bad = st.loc[lane].state == kTokenBad;
+  const int64_t key = t0 + lane % kTile;
+  const bool bad = st.loc[lane % kTile].state == kTokenBad;
 #pragma unroll
   for (int j = 0; j < S::kRows; ++j) {
     if (j >= nrows) break;
@@ -149,14 +165,14 @@ FS_DEV void consume_tile(const AttnParams& p, const Stage<S>& st, const float* q
       float new_m, alpha;
       if (w.st[j].rescale(warp_max_nan(x), new_m, alpha)) {
         pe = vis ? expf(x - new_m) : 0.0f;
-        w.st[j].update(new_m, alpha, warp_sum(pe));
+        w.st[j].update(new_m, alpha, tile_sum(pe));
         if (alpha != 1.0f) {
 #pragma unroll
           for (int k = 0; k < S::kChan; ++k) w.acc[j][k] *= alpha;
         }
       }
     }
-    pbuf[j * kTile + lane] = pe;
+    if (lane < kTile) pbuf[j * kTile + lane] = pe;
   }
   __syncwarp();
   const int ta = int(imax(lo, t0) - t0), te = int(imin(hi, t0 + kTile) - t0);
@@ -257,9 +273,11 @@ FS_DEV void merge_and_store(const AttnParams& p, const DecodeSeq& s, int64_t g, 
   }
 }
 
-template <DType kKv, int kD>
-__global__ void __launch_bounds__(32 * decode_warps(kD), 1) decode_fwd(const __grid_constant__ AttnParams p) {
-  using S = Shape<kKv, kD>;
+// kRows <= 8: two CTAs per SM by shared memory (decode_config.hpp), so at most 255 registers.
+template <DType kKv, int kD, int kRows>
+__global__ void __launch_bounds__(32 * decode_warps(kD), kRows <= 8 ? 2 : 1)
+    decode_fwd(const __grid_constant__ AttnParams p) {
+  using S = Shape<kKv, kD, kRows>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* q = reinterpret_cast<float*>(smem_raw);                      // [kRows, kD]
   RowMeta* meta = reinterpret_cast<RowMeta*>(q + S::kRows * kD);     // [kRows]
