@@ -26,6 +26,9 @@ void allow_smem(Kernel* kernel, size_t smem) {
   FS_CUDA_CHECK(cudaGetDevice(&device));
   if (device < kMaxDevices && done[size_t(device)].load()) return;
   FS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  // All of the unified L1/shared memory as shared: kPrefillCtasPerSm CTAs fit side by side.
+  FS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                     int(cudaSharedmemCarveoutMaxShared)));
   if (device < kMaxDevices) done[size_t(device)].store(true);
 }
 

@@ -3,27 +3,42 @@
 // contiguous or paged KV (any block size: every KV row is located on its own), GQA and any
 // split count; select.cu declines everything else (the generic kernel serves it).
 //
-// CTA: 128 query rows of one sequence x one query head x one KV split; 8 warps, 16 rows each.
-//   grid = (total_q / 128 + B + 1 (varlen) | B * ceil(sq / 128) (batched), H, num_splits)
-// A varlen CTA finds its sequence by a binary search over base(b) = cu_seqlens_q[b] / 128 + b
-// (non-decreasing; sequence b's tiles are base(b) .. base(b) + ceil(sq_b / 128) - 1), so
-// correctness never depends on max_seqlen_q. Rows outside their sequence are never written.
+// CTA: 128 query rows of one sequence x one query head x one KV split; 4 warps, 32 rows (two
+// m16 row blocks) each; 2 CTAs per SM. grid = (total_q / 128 + B + 1 (varlen) |
+// B * ceil(sq / 128) (batched), H, num_splits), walked heads-fastest and heaviest (latest,
+// longest causal) row tiles first. A varlen CTA finds its sequence by a binary search over
+// base(b) = cu_seqlens_q[b] / 128 + b (non-decreasing; sequence b's tiles are base(b) ..
+// base(b) + ceil(sq_b / 128) - 1), so correctness never depends on max_seqlen_q. Rows outside
+// their sequence are never written.
 //
-// Per CTA: Q [128, D] -> shared (cp.async) -> registers (ldmatrix, A fragments) once; KV tiles
-// of 64 keys, K and V double-buffered in shared memory with cp.async; per tile each warp
-// computes S = Q K^T (fp32), applies scale (log2 units), soft-cap and the mask (only on tiles
-// that are not fully visible), the online softmax in registers, and O += P V with P rounded
-// to the operand dtype. KV rows past the CTA's last visible key are zero-filled; rows whose
-// metadata points outside the cache get NaN keys and zero values, so exactly the query rows
-// that see them come out NaN (load.cuh), never an out-of-bounds read.
+// Per CTA: Q [128, D] -> shared (cp.async), read per tile into A fragments (ldmatrix); KV
+// tiles of 64 keys, K and V double-buffered in shared memory with cp.async, one barrier per
+// tile: it publishes tile j and frees the stage of tile j - 1, which then receives tile j + 1
+// while tile j is computed. Per tile each warp computes S = Q K^T (fp32), applies scale (log2
+// units), soft-cap and the mask (only on tiles that are not fully visible to the warp's rows;
+// tiles no row of the warp sees are skipped), the online softmax in registers, and O += P V
+// with P rounded to the operand dtype. The output goes through the warp's own Q rows in shared
+// memory for 16-byte stores. KV rows past the CTA's last visible key are zero-filled; rows
+// whose metadata points outside the cache get NaN keys and zero values, so exactly the query
+// rows that see them come out NaN (load.cuh), never an out-of-bounds read.
 //
-// Work and expected time (H200, bf16, D = 128, H = 16 (H * D = 2048), 16k tokens as B = 2 x
-// S = 8k): 4 * B * H * S^2 * D = 1.10e12 FLOP non-causal, 0.55e12 causal. mma.sync peaks near
-// 2/3 of the 990 TFLOP/s dense rate, and ldmatrix traffic (K and V read once per warp per
-// tile: 32 KB per 4.2 MFLOP tile) bounds this shape near 450 TFLOP/s; expected 250-350
-// TFLOP/s: 3.1-4.4 ms non-causal, 1.7-2.5 ms causal (the generic kernel: ~370 ms).
+// Arithmetic per 64-key tile (D = 128; H100/H200 SM: 4096 dense bf16 FLOP/clk (990 TFLOP/s),
+// mma.sync about 2/3 of it; shared memory 128 B/clk):
+//   one m16n8k16 = 4096 FLOP. Per warp of 16 rows: QK^T 16x64x128 = 1*8*8 = 64 mma, PV
+//   16x128x64 = 1*16*4 = 64 mma. A CTA of 128 rows: 4.19 MFLOP = 1024 clk at the dense rate,
+//   ~1536 clk on mma.sync.
+//   ldmatrix bytes: every warp reads the whole K and V tile (2 x 16 KB), whatever its rows.
+//     8 warps x 16 rows, Q in registers: 8 x 32 KB = 256 KB = 2048 clk > 1536 clk of mma:
+//       bound by shared memory at 2048 FLOP/clk/SM (~50% of dense peak); with one 8-warp CTA
+//       per SM and two barriers per tile the softmax phases of all warps align and the
+//       tensor pipe idles (measured 164 TFLOP/s at S = 8k).
+//     4 warps x 32 rows (this kernel), Q re-read from shared per tile (8 KB per warp): 4 x
+//       (8 + 32) KB = 160 KB = 1280 clk < 1536 clk: mma-bound; two CTAs per SM overlap one's
+//       softmax and barrier with the other's mma (FA2's shape on sm80/sm90).
+//   Registers per thread: O 2 x 64 + S 2 x 32 fp32 = 192, fragments 12, masks, state.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include "flashserve/plan.hpp"
@@ -36,7 +51,9 @@ constexpr int kM = kPrefillRowsPerCta;  // query rows per CTA
 constexpr int kN = kPrefillTileKeys;    // keys per KV tile
 constexpr int kWarps = kPrefillWarps;
 constexpr int kThreads = kPrefillThreads;
-static_assert(kM == 16 * kWarps && kThreads == 32 * kWarps, "one m16 row block per warp");
+constexpr int kWarpRows = kM / kWarps;   // query rows per warp
+constexpr int kMB = kWarpRows / 16;      // m16 row blocks per warp
+static_assert(kWarpRows % 16 == 0 && kThreads == 32 * kWarps, "whole m16 row blocks per warp");
 static_assert(kN == 64, "the softmax and PV loops assume 8 n8 tiles per KV tile");
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -48,13 +65,34 @@ template <int kD>
 struct Smem {
   static constexpr int kChunks = kD / 8;
   static_assert(kChunks >= 8, "the swizzle needs D >= 64");
-  static constexpr uint32_t kQBytes = kM * kD * 2, kTileBytes = kN * kD * 2;
+  static constexpr uint32_t kRowBytes = kD * 2, kQBytes = kM * kRowBytes, kTileBytes = kN * kRowBytes;
   uint32_t q;
   FS_DEV explicit Smem(const void* base) : q(smem_u32(base)) {}
   // Stage j % 2 (arithmetic, not an indexed array: that would live in local memory).
   FS_DEV uint32_t k(int j) const { return q + kQBytes + uint32_t(j & 1) * kTileBytes; }
   FS_DEV uint32_t v(int j) const { return q + kQBytes + uint32_t(2 + (j & 1)) * kTileBytes; }
   static FS_DEV uint32_t at(int row, int chunk) { return uint32_t(row * kChunks + (chunk ^ (row & 7))) * 16u; }
+};
+
+// ldmatrix addressing of one lane: lane l gives row l % 8 of 8x8 matrix l / 8. Every row a
+// lane addresses has row % 8 == l % 8, so chunk c of it lies at row * kRowBytes + (16 c ^ x)
+// with the lane's x = 16 (chunk parity ^ l % 8). A fragments of Q and the transposed B
+// fragments of V take rows (l / 8 % 2) * 8 + l % 8, parity l / 16 (Q: of the warp's rows);
+// B fragments of K (two n8 tiles) keys (l / 16) * 8 + l % 8, parity l / 8 % 2.
+template <int kD>
+struct LaneAddr {
+  uint32_t q;      // shared address of the lane's row in the warp's Q rows, x folded in
+  uint32_t k, kx;  // byte offset of the lane's K row; its x
+  uint32_t v, vx;  // byte offset of the lane's V row; its x (also Q's)
+  FS_DEV LaneAddr(uint32_t q_s, int warp, int lane) {
+    constexpr uint32_t rb = Smem<kD>::kRowBytes;
+    const uint32_t r8 = uint32_t(lane & 7), hi = uint32_t(lane >> 4), mid = uint32_t(lane >> 3) & 1u;
+    v = (r8 + 8 * mid) * rb;
+    vx = (hi ^ r8) << 4;
+    k = (r8 + 8 * hi) * rb;
+    kx = (mid ^ r8) << 4;
+    q = q_s + uint32_t(kWarpRows * warp) * rb + v;
+  }
 };
 
 // The query rows of one CTA: tile rows [0, rows) are sequence rows i0 .. i0 + rows - 1.
@@ -69,13 +107,14 @@ struct CtaWork {
 
 FS_DEV int64_t tile_base(const AttnParams& p, int64_t b) { return floor_div(load_index(p.cu_seqlens_q, b), kM) + b; }
 
+// Row tile t: batched, tile t / B of sequence t % B (so descending t walks the latest tiles of
+// every sequence first); varlen, by the search over base(b).
 FS_DEV CtaWork cta_work(const AttnParams& p, int64_t t) {
   CtaWork w;
   if (p.batched) {
-    const int64_t per = (p.q_rows + kM - 1) / kM;
-    w.b = w.qb = t / per;
-    if (w.b >= p.batch) return w;
-    w.i0 = t % per * kM;
+    w.b = w.qb = t % p.batch;
+    w.i0 = t / p.batch * kM;
+    if (w.i0 >= p.q_rows) return w;
     w.sq = p.q_rows;
     w.row0 = w.b * p.q_rows + w.i0;
     w.q_row0 = w.i0;
@@ -157,69 +196,103 @@ FS_DEV void load_kv(const AttnParams& p, const SeqKv& kv, int64_t n0, int64_t kv
   }
 }
 
-// S [16, 64] of this warp = Q K^T over D (B fragments: ldmatrix of K rows, two n8 tiles each).
+// S [32, 64] of this warp = Q K^T over D: per 16 channels, A fragments of both row blocks
+// (ldmatrix of the warp's Q rows) and B fragments of two n8 tiles per ldmatrix of K rows, each
+// B fragment feeding both row blocks.
 template <class T, int kD>
-FS_DEV void qk_tile(const uint32_t (&qf)[kD / 16][4], uint32_t k_s, int lane, float (&s)[kN / 8][4]) {
+FS_DEV void qk_tile(uint32_t k_s, const LaneAddr<kD>& la, float (&s)[kMB][kN / 8][4]) {
+  constexpr uint32_t rb = Smem<kD>::kRowBytes;
 #pragma unroll
-  for (int nt = 0; nt < kN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-  const int key = (lane & 7) + (lane >> 4) * 8, half = (lane >> 3) & 1;
+  for (int mb = 0; mb < kMB; ++mb)
 #pragma unroll
-  for (int kk = 0; kk < kD / 16; ++kk)
+    for (int nt = 0; nt < kN / 8; ++nt) s[mb][nt][0] = s[mb][nt][1] = s[mb][nt][2] = s[mb][nt][3] = 0.0f;
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    uint32_t a[kMB][4];
+#pragma unroll
+    for (int mb = 0; mb < kMB; ++mb) ldmatrix_x4(a[mb], la.q + 16 * mb * rb + ((32u * kk) ^ la.vx));
 #pragma unroll
     for (int np = 0; np < kN / 16; ++np) {
       uint32_t b[4];
-      ldmatrix_x4(b, k_s + Smem<kD>::at(16 * np + key, 2 * kk + half));
-      mma_16816<T>(s[2 * np], qf[kk], b[0], b[1]);
-      mma_16816<T>(s[2 * np + 1], qf[kk], b[2], b[3]);
+      ldmatrix_x4(b, k_s + la.k + 16 * np * rb + ((32u * kk) ^ la.kx));
+#pragma unroll
+      for (int mb = 0; mb < kMB; ++mb) {
+        mma_16816<T>(s[mb][2 * np], a[mb], b[0], b[1]);
+        mma_16816<T>(s[mb][2 * np + 1], a[mb], b[2], b[3]);
+      }
     }
+  }
 }
 
-// O [16, D] += P V with P = s (probabilities) as A fragments; V B fragments by ldmatrix.trans.
+// O [32, D] += P V with P = s (probabilities) as A fragments; V B fragments by ldmatrix.trans,
+// each feeding both row blocks.
 template <class T, int kD>
-FS_DEV void pv_tile(const float (&s)[kN / 8][4], uint32_t v_s, int lane, float (&o)[kD / 8][4]) {
-  const int key = (lane & 7) + ((lane >> 3) & 1) * 8, half = lane >> 4;
+FS_DEV void pv_tile(const float (&s)[kMB][kN / 8][4], uint32_t v_s, const LaneAddr<kD>& la,
+                    float (&o)[kMB][kD / 8][4]) {
+  constexpr uint32_t rb = Smem<kD>::kRowBytes;
 #pragma unroll
   for (int kk = 0; kk < kN / 16; ++kk) {
-    const uint32_t a[4] = {pack2<T>(s[2 * kk][0], s[2 * kk][1]), pack2<T>(s[2 * kk][2], s[2 * kk][3]),
-                           pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+    uint32_t a[kMB][4];
+#pragma unroll
+    for (int mb = 0; mb < kMB; ++mb) {
+      a[mb][0] = pack2<T>(s[mb][2 * kk][0], s[mb][2 * kk][1]);
+      a[mb][1] = pack2<T>(s[mb][2 * kk][2], s[mb][2 * kk][3]);
+      a[mb][2] = pack2<T>(s[mb][2 * kk + 1][0], s[mb][2 * kk + 1][1]);
+      a[mb][3] = pack2<T>(s[mb][2 * kk + 1][2], s[mb][2 * kk + 1][3]);
+    }
 #pragma unroll
     for (int dp = 0; dp < kD / 16; ++dp) {
       uint32_t b[4];
-      ldmatrix_x4_trans(b, v_s + Smem<kD>::at(16 * kk + key, 2 * dp + half));
-      mma_16816<T>(o[2 * dp], a, b[0], b[1]);
-      mma_16816<T>(o[2 * dp + 1], a, b[2], b[3]);
+      ldmatrix_x4_trans(b, v_s + la.v + 16 * kk * rb + ((32u * dp) ^ la.vx));
+#pragma unroll
+      for (int mb = 0; mb < kMB; ++mb) {
+        mma_16816<T>(o[mb][2 * dp], a[mb], b[0], b[1]);
+        mma_16816<T>(o[mb][2 * dp + 1], a[mb], b[2], b[3]);
+      }
     }
   }
 }
 
 // Scores in log2 units: dot * scale * log2(e), or softcap * tanh(dot * scale / softcap) * log2(e).
+// With a positive scale and no soft-cap, s stays the raw dot (the tile max commutes with the
+// scale) and `exp_mul` folds the scale into the exponent's FFMA; otherwise the tile is mapped
+// to log2 units first and exp_mul = 1. m holds the running max in s's units.
 struct ScoreLog2 {
-  float mul = 1.0f, post = 1.0f;
-  bool softcap = false;
-  FS_DEV float operator()(float dot) const { return softcap ? tanhf(dot * mul) * post : dot * mul; }
+  float exp_mul = 1.0f;
+  bool prescale = false;
+  FS_DEV explicit ScoreLog2(const AttnParams& p) {
+    prescale = p.softcap > 0.0f || !(p.softmax_scale > 0.0f);
+    exp_mul = prescale ? 1.0f : p.softmax_scale * kLog2e;
+  }
+  // s in log2 units (the prescale branch; reads the scale from the parameters).
+  static FS_DEV float log2_units(const AttnParams& p, float dot) {
+    if (p.softcap > 0.0f) return tanhf(dot * (p.softmax_scale / p.softcap)) * (p.softcap * kLog2e);
+    return dot * (p.softmax_scale * kLog2e);
+  }
 };
 
-// The visible keys of this thread's two rows, relative to the tile start, clamped to [0, 64].
-struct TileMask {
-  int lo[2], hi[2];
-};
-
-// Online softmax over one tile for the thread's rows r = 0 (s[.][0..1]) and 1 (s[.][2..3]):
-// s becomes exp2(score - m), l (per-thread partial sums) and o are rescaled to the new max.
+// Online softmax over one tile for one row block, the thread's rows r = 0 (s[.][0..1]) and
+// 1 (s[.][2..3]) with visible keys [lo[r], hi[r]) relative to the tile start (applied when
+// `masked`): s becomes exp2(score - max), l (per-thread partial sums) and o are rescaled.
+// Soft-cap and masking are whole-tile branches, so the plain tile is straight-line code.
 template <int kD>
-FS_DEV void softmax_tile(float (&s)[kN / 8][4], float (&o)[kD / 8][4], float (&m)[2], float (&l)[2],
-                         const ScoreLog2& score, const TileMask& mask, bool masked, int t) {
+FS_DEV void softmax_block(const AttnParams& p, float (&s)[kN / 8][4], float (&o)[kD / 8][4], float (&m)[2],
+                          float (&l)[2], const ScoreLog2& score, const int (&lo)[2], const int (&hi)[2], bool masked, int t) {
+  if (score.prescale) {
 #pragma unroll
-  for (int nt = 0; nt < kN / 8; ++nt)
+    for (int nt = 0; nt < kN / 8; ++nt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      float x = score(s[nt][e]);
-      if (masked) {
+      for (int e = 0; e < 4; ++e) s[nt][e] = ScoreLog2::log2_units(p, s[nt][e]);
+  }
+  if (masked) {
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
         const int rel = 8 * nt + 2 * t + (e & 1), r = e >> 1;
-        if (rel < mask.lo[r] || rel >= mask.hi[r]) x = kNegInf;
+        if (rel < lo[r] || rel >= hi[r]) s[nt][e] = kNegInf;
       }
-      s[nt][e] = x;
-    }
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = kNegInf;
@@ -228,14 +301,14 @@ FS_DEV void softmax_tile(float (&s)[kN / 8][4], float (&o)[kD / 8][4], float (&m
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
     const float m_new = fmaxf(m[r], mx);
-    const float m_use = m_new == kNegInf ? 0.0f : m_new;  // all -inf so far: p = 0, no NaN
-    const float alpha = fast_exp2(m[r] - m_use);
+    const float m_use = m_new == kNegInf ? 0.0f : m_new * score.exp_mul;  // all -inf so far: p = 0, no NaN
+    const float alpha = fast_exp2(m[r] * score.exp_mul - m_use);
     m[r] = m_new;
     float sum = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < kN / 8; ++nt) {
-      s[nt][2 * r] = fast_exp2(s[nt][2 * r] - m_use);
-      s[nt][2 * r + 1] = fast_exp2(s[nt][2 * r + 1] - m_use);
+      s[nt][2 * r] = fast_exp2(fmaf(s[nt][2 * r], score.exp_mul, -m_use));
+      s[nt][2 * r + 1] = fast_exp2(fmaf(s[nt][2 * r + 1], score.exp_mul, -m_use));
       sum += s[nt][2 * r] + s[nt][2 * r + 1];
     }
     l[r] = l[r] * alpha + sum;
@@ -247,48 +320,70 @@ FS_DEV void softmax_tile(float (&s)[kN / 8][4], float (&o)[kD / 8][4], float (&m
   }
 }
 
-FS_DEV void store_pair(void* base, int64_t off, DType t, float x, float y) {
-  if (t == DType::bf16) *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(base) + off) = __floats2bfloat162_rn(x, y);
-  else if (t == DType::f16) *reinterpret_cast<__half2*>(static_cast<__half*>(base) + off) = __floats2half2_rn(x, y);
-  else *reinterpret_cast<float2*>(static_cast<float*>(base) + off) = make_float2(x, y);
-}
-
-// out = o / l and lse (natural log) of the thread's valid rows; with splits the fp32 partials.
-template <int kD>
-FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int split, const float (&o)[kD / 8][4],
-                       const float (&m)[2], float (&l)[2], int warp, int lane) {
-  const int t = lane & 3;
+// out = o / l and lse (natural log; m in units of exp_mul / ln 2) of the thread's valid rows;
+// with splits the fp32 partials. out (of q's dtype T, rows 16-byte aligned: select.cu) is
+// staged in the warp's own Q rows of shared memory (no other warp reads them) and written in
+// 16-byte chunks.
+template <class T, int kD>
+FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int split, const float (&o)[kMB][kD / 8][4],
+                       const float (&m)[kMB][2], float (&l)[kMB][2], float exp_mul, uint32_t q_s, int warp, int lane) {
+  constexpr int kChunks = kD / 8;
+  constexpr uint32_t rb = Smem<kD>::kRowBytes;
+  const int g = lane >> 2, t = lane & 3;
+  float inv[kMB][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(kFullMask, l[r], 1);
-    l[r] += __shfl_xor_sync(kFullMask, l[r], 2);
-    const int i = 16 * warp + (lane >> 2) + 8 * r;
-    if (i >= w.rows) continue;
-    const bool empty = l[r] == 0.0f;
-    const float inv = empty ? 0.0f : 1.0f / l[r];
-    const float lse = empty ? kNegInf : m[r] * kLn2 + logf(l[r]);
-    if (p.num_splits > 1) {
-      const int64_t at = partial_index(p, split, w.row0 + i, h);
+  for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[mb][r] += __shfl_xor_sync(kFullMask, l[mb][r], 1);
+      l[mb][r] += __shfl_xor_sync(kFullMask, l[mb][r], 2);
+      const bool empty = l[mb][r] == 0.0f;
+      inv[mb][r] = empty ? 0.0f : 1.0f / l[mb][r];
+      const int i = kWarpRows * warp + 16 * mb + 8 * r + g;
+      if (i >= w.rows) continue;
+      const float lse = empty ? kNegInf : m[mb][r] * exp_mul * kLn2 + logf(l[mb][r]);
+      if (p.num_splits > 1) {
+        const int64_t at = partial_index(p, split, w.row0 + i, h);
+#pragma unroll
+        for (int dt = 0; dt < kD / 8; ++dt) {  // 4-byte stores: the workspace may be only 4-byte aligned
+          p.o_partial[at * kD + 8 * dt + 2 * t] = o[mb][dt][2 * r] * inv[mb][r];
+          p.o_partial[at * kD + 8 * dt + 2 * t + 1] = o[mb][dt][2 * r + 1] * inv[mb][r];
+        }
+        if (t == 0) p.lse_partial[at] = lse;
+      } else if (t == 0) {
+        store_lse(p, w.qb, w.q_row0 + i, h, lse);
+      }
+    }
+  if (p.num_splits > 1) return;
+  __syncwarp();  // the warp's last ldmatrix of its Q rows precedes the overwrite
+#pragma unroll
+  for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const uint32_t row = q_s + uint32_t(kWarpRows * warp + 16 * mb + 8 * r + g) * rb + 4u * t;  // row % 8 == g
 #pragma unroll
       for (int dt = 0; dt < kD / 8; ++dt) {
-        p.o_partial[at * kD + 8 * dt + 2 * t] = o[dt][2 * r] * inv;
-        p.o_partial[at * kD + 8 * dt + 2 * t + 1] = o[dt][2 * r + 1] * inv;
+        const uint32_t x = pack2<T>(o[mb][dt][2 * r] * inv[mb][r], o[mb][dt][2 * r + 1] * inv[mb][r]);
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(row + ((16u * dt) ^ (uint32_t(g) << 4))), "r"(x) : "memory");
       }
-      if (t == 0) p.lse_partial[at] = lse;
-      continue;
     }
-    const int64_t row = w.qb * p.out.stride[0] + (w.q_row0 + i) * p.out.stride[1] + h * p.out.stride[2];
-    void* out = const_cast<void*>(p.out.data);
+  __syncwarp();
+  T* out = static_cast<T*>(const_cast<void*>(p.out.data)) + w.qb * p.out.stride[0] + h * p.out.stride[2];
 #pragma unroll
-    for (int dt = 0; dt < kD / 8; ++dt)
-      store_pair(out, row + 8 * dt + 2 * t, p.out.dtype, o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
-    if (t == 0) store_lse(p, w.qb, w.q_row0 + i, h, lse);
+  for (int it = 0; it < kWarpRows * kChunks / 32; ++it) {
+    const int idx = 32 * it + lane, i = kWarpRows * warp + idx / kChunks, c = idx % kChunks;
+    uint4 x;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                 : "r"(q_s + Smem<kD>::at(i, c))
+                 : "memory");
+    if (i < w.rows) *reinterpret_cast<uint4*>(out + (w.q_row0 + i) * p.out.stride[1] + 8 * c) = x;
   }
 }
 
 // Visible local keys of tile row i: visibility (masks.cuh) within the split's range, bounded
 // to the tokens the metadata can place in the cache (generic_fwd.cuh). lo and hi are
-// non-decreasing in i, so the first and last rows bound the CTA's keys.
+// non-decreasing in i, so a group's first and last rows bound the group's keys.
 struct RowKeys {
   Visibility vis;
   KvRange range;
@@ -301,16 +396,46 @@ struct RowKeys {
   }
 };
 
-FS_DEV int clamp_rel(int64_t x) { return int(imin(imax(x, 0), kN)); }
+// A key offset relative to the CTA's first tile, clamped to [0, INT_MAX]. A CTA's keys lie
+// within its sequence's cache span plus one tile (generic::bound_to_cache), which select.cu
+// keeps under 2^31 - 4 * kN keys: offsets, tile starts j * kN and j * kN + kN fit in int.
+FS_DEV int rel32(int64_t x) { return int(imin(imax(x, 0), INT_MAX)); }
+FS_DEV int clamp_tile(int x) { return x < 0 ? 0 : (x > kN ? kN : x); }
+
+// Key ranges relative to the CTA's first tile: each of the thread's rows, and the warp's
+// union (any) and intersection (all) of its rows' keys, which decide per tile whether the
+// warp skips it, masks it, or takes it whole.
+struct WarpKeys {
+  int lo[kMB][2], hi[kMB][2];
+  int any_lo, any_hi, all_lo, all_hi;
+  FS_DEV WarpKeys(const RowKeys& keys, int64_t n_begin, int rows, int warp, int lane) {
+#pragma unroll
+    for (int mb = 0; mb < kMB; ++mb)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const KeyRange k = keys(kWarpRows * warp + 16 * mb + 8 * r + (lane >> 2));
+        lo[mb][r] = rel32(k.lo - n_begin);
+        hi[mb][r] = rel32(k.hi - n_begin);
+      }
+    const int first = kWarpRows * warp, last = int(imin(first + kWarpRows, rows)) - 1;
+    any_lo = any_hi = all_lo = all_hi = 0;  // no valid row: the warp skips every tile
+    if (last < first) return;
+    const KeyRange a = keys(first), b = keys(last);
+    any_lo = rel32(a.lo - n_begin), any_hi = rel32(b.hi - n_begin);
+    all_lo = rel32(b.lo - n_begin), all_hi = rel32(a.hi - n_begin);
+  }
+};
 
 template <class T, int kD>
-__global__ void __launch_bounds__(kThreads, 1) prefill_fwd(const __grid_constant__ AttnParams p) {
+__global__ void __launch_bounds__(kThreads, kPrefillCtasPerSm) prefill_fwd(const __grid_constant__ AttnParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  const CtaWork w = cta_work(p, int64_t(gridDim.x) - 1 - blockIdx.x);  // last (longest causal) tiles first
+  // Heads fastest, row tiles descending: the longest causal tiles of every head start first.
+  const int64_t linear = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
+  const int64_t h = linear % gridDim.y;
+  const CtaWork w = cta_work(p, int64_t(gridDim.x) - 1 - linear / gridDim.y);
   if (!w.active) return;
   const Smem<kD> sm(smem_raw);
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  const int64_t h = blockIdx.y;
   const int split = int(blockIdx.z);
   const SeqKv kv = seq_kv(p, w.b, h / p.group);
   const int64_t sk = kv_len(p, w.b);
@@ -324,34 +449,37 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_fwd(const __grid_constant
   cp_async_commit();
   if (tiles > 0) load_kv<T, kD>(p, kv, n_begin, last.hi, sm.k(0), sm.v(0));
   cp_async_commit();
-  cp_async_wait<1>();
-  __syncthreads();
-  uint32_t qf[kD / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < kD / 16; ++kk) ldmatrix_x4(qf[kk], sm.q + Smem<kD>::at(16 * warp + (lane & 15), 2 * kk + (lane >> 4)));
 
-  const int row_a = 16 * warp + (lane >> 2);
-  const KeyRange span[2] = {keys(row_a), keys(row_a + 8)};
-  ScoreLog2 score{p.softmax_scale * kLog2e, 1.0f, p.softcap > 0.0f};
-  if (score.softcap) score = ScoreLog2{p.softmax_scale / p.softcap, p.softcap * kLog2e, true};
-  float o[kD / 8][4] = {};
-  float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
+  const LaneAddr<kD> la(sm.q, warp, lane);
+  const WarpKeys wk(keys, n_begin, w.rows, warp, lane);
+  const ScoreLog2 score(p);
+  float o[kMB][kD / 8][4] = {};
+  float m[kMB][2], l[kMB][2] = {};
+#pragma unroll
+  for (int mb = 0; mb < kMB; ++mb) m[mb][0] = m[mb][1] = kNegInf;
   for (int j = 0; j < tiles; ++j) {
-    const int64_t n0 = n_begin + int64_t(j) * kN;
-    if (j + 1 < tiles) load_kv<T, kD>(p, kv, n0 + kN, last.hi, sm.k(j + 1), sm.v(j + 1));
+    cp_async_wait<0>();
+    __syncthreads();  // tile j (and Q) in shared memory; every warp is done with tile j - 1
+    if (j + 1 < tiles) load_kv<T, kD>(p, kv, n_begin + int64_t(j + 1) * kN, last.hi, sm.k(j + 1), sm.v(j + 1));
     cp_async_commit();
-    cp_async_wait<1>();
-    __syncthreads();  // tile j is in shared memory
-    float s[kN / 8][4];
-    qk_tile<T, kD>(qf, sm.k(j), lane, s);
-    const bool full = n0 >= last.lo && n0 + kN <= first.hi;  // every row sees every key
-    const TileMask mask{{clamp_rel(span[0].lo - n0), clamp_rel(span[1].lo - n0)},
-                        {clamp_rel(span[0].hi - n0), clamp_rel(span[1].hi - n0)}};
-    softmax_tile<kD>(s, o, m, l, score, mask, !full, lane & 3);
-    pv_tile<T, kD>(s, sm.v(j), lane, o);
-    __syncthreads();  // stage j & 1 is free for tile j + 2
+    const int off = j * kN;
+    if (off >= wk.any_hi || off + kN <= wk.any_lo) continue;  // no row of the warp sees the tile
+    const bool masked = off < wk.all_lo || off + kN > wk.all_hi;
+    float s[kMB][kN / 8][4];
+    qk_tile<T, kD>(sm.k(j), la, s);
+#pragma unroll
+    for (int mb = 0; mb < kMB; ++mb) {
+      const int lo[2] = {clamp_tile(wk.lo[mb][0] - off), clamp_tile(wk.lo[mb][1] - off)};
+      const int hi[2] = {clamp_tile(wk.hi[mb][0] - off), clamp_tile(wk.hi[mb][1] - off)};
+      softmax_block<kD>(p, s[mb], o[mb], m[mb], l[mb], score, lo, hi, masked, lane & 3);
+    }
+    pv_tile<T, kD>(s, sm.v(j), la, o);
   }
-  store_rows<kD>(p, w, h, split, o, m, l, warp, lane);
+  if (tiles == 0) {  // Q's copies (by every thread) land before a warp reuses its rows
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+  store_rows<T, kD>(p, w, h, split, o, m, l, score.exp_mul, sm.q, warp, lane);
 }
 
 }  // namespace flashserve::kernels::prefill

@@ -85,7 +85,10 @@ std::string try_prefill_mma(const detail::AttnProblem& pr, const DeviceProps& de
     return detail::cat(what, "no ALiBi, sinks, chunked attention or context parallelism");
   if (!rows_16b_aligned(pr.q) || !rows_16b_aligned(pr.k) || !rows_16b_aligned(pr.v) || !rows_16b_aligned(pr.out))
     return detail::cat(what, "q, k, v, out with 16-byte aligned rows");
-  if (pr.paged && pr.k.size(1) > INT_MAX) return detail::cat(what, "block_size <= ", INT_MAX);
+  const int64_t cols = pr.paged && pr.block_table ? pr.block_table->size(1) : 1;
+  if (pr.k.size(1) > kPrefillMaxCacheTokens / std::max<int64_t>(cols, 1))
+    return detail::cat(what, "a sequence's cache span (block_size x max_blocks or rows_k) <= ",
+                       kPrefillMaxCacheTokens, " tokens, got ", pr.k.size(1), " x ", cols);
   const int64_t tiles = pr.batched ? pr.batch * ceil_div(pr.q.size(1), kPrefillRowsPerCta)
                                    : pr.total_q / kPrefillRowsPerCta + pr.batch + 1;
   if (tiles > INT_MAX || pr.num_heads > 65535)

@@ -50,10 +50,14 @@ size_t generic_smem_bytes(int64_t d, int64_t dv, int64_t qv_dim);
 size_t max_smem_per_block(const DeviceProps& dev);
 
 // ---- the tensor-core prefill kernel (prefill_fwd.cuh): FlashAttention-2 on mma.sync (sm80+)
-inline constexpr int kPrefillRowsPerCta = 128;  // 8 warps x 16 query rows
+inline constexpr int kPrefillRowsPerCta = 128;  // 4 warps x 32 query rows (two m16 blocks)
 inline constexpr int kPrefillTileKeys = 64;     // keys per KV tile (double-buffered)
-inline constexpr int kPrefillWarps = 8;
+inline constexpr int kPrefillWarps = 4;
 inline constexpr int kPrefillThreads = 32 * kPrefillWarps;
+inline constexpr int kPrefillCtasPerSm = 2;     // launch bounds: <= 255 registers per thread
+// The kernel keeps a CTA's key offsets (within a sequence's cache span, plus a tile of
+// slack) in int32: select.cu bounds the span.
+inline constexpr int64_t kPrefillMaxCacheTokens = (int64_t(1) << 31) - 4 * kPrefillTileKeys;
 
 // The instantiated prefill configurations (q/k/v dtype, D == Dv): the one table read by the
 // selection and by prefill_fwd.cu's dispatch.
