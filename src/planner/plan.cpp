@@ -2,6 +2,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 #include "flashserve/plan.hpp"
@@ -39,32 +40,69 @@ int64_t split_granularity(const DeviceProps& dev) {
   return dev.device.type == DeviceType::cuda ? 128 : 16;
 }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// n splits that differ from n - 1 in the granules each split gets (others repeat a shape).
+bool eligible(int64_t granules, int64_t n) { return n == 1 || ceil_div(granules, n) != ceil_div(granules, n - 1); }
+
+// Decode-like shapes on a GPU (at most kStreamRows packed query rows per (sequence, KV head))
+// are memory streams: a unit reads its KV once with little arithmetic per byte, so an SM runs
+// several at once (kStreamSlotsPerSm resident units) and only keeps HBM busy with many bytes
+// in flight. They split until units x splits reach kStreamWaves waves of resident slots (full
+// slots, a short tail), each split keeping at least kStreamMinSplitKeys keys (a few tiles per
+// warp past the pipeline's fill).
+constexpr int64_t kStreamRows = 16;
+constexpr int64_t kStreamSlotsPerSm = 2;
+constexpr int64_t kStreamWaves = 4;
+constexpr int64_t kStreamMinSplitKeys = 512;
+
+// Splits of units (sequence, KV head) for a decode-like shape: of the eligible counts up to
+// the cap, the first within 5% of the best score, score = wave efficiency x target filled.
+int stream_splits(int64_t units, int64_t granules, int64_t cap, int64_t g, int64_t sms) {
+  const int64_t slots = kStreamSlotsPerSm * sms, target = kStreamWaves * slots;
+  const int64_t max_s = std::min(cap, std::max<int64_t>(1, granules * g / kStreamMinSplitKeys));
+  if (units >= target || max_s < 2) return 1;
+  std::array<double, kMaxSplits + 1> score{};
+  double best = 0.0;
+  for (int64_t n = 1; n <= max_s; ++n) {
+    if (!eligible(granules, n)) continue;
+    const double waves = double(units * n) / double(slots);
+    score[n] = waves / std::ceil(waves) * std::min(1.0, double(units * n) / double(target));
+    best = std::max(best, score[n]);
+  }
+  for (int64_t n = 1; n <= max_s; ++n)
+    if (eligible(granules, n) && score[n] >= 0.95 * best) return int(n);
+  return 1;
+}
 }  // namespace
 
 int choose_num_splits(const ProblemShape& s, const DeviceProps& dev, int requested) {
   if (requested < 0) fail_arg("num_splits", ">= 0", requested);
-  const int64_t granules = std::max<int64_t>(1, ceil_div(s.max_seqlen_k, split_granularity(dev)));
+  const int64_t g = split_granularity(dev);
+  const int64_t granules = std::max<int64_t>(1, ceil_div(s.max_seqlen_k, g));
   const int64_t cap = std::min<int64_t>(kMaxSplits, granules);
   if (requested >= 1) return int(std::min<int64_t>(requested, cap));
 
   // Heuristic (wave efficiency, as flash-decoding): work units are (sequence, KV head, 64
-  // packed query rows); split only when they leave SMs idle.
+  // packed query rows); split only when they leave SMs idle, or, for decode-like shapes on a
+  // GPU, when they are too few to keep memory busy (stream_splits).
   const int64_t group = s.num_kv_heads > 0 ? s.num_heads / s.num_kv_heads : 1;
-  const int64_t units = s.batch * s.num_kv_heads * ceil_div(std::max<int64_t>(1, s.max_seqlen_q) * group, 64);
+  const int64_t packed = std::max<int64_t>(1, s.max_seqlen_q) * group;
+  const int64_t units = s.batch * s.num_kv_heads * ceil_div(packed, 64);
   const int64_t sms = std::max(1, dev.num_sms);
-  if (units == 0 || units * 10 >= sms * 8 || granules < 2) return 1;
+  if (units == 0 || granules < 2) return 1;
+  if (dev.device.type == DeviceType::cuda && packed <= kStreamRows)
+    return stream_splits(units, granules, cap, g, sms);
+  if (units * 10 >= sms * 8) return 1;
   const int64_t max_s = std::min<int64_t>(cap, 2 * sms);
   double best = 0.0;
   std::array<double, kMaxSplits + 1> eff{};
-  auto eligible = [&](int64_t n) { return n == 1 || ceil_div(granules, n) != ceil_div(granules, n - 1); };
   for (int64_t n = 1; n <= max_s; ++n) {
-    if (!eligible(n)) continue;
+    if (!eligible(granules, n)) continue;
     const double waves = double(units * n) / double(sms);
     eff[n] = waves / std::ceil(waves);
     best = std::max(best, eff[n]);
   }
   for (int64_t n = 1; n <= max_s; ++n)
-    if (eligible(n) && eff[n] >= 0.85 * best) return int(n);
+    if (eligible(granules, n) && eff[n] >= 0.85 * best) return int(n);
   return 1;
 }
 

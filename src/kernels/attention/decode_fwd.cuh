@@ -6,11 +6,13 @@
 // sequence's q_len x group (query row, head) pairs of KV head g, taken kRows (4, 8 or 16: one
 // instantiation each) at a time (one pass over the split's KV per row group). Warps split the
 // keys: warp w owns tiles w, w + W, ... of 16 keys and streams them through its own
-// kDecodeStages-deep cp.async ring (16-byte copies, block-table lookup once per token per tile,
-// no CTA barrier in the main loop):
+// kDecodeStages-deep cp.async ring (16-byte copies, no CTA barrier in the main loop; each
+// tile's block-table entries are read one tile ahead into registers, so the dependent table
+// load never stalls a copy issue):
 //   q.k:  lanes t and t + 16 score key t over one half of D each (K row half from shared
 //         memory, q broadcast, fp32), one shuffle joins the halves;
-//   softmax: per row, warp max/sum (online, fp32); p [rows, 16] to shared memory;
+//   softmax: online, fp32, rows in fours whose 16-lane max/sum shuffles interleave; p [rows,
+//         16] to shared memory;
 //   p.v:  lane l accumulates channels [l * D/32, (l+1) * D/32) of every row.
 // The W warp states merge at the end (shared memory), then out (or the split partial) and LSE.
 //
@@ -23,6 +25,10 @@
 // (~1 TB/s measured). Now 4 or 8 rows take ~107-110 KB: 2 CTAs = 8 warps per SM (2 per
 // scheduler), 8 x 2 tiles x 8 KB = 128 KB in flight per SM. With 16 rows (group 16, or
 // q_len 4 x group 4) shared memory is ~118 KB: 1 CTA per SM, and the FMA issue rate binds.
+// A warp's tile is a long dependent chain (table load, copies, q.k, shuffle reductions, p.v),
+// so throughput scales with resident warps: the planner splits decode shapes until
+// (B x H_kv x splits) fills 2 CTAs per SM for ~4 waves (plan.cpp, stream_splits), e.g.
+// B=16, L=8k: 8 splits of 1024 keys (1024 CTAs) instead of 128 CTAs on 132 SMs.
 #pragma once
 
 #include <cstdint>

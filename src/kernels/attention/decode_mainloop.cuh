@@ -57,15 +57,64 @@ FS_DEV KeyRange setup_rows(const AttnParams& p, const DecodeSeq& s, int64_t g, i
   return u;
 }
 
-// Issues the copies of keys [t0, t0 + 16) into stage st: keys in [lo, hi) are located (one
-// block-table read per key, by lanes t and t + 16 alike) and copied; the others, and bad keys,
-// become zero rows.
-template <class S>
-FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st, int64_t t0, int64_t lo, int64_t hi,
-                       int lane) {
+// Where key t0 + lane % 16 of a tile lives, before its offsets: the block-table entry (paged)
+// is read a tile ahead of the copies (stream_keys), so this dependent global load never stalls
+// a tile's copy issue. state: kTokenSkip (outside [lo, hi): a zero row), kTokenBad (column past
+// max_blocks) or kTokenValid (d0, d1 still to be bounds-checked by tile_loc).
+struct TileKey {
+  int64_t d0;  // cache block (paged: the raw table entry) or row
+  int64_t d1;  // slot in the block or token in the row
+  int32_t state;
+};
+
+// a / b and a % b for 0 <= a, 1 <= b, in 32 bits when both fit (the usual case).
+FS_DEV void div_mod(int64_t a, int64_t b, int64_t& q, int64_t& r) {
+  if (((a | b) >> 31) == 0) {
+    const uint32_t q32 = uint32_t(a) / uint32_t(b);
+    q = q32;
+    r = uint32_t(a) - q32 * uint32_t(b);
+  } else {
+    q = a / b;
+    r = a - q * b;
+  }
+}
+
+FS_DEV TileKey tile_key(const AttnParams& p, const SeqKv& kv, int64_t t0, int64_t lo, int64_t hi, int lane) {
   const int64_t key = t0 + lane % kTile;
-  TokenLoc L{0, 0, 0.0f, kTokenSkip};
-  if (key >= lo && key < hi) L = locate_token(p, kv, key);
+  TileKey k{0, 0, kTokenSkip};
+  if (key < lo || key >= hi) return k;
+  k.state = kTokenValid;
+  if (!p.paged) {
+    k.d0 = kv.kb;
+    k.d1 = kv.k_begin + key;
+    return k;
+  }
+  int64_t col;
+  div_mod(key, p.kv_dim1, col, k.d1);
+  if (col >= p.max_blocks) k.state = kTokenBad;
+  else k.d0 = load_index2(p.block_table, kv.b, col);
+  return k;
+}
+
+// The token's K/V element offsets (as load.cuh's locate_token; the decode kernel serves no int8
+// scales, so k_scale stays unused): keys outside the cache are bad, never read.
+FS_DEV TokenLoc tile_loc(const AttnParams& p, const SeqKv& kv, const TileKey& k) {
+  TokenLoc L{0, 0, 0.0f, k.state};
+  if (k.state != kTokenValid) return L;
+  if (k.d0 < 0 || k.d0 >= p.kv_dim0 || k.d1 < 0 || k.d1 >= p.kv_dim1) {
+    L.state = kTokenBad;
+    return L;
+  }
+  L.k_off = k.d0 * p.k.stride[0] + k.d1 * p.k.stride[1] + kv.g * p.k.stride[2];
+  L.v_off = k.d0 * p.v.stride[0] + k.d1 * p.v.stride[1] + kv.g * p.v.stride[2];
+  return L;
+}
+
+// Issues the copies of a tile's 16 keys (located by `key`, this lane's key of the tile: lanes
+// t and t + 16 hold the same) into stage st; skipped and bad keys become zero rows.
+template <class S>
+FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st, const TileKey& key, int lane) {
+  const TokenLoc L = tile_loc(p, kv, key);
   if (lane < kTile) st.loc[lane] = L;
   __syncwarp();
   const char* kg = static_cast<const char*>(p.k.data);
@@ -138,41 +187,67 @@ FS_DEV void tile_dots(const Stage<S>& st, const float* q, int nrows, int lane, f
   }
 }
 
-// Sum over the 16 keys of a tile (lanes t and t + 16 hold the same value).
+// Sum and max over the 16 keys of a tile (lanes t and t + 16 hold the same value).
 FS_DEV float tile_sum(float x) {
 #pragma unroll
   for (int o = kTile / 2; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
   return x;
 }
+FS_DEV float tile_max_nan(float x) {
+#pragma unroll
+  for (int o = kTile / 2; o > 0; o >>= 1) x = nan_max(x, __shfl_xor_sync(kFullMask, x, o));
+  return x;
+}
 
-// One tile of the warp: scores, online softmax (p into pbuf [kRows, 32]) and p.v.
+// Online softmax of rows [j4, j4 + 4) over the tile (p into pbuf [kRows, 16]), in phases so the
+// four rows' shuffle reductions interleave. A row that sees none of the tile's keys scores
+// -inf everywhere: its max and sum leave its state and accumulator unchanged.
+template <class S>
+FS_DEV void tile_softmax4(const AttnParams& p, const RowMeta* meta, float* pbuf, int j4, int64_t key, bool bad,
+                          float k_desc, int lane, const float (&dots)[S::kRows], WarpAcc<S>& w) {
+  const ScoreTransform score = make_score_transform(p);
+  float x[4], mx[4], pe[4], alpha[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const RowMeta& m = meta[j4 + i];
+    const bool vis = key >= m.lo && key < m.hi;
+    x[i] = !vis ? kNegInf : bad ? nan_value() : score(dots[j4 + i] * k_desc, m.pos, key, m.slope);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) mx[i] = tile_max_nan(x[i]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float new_m;
+    const bool some = w.st[j4 + i].rescale(mx[i], new_m, alpha[i]);
+    pe[i] = some && x[i] != kNegInf ? expf(x[i] - new_m) : 0.0f;
+    mx[i] = some ? new_m : kNegInf;
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float sum = tile_sum(pe[i]);
+    if (mx[i] != kNegInf) {
+      w.st[j4 + i].update(mx[i], alpha[i], sum);
+      if (alpha[i] != 1.0f) {
+#pragma unroll
+        for (int k = 0; k < S::kChan; ++k) w.acc[j4 + i][k] *= alpha[i];
+      }
+    }
+    if (lane < kTile) pbuf[(j4 + i) * kTile + lane] = pe[i];
+  }
+}
+
+// One tile of the warp: scores, online softmax (p into pbuf [kRows, 16]) and p.v.
 template <DType kKv, class S>
 FS_DEV void consume_tile(const AttnParams& p, const Stage<S>& st, const float* q, const RowMeta* meta, float* pbuf,
                          int nrows, int64_t t0, int64_t lo, int64_t hi, float k_desc, int lane, WarpAcc<S>& w) {
   float dots[S::kRows];
   tile_dots<kKv, S>(st, q, nrows, lane, dots);
-  const ScoreTransform score = make_score_transform(p);
   const int64_t key = t0 + lane % kTile;
   const bool bad = st.loc[lane % kTile].state == kTokenBad;
 #pragma unroll
-  for (int j = 0; j < S::kRows; ++j) {
-    if (j >= nrows) break;
-    const RowMeta m = meta[j];
-    float pe = 0.0f;
-    if (m.lo < t0 + kTile && m.hi > t0) {  // warp-uniform: the row sees keys of this tile
-      const bool vis = key >= m.lo && key < m.hi;
-      const float x = !vis ? kNegInf : bad ? nan_value() : score(dots[j] * k_desc, m.pos, key, m.slope);
-      float new_m, alpha;
-      if (w.st[j].rescale(warp_max_nan(x), new_m, alpha)) {
-        pe = vis ? expf(x - new_m) : 0.0f;
-        w.st[j].update(new_m, alpha, tile_sum(pe));
-        if (alpha != 1.0f) {
-#pragma unroll
-          for (int k = 0; k < S::kChan; ++k) w.acc[j][k] *= alpha;
-        }
-      }
-    }
-    if (lane < kTile) pbuf[j * kTile + lane] = pe;
+  for (int j4 = 0; j4 < S::kRows; j4 += 4) {
+    if (j4 >= nrows) break;
+    tile_softmax4<S>(p, meta, pbuf, j4, key, bad, k_desc, lane, dots, w);
   }
   __syncwarp();
   const int ta = int(imax(lo, t0) - t0), te = int(imin(hi, t0 + kTile) - t0);
@@ -192,7 +267,8 @@ FS_DEV void consume_tile(const AttnParams& p, const Stage<S>& st, const float* q
 }
 
 // The warp's tiles w, w + W, ... of keys [u.lo, u.hi) (tiles aligned to the split's start, as
-// the CPU reference), through a kStages-deep ring of cp.async groups.
+// the CPU reference), through a kStages-deep ring of cp.async groups; the block-table entries
+// of the tile after the one being issued wait in registers (`ahead`).
 template <DType kKv, class S>
 FS_DEV void stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* warp_base, const float* q,
                         const RowMeta* meta, int nrows, KeyRange u, WarpAcc<S>& w) {
@@ -202,14 +278,18 @@ FS_DEV void stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* 
   const int64_t tiles = (u.hi - base + kTile - 1) / kTile;
   const int64_t mine = tiles > warp ? (tiles - warp + S::kWarps - 1) / S::kWarps : 0;
   auto tile_start = [&](int64_t k) { return base + (warp + k * S::kWarps) * kTile; };
+  TileKey ahead = tile_key(p, s.kv, tile_start(0), u.lo, u.hi, lane);  // tile 0 (skipped if past u.hi)
+  auto issue = [&](int64_t k) {  // tile k (its key is `ahead`), then read tile k + 1's entries
+    issue_tile<S>(p, s.kv, Stage<S>(warp_base, int(k % kStages)), ahead, lane);
+    if (k + 1 < mine) ahead = tile_key(p, s.kv, tile_start(k + 1), u.lo, u.hi, lane);
+  };
 #pragma unroll
   for (int k = 0; k < kStages - 1; ++k) {
-    if (k < mine) issue_tile<S>(p, s.kv, Stage<S>(warp_base, k), tile_start(k), u.lo, u.hi, lane);
+    if (k < mine) issue(k);
     cp_async_commit();
   }
   for (int64_t k = 0; k < mine; ++k) {
-    const int64_t next = k + kStages - 1;
-    if (next < mine) issue_tile<S>(p, s.kv, Stage<S>(warp_base, int(next % kStages)), tile_start(next), u.lo, u.hi, lane);
+    if (k + kStages - 1 < mine) issue(k + kStages - 1);
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncwarp();
