@@ -2,38 +2,24 @@
 // kDecodeConfigs (KV storage dtype x head size), the one table of decode instantiations.
 #include <cuda_runtime.h>
 
-#include <array>
-#include <atomic>
 #include <iterator>
 #include <utility>
 
 #include "kernels/attention/decode_fwd.cuh"
 #include "kernels/attention/launchers.hpp"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/smem_limit.cuh"
 
 namespace flashserve::kernels {
 
 namespace {
 
-constexpr int kMaxDevices = 64;
-
-// Grants the instantiation its (fixed) dynamic shared memory once per device.
-template <size_t I, class Kernel>
-void grant_smem(Kernel* kernel, size_t smem) {
-  static std::array<std::atomic<bool>, kMaxDevices> granted{};
-  int device = 0;
-  FS_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < kMaxDevices && granted[size_t(device)].load()) return;
-  FS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  if (device < kMaxDevices) granted[size_t(device)].store(true);
-}
-
 template <size_t I, int kRows>
 void launch_rows(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeConfig c = kDecodeConfigs[I];
   constexpr size_t smem = decode_smem_bytes(decode::kv_bytes(c.kv), c.d, kRows);
-  auto* kernel = &decode::decode_fwd<c.kv, c.d, kRows>;
-  grant_smem<I * 3 + kRows / 8>(kernel, smem);
+  constexpr auto kernel = &decode::decode_fwd<c.kv, c.d, kRows>;
+  ensure_smem_limit<kernel>(smem);
   const dim3 grid(unsigned(p.batch), unsigned(p.num_kv_heads), unsigned(p.num_splits));
   kernel<<<grid, 32 * decode_warps(c.d), smem, stream>>>(p);
   FS_CUDA_CHECK_LAUNCH();
