@@ -21,11 +21,9 @@ namespace flashserve::kernels {
 struct AttnKernelChoice;
 
 inline constexpr int kDecodeTileKeys = 16;   // keys per warp tile
-inline constexpr int kDecodeLanesPerKey = 2;  // q.k: lanes t and t + 16 split key t's D in halves
 inline constexpr int kDecodeStages = 3;       // cp.async stages per warp (2 tiles in flight)
 inline constexpr int kDecodeMaxRows = 16;     // packed rows per (sequence, KV head) it is picked for
 inline constexpr int kDecodeChunk = 16;       // bytes per cp.async / per K shared-memory read
-static_assert(kDecodeTileKeys * kDecodeLanesPerKey == 32, "a warp scores one tile per pass");
 
 constexpr int decode_warps(int d) { return d > 128 ? 2 : 4; }
 constexpr int decode_row_capacity(int d) { return d > 128 ? 8 : 16; }  // rows per pass (registers)

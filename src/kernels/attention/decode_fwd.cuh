@@ -9,19 +9,27 @@
 // kDecodeStages-deep cp.async ring (16-byte copies, no CTA barrier in the main loop; each
 // tile's block-table entries are read one tile ahead into registers, so the dependent table
 // load never stalls a copy issue):
-//   q.k:  lanes t and t + 16 score key t over one half of D each (K row half from shared
-//         memory, q broadcast, fp32), one shuffle joins the halves;
-//   softmax: online, fp32, rows in fours whose 16-lane max/sum shuffles interleave; p [rows,
-//         16] to shared memory;
-//   p.v:  lane l accumulates channels [l * D/32, (l+1) * D/32) of every row.
+//   q.k:  per four rows, lane l reads 16-byte K chunk l % C (C chunks per row) of keys
+//         (l / C) * C/2 + i from shared memory and the q chunk once per tile (no per-key q
+//         reads); a halving butterfly over the C lanes leaves each lane 2 scores (key, rows);
+//   softmax: online, fp32, on those (key, row-pair) scores: 4-level max/sum shuffles for two
+//         rows at once, one xor-1 shuffle gives every lane all four rows' states; p [rows, 16]
+//         to shared memory;
+//   p.v:  lane l accumulates channels [l * D/32, (l+1) * D/32) of every row over all 16 keys
+//         (straight-line; p read four keys per 16-byte load).
 // The W warp states merge at the end (shared memory), then out (or the split partial) and LSE.
 //
 // Arithmetic (H200, paged bf16, B=64, L=4096, H=32, H_kv=8, D=128, block 16): KV bytes =
 // 64 * 4096 * 8 * 128 * 2 (K, V) * 2 B = 1.07 GB, q/out < 1 MB; ~4.3 TB/s copy ceiling = 33 GB/s
 // per SM, so ~1 us of latency needs ~33 KB in flight per SM and 4 KB of keys consumed per SM
-// every ~120 ns. A warp's 8 KB tile costs ~1000 issue slots (q.k 256 FMA + ~80 LDS, softmax
-// ~4 x 25, p.v 256 FMA + ~80 LDS, issue ~150). The old shape (32-key tiles, 16-row shared
-// memory, 224 KB: 1 CTA = 4 warps per SM) left one warp per scheduler, every stall exposed
+// every ~120 ns. Per 8 KB tile (4 rows, SASS of one main-loop iteration incl. the copy issue):
+//   v3: ~2300 dynamic instructions (q.k loop 4 x 116 with 72 q LDS.128, p.v loop 8 x 74 with
+//       64 scalar p LDS, 36 SHFL, branchy row loops); measured 1614 GB/s at B=64 L=4k.
+//   v4 (this shape): ~1880, straight-line (556 FFMA, 196 bf16 unpack, 50 SHFL, 34 LDS.128);
+//       predicted 1.9-2.2 TB/s if IPC holds or rises (two FMA chains per dot, no loop-carried
+//       LDS). The FFMA floor with fp32 math is 512 per tile (+128 unpacks): beyond ~2.5 TB/s
+//       needs the tensor cores (mma q.k and p.v: ~16 MMAs per tile instead of 512 FFMA).
+// The v1 shape (32-key tiles, 16-row shared memory, 224 KB: 1 CTA = 4 warps per SM) left one warp per scheduler, every stall exposed
 // (~1 TB/s measured). Now 4 or 8 rows take ~107-110 KB: 2 CTAs = 8 warps per SM (2 per
 // scheduler), 8 x 2 tiles x 8 KB = 128 KB in flight per SM. With 16 rows (group 16, or
 // q_len 4 x group 4) shared memory is ~118 KB: 1 CTA per SM, and the FMA issue rate binds.
@@ -106,10 +114,11 @@ struct Shape {
   static constexpr int kChan = kD / 32;                   // output channels per lane
   static constexpr int kKStride = int(decode_k_stride(kVb, kD));  // +16 B: lanes hit distinct banks
   static constexpr int kVStride = int(decode_v_stride(kVb, kD));
-  static constexpr int kHalfChunks = kChunks / kDecodeLanesPerKey;  // K chunks per lane in q.k
+  static constexpr int kKeysPerLane = kChunks / 2;  // q.k: keys per lane (kChunks lanes per key)
   static constexpr size_t kStageBytes = decode_stage_bytes(kVb, kD);
   static constexpr size_t kWarpBytes = decode_warp_bytes(kVb, kD, kR);
-  static_assert(kChunks >= 2 && kChunks <= 32 && 32 % kChunks == 0, "a warp copies whole rows, halves in q.k");
+  static_assert(kChunks >= 2 && kChunks <= 32 && 32 % kChunks == 0, "a warp copies whole rows");
+  static_assert(kKeysPerLane * (32 / kChunks) == kTile, "q.k: a warp pass covers the tile");
   static_assert(kTile % (32 / kChunks) == 0, "a tile is whole copy steps");
   static_assert(kChan >= 2, "channels per lane");
   static_assert(kR % 4 == 0 && kR <= decode_row_capacity(kD), "rows in fours, within the register budget");

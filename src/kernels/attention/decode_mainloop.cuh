@@ -150,118 +150,175 @@ struct WarpAcc {
   }
 };
 
-// q.k of key lane % 16 for every active row (rows in fours; q broadcast from shared memory):
-// lane t sums K chunks [0, C/2), lane t + 16 chunks [C/2, C), one shuffle adds the halves
-// (both lanes hold the score). A quarter warp reads 8 rows at the padded stride: no conflicts.
-template <DType kKv, class S>
-FS_DEV void tile_dots(const Stage<S>& st, const float* q, int nrows, int lane, float (&dots)[S::kRows]) {
-#pragma unroll
-  for (int j = 0; j < S::kRows; ++j) dots[j] = 0.0f;
-  const int c0 = lane / kTile * S::kHalfChunks;
-  const unsigned char* krow = st.k + (lane % kTile) * S::kKStride;
-#pragma unroll 2
-  for (int c = c0; c < c0 + S::kHalfChunks; ++c) {
-    float kf[S::kElems];
-    smem_to_float<kKv, S::kElems>(krow + c * kDecodeChunk, kf);
-#pragma unroll
-    for (int j4 = 0; j4 < S::kRows; j4 += 4) {
-      if (j4 >= nrows) break;
-#pragma unroll
-      for (int j = j4; j < j4 + 4; ++j) {
-        const float4* qj = reinterpret_cast<const float4*>(q + j * S::kDim + c * S::kElems);
-#pragma unroll
-        for (int e = 0; e < S::kElems / 4; ++e) {
-          const float4 q4 = qj[e];
-          dots[j] = fmaf(q4.x, kf[4 * e + 0], dots[j]);
-          dots[j] = fmaf(q4.y, kf[4 * e + 1], dots[j]);
-          dots[j] = fmaf(q4.z, kf[4 * e + 2], dots[j]);
-          dots[j] = fmaf(q4.w, kf[4 * e + 3], dots[j]);
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < S::kRows; ++j) {
-    if (j >= nrows) break;
-    dots[j] += __shfl_xor_sync(kFullMask, dots[j], kTile);
-  }
-}
-
-// Sum and max over the 16 keys of a tile (lanes t and t + 16 hold the same value).
-FS_DEV float tile_sum(float x) {
-#pragma unroll
-  for (int o = kTile / 2; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
-  return x;
-}
-FS_DEV float tile_max_nan(float x) {
-#pragma unroll
-  for (int o = kTile / 2; o > 0; o >>= 1) x = nan_max(x, __shfl_xor_sync(kFullMask, x, o));
-  return x;
-}
-
-// Online softmax of rows [j4, j4 + 4) over the tile (p into pbuf [kRows, 16]), in phases so the
-// four rows' shuffle reductions interleave. A row that sees none of the tile's keys scores
-// -inf everywhere: its max and sum leave its state and accumulator unchanged.
+// q.k of rows [j4, j4 + 4) over the tile, K consumed with 16-byte shared-memory reads and no q
+// re-reads per key: lane l owns chunk c = l % C (C = S::kChunks 16-byte chunks per K row) of
+// the kKeysPerLane keys s * KL + i (slot s = l / C, KL = C / 2) and sums that chunk's products
+// for each (key, row): 4 * KL = 2C partials. A halving butterfly over the slot's C lanes (each
+// level sends one half, keeps the other) leaves each lane 2 complete scores: key s * KL + c / 2,
+// rows j4 + 2 * (c % 2) + {0, 1} (KeySlot).
+struct KeySlot {
+  int key;  // key within the tile
+  int r0;   // first of the lane's two rows within the four (0 or 2)
+};
 template <class S>
-FS_DEV void tile_softmax4(const AttnParams& p, const RowMeta* meta, float* pbuf, int j4, int64_t key, bool bad,
-                          float k_desc, int lane, const float (&dots)[S::kRows], WarpAcc<S>& w) {
-  const ScoreTransform score = make_score_transform(p);
-  float x[4], mx[4], pe[4], alpha[4];
+FS_DEV KeySlot key_slot(int lane) {
+  const int c = lane % S::kChunks;
+  return {lane / S::kChunks * S::kKeysPerLane + c / 2, 2 * (c % 2)};
+}
+
+// One butterfly level over lane bit M of the first N partials: the lane keeps the upper half
+// (bit set) or the lower, adding its partner's copy of it; then the next bit down.
+template <int M, int N, int K>
+FS_DEV void halve_reduce(float (&part)[K], int lane) {
+  const bool upper = (lane & M) != 0;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const RowMeta& m = meta[j4 + i];
-    const bool vis = key >= m.lo && key < m.hi;
-    x[i] = !vis ? kNegInf : bad ? nan_value() : score(dots[j4 + i] * k_desc, m.pos, key, m.slope);
+  for (int v = 0; v < N / 2; ++v) {
+    const float lo = part[v], hi = part[v + N / 2];
+    const float recv = __shfl_xor_sync(kFullMask, upper ? lo : hi, M);
+    part[v] = (upper ? hi : lo) + recv;
   }
+  if constexpr (M > 1) halve_reduce<M / 2, N / 2>(part, lane);
+}
+
+template <DType kKv, class S>
+FS_DEV void tile_dots4(const Stage<S>& st, const float* q, int j4, int lane, float (&sc)[2]) {
+  constexpr int C = S::kChunks, KL = S::kKeysPerLane, E = S::kElems;
+  const int c = lane % C, s = lane / C;
+  float qr[4][E];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) mx[i] = tile_max_nan(x[i]);
+  for (int r = 0; r < 4; ++r) {
+    const float4* qj = reinterpret_cast<const float4*>(q + (j4 + r) * S::kDim + c * E);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float new_m;
-    const bool some = w.st[j4 + i].rescale(mx[i], new_m, alpha[i]);
-    pe[i] = some && x[i] != kNegInf ? expf(x[i] - new_m) : 0.0f;
-    mx[i] = some ? new_m : kNegInf;
-  }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float sum = tile_sum(pe[i]);
-    if (mx[i] != kNegInf) {
-      w.st[j4 + i].update(mx[i], alpha[i], sum);
-      if (alpha[i] != 1.0f) {
-#pragma unroll
-        for (int k = 0; k < S::kChan; ++k) w.acc[j4 + i][k] *= alpha[i];
-      }
+    for (int e = 0; e < E / 4; ++e) {
+      const float4 q4 = qj[e];
+      qr[r][4 * e] = q4.x;
+      qr[r][4 * e + 1] = q4.y;
+      qr[r][4 * e + 2] = q4.z;
+      qr[r][4 * e + 3] = q4.w;
     }
-    if (lane < kTile) pbuf[(j4 + i) * kTile + lane] = pe[i];
+  }
+  float part[4 * KL];  // [key i][row r]
+#pragma unroll
+  for (int i = 0; i < KL; ++i) {
+    float kf[E];
+    smem_to_float<kKv, E>(st.k + (s * KL + i) * S::kKStride + c * kDecodeChunk, kf);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      float a0 = 0.0f, a1 = 0.0f;  // two chains: half the dependent FMA latency
+#pragma unroll
+      for (int e = 0; e < E; e += 2) {
+        a0 = fmaf(qr[r][e], kf[e], a0);
+        a1 = fmaf(qr[r][e + 1], kf[e + 1], a1);
+      }
+      part[i * 4 + r] = a0 + a1;
+    }
+  }
+  halve_reduce<C / 2, 2 * C>(part, lane);
+  sc[0] = part[0];
+  sc[1] = part[1];
+}
+
+// Max and sum over the tile's 16 keys of the lane's two rows: the lanes of one row pair share
+// lane parity (C is even), so the reduction runs over lane bits 1-4.
+FS_DEV void pair_max_nan(float (&x)[2]) {
+#pragma unroll
+  for (int o = 2; o < 32; o <<= 1)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) x[e] = nan_max(x[e], __shfl_xor_sync(kFullMask, x[e], o));
+}
+FS_DEV void pair_sum(float (&x)[2]) {
+#pragma unroll
+  for (int o = 2; o < 32; o <<= 1)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) x[e] += __shfl_xor_sync(kFullMask, x[e], o);
+}
+// The four rows' values from the lane's pair (rows r0, r0 + 1) and its xor-1 partner's.
+FS_DEV void gather_four(const float (&mine)[2], int r0, float (&four)[4]) {
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const float other = __shfl_xor_sync(kFullMask, mine[e], 1);
+    four[e] = r0 == 0 ? mine[e] : other;
+    four[2 + e] = r0 == 0 ? other : mine[e];
   }
 }
 
-// One tile of the warp: scores, online softmax (p into pbuf [kRows, 16]) and p.v.
+// Online softmax of rows [j4, j4 + 4) over the tile from the lanes' (key, row-pair) scores
+// (tile_dots4); p into pbuf [kRows, 16]. Every lane keeps all four rows' states. A row that
+// sees none of the tile's keys scores -inf everywhere: its state and accumulator stay as they are.
+template <class S>
+FS_DEV void tile_softmax4(const AttnParams& p, const RowMeta* meta, float* pbuf, int j4, int64_t t0, KeySlot ks,
+                          bool bad, float k_desc, const float (&sc)[2], WarpAcc<S>& w) {
+  const ScoreTransform score = make_score_transform(p);
+  const int64_t key = t0 + ks.key;
+  float x[2], mx[2], pe[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const RowMeta& m = meta[j4 + ks.r0 + e];
+    const bool vis = key >= m.lo && key < m.hi;
+    x[e] = !vis ? kNegInf : bad ? nan_value() : score(sc[e] * k_desc, m.pos, key, m.slope);
+    mx[e] = x[e];
+  }
+  pair_max_nan(mx);
+  float m4[4], new_m[4], alpha[4];
+  gather_four(mx, ks.r0, m4);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (!w.st[j4 + i].rescale(m4[i], new_m[i], alpha[i])) new_m[i] = kNegInf;
+  }
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const float nm = ks.r0 == 0 ? new_m[e] : new_m[2 + e];
+    pe[e] = nm != kNegInf && x[e] != kNegInf ? expf(x[e] - nm) : 0.0f;
+    pbuf[(j4 + ks.r0 + e) * kTile + ks.key] = pe[e];
+  }
+  pair_sum(pe);
+  float sum4[4];
+  gather_four(pe, ks.r0, sum4);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (new_m[i] == kNegInf) continue;
+    w.st[j4 + i].update(new_m[i], alpha[i], sum4[i]);
+    if (alpha[i] != 1.0f) {
+#pragma unroll
+      for (int k = 0; k < S::kChan; ++k) w.acc[j4 + i][k] *= alpha[i];
+    }
+  }
+}
+
+// One tile of the warp: scores and online softmax per four rows (p into pbuf [kRows, 16]),
+// then p.v over all 16 keys (keys outside the stream are zero rows with p = 0), p read four
+// keys per 16-byte load.
 template <DType kKv, class S>
 FS_DEV void consume_tile(const AttnParams& p, const Stage<S>& st, const float* q, const RowMeta* meta, float* pbuf,
-                         int nrows, int64_t t0, int64_t lo, int64_t hi, float k_desc, int lane, WarpAcc<S>& w) {
-  float dots[S::kRows];
-  tile_dots<kKv, S>(st, q, nrows, lane, dots);
-  const int64_t key = t0 + lane % kTile;
-  const bool bad = st.loc[lane % kTile].state == kTokenBad;
+                         int nrows, int64_t t0, float k_desc, int lane, WarpAcc<S>& w) {
+  const KeySlot ks = key_slot<S>(lane);
+  const bool bad = st.loc[ks.key].state == kTokenBad;
 #pragma unroll
   for (int j4 = 0; j4 < S::kRows; j4 += 4) {
     if (j4 >= nrows) break;
-    tile_softmax4<S>(p, meta, pbuf, j4, key, bad, k_desc, lane, dots, w);
+    float sc[2];
+    tile_dots4<kKv, S>(st, q, j4, lane, sc);
+    tile_softmax4<S>(p, meta, pbuf, j4, t0, ks, bad, k_desc, sc, w);
   }
   __syncwarp();
-  const int ta = int(imax(lo, t0) - t0), te = int(imin(hi, t0 + kTile) - t0);
   const unsigned char* vcol = st.v + lane * S::kChan * S::kVb;
-#pragma unroll 2
-  for (int t = ta; t < te; ++t) {
-    float vf[S::kChan];
-    smem_to_float<kKv, S::kChan>(vcol + t * S::kVStride, vf);
+#pragma unroll
+  for (int t4 = 0; t4 < kTile; t4 += 4) {
+    float vf[4][S::kChan];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) smem_to_float<kKv, S::kChan>(vcol + (t4 + u) * S::kVStride, vf[u]);
 #pragma unroll
     for (int j = 0; j < S::kRows; ++j) {
-      if (j >= nrows) break;
-      const float pj = pbuf[j * kTile + t];
+      if (j >= ((nrows + 3) & ~3)) break;
+      const float4 p4 = *reinterpret_cast<const float4*>(pbuf + j * kTile + t4);
 #pragma unroll
-      for (int k = 0; k < S::kChan; ++k) w.acc[j][k] = fmaf(pj, vf[k], w.acc[j][k]);
+      for (int k = 0; k < S::kChan; ++k) {
+        float a = w.acc[j][k];
+        a = fmaf(p4.x, vf[0][k], a);
+        a = fmaf(p4.y, vf[1][k], a);
+        a = fmaf(p4.z, vf[2][k], a);
+        w.acc[j][k] = fmaf(p4.w, vf[3][k], a);
+      }
     }
   }
 }
@@ -293,7 +350,7 @@ FS_DEV void stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* 
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncwarp();
-    consume_tile<kKv, S>(p, Stage<S>(warp_base, int(k % kStages)), q, meta, pbuf, nrows, tile_start(k), u.lo, u.hi,
+    consume_tile<kKv, S>(p, Stage<S>(warp_base, int(k % kStages)), q, meta, pbuf, nrows, tile_start(k),
                          s.kv.k_desc, lane, w);
     __syncwarp();  // the stage and pbuf are free for the next issue
   }
