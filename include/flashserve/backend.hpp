@@ -107,6 +107,11 @@ struct BuilderConfig {
   int dcp_world_size = 1;            // decode context parallel
   int dcp_rank = 0;
   int64_t max_draft_depth = 32;      // tree verify: longest draft path (width of the tree pass's slot table)
+  // CUDA metadata (a CUDA `device` and the engine's block_table / slot_mapping on it): the
+  // cudaStream_t (null = the default stream) of the one async host-to-device copy per build.
+  // The builder stages in pinned memory it owns; the next build waits for that copy to finish
+  // before rewriting the staging buffer.
+  void* stream = nullptr;
 };
 
 // One varlen attention call over a contiguous run of (reordered) requests.
@@ -170,7 +175,10 @@ struct DraftTree {
 
 // Builds per-step metadata into buffers it owns (sized once from the config: no allocation
 // per step). In graph mode the buffers are the captured ones and build() rewrites them in
-// place. Not thread-safe; one per KV-cache group.
+// place. Not thread-safe; one per KV-cache group. With CUDA tensors (and a CUDA config) the
+// metadata's own tensors live in a device buffer the builder owns, filled by one async copy per
+// build on BuilderConfig::stream (encoder layers, which have no block table: when their
+// optional slot_mapping is a CUDA tensor); tree verify and advance_decode_step need host metadata.
 class MetadataBuilder {
  public:
   explicit MetadataBuilder(const BuilderConfig& config);

@@ -127,8 +127,9 @@ void compose_local(State& s) {
       in.query_start(), in.seqs(), c.layer.attention_chunk_size,
       {b.cu, b.seqused, s.local_k_start, s.local_request});
   const TensorRef& t = in.block_table;
-  planner::gather_local_block_table({static_cast<const int32_t*>(t.data), t.size(0), t.size(1), t.stride[0]},
-                                    c.block_size, s.local_k_start, s.local_request, V, s.local_table, s.local_width);
+  if (!in.on_device)  // CUDA metadata: publish gathers from the device table
+    planner::gather_local_block_table({static_cast<const int32_t*>(t.data), t.size(0), t.size(1), t.stride[0]},
+                                      c.block_size, s.local_k_start, s.local_request, V, s.local_table, s.local_width);
   PartMetadata p = idle(b);
   p.num_reqs = V;
   p.num_tokens = in.num_tokens;

@@ -1,10 +1,15 @@
-// The metadata builder's state (backend.hpp, MetadataBuilder): fixed host buffers sized once
-// from the BuilderConfig, the last build's inputs (copied, so advance_decode_step and
-// update_block_table can recompose) and the decision of how the batch is attended.
+// The metadata builder's state (backend.hpp, MetadataBuilder): fixed int32 buffers carved once
+// from one block sized from the BuilderConfig (the Arena), the last build's inputs (copied, so
+// advance_decode_step and update_block_table can recompose) and the decision of how the batch
+// is attended.
 //
 // Every part has its own buffers, each view starting at element 0, so a part's
 // cu_seqlens_q / seqused_k / cp_tot_seqused_k pointers never move between builds (CUDA-graph
 // replay reads the captured pointers). Block-table views of the engine's table move with it.
+//
+// CUDA metadata (builder_device.cpp): with a CUDA config in a CUDA build the block is pinned
+// host staging plus a device copy; compose writes the staging on the host, publish uploads it
+// (one async copy) and rebases the views onto the device copy.
 #pragma once
 
 #include <cstdint>
@@ -15,11 +20,39 @@
 
 namespace flashserve::backend::builder {
 
+// One block of int32 buffers, carved in order by take(). Host memory (pageable), or with a
+// device (CUDA config, CUDA build) pinned host staging and a device copy of the same size.
+class Arena {
+ public:
+  Arena(size_t elems, const Device& device);
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  std::span<int32_t> take(size_t n);  // the next n elements, zeroed
+  int32_t* host() const { return host_; }
+  int32_t* device_copy() const { return device_; }  // null without a device
+  const Device& device() const { return device_at_; }
+  size_t elems() const { return elems_; }
+  bool holds(const void* p) const;                  // p within [host, host + elems]
+  void* event() const { return event_; }            // end of the last upload (device only)
+
+ private:
+  std::vector<int32_t> pageable_;
+  int32_t* host_ = nullptr;
+  int32_t* device_ = nullptr;
+  void* event_ = nullptr;
+  Device device_at_{};
+  size_t elems_ = 0, used_ = 0;
+};
+
 // Buffers of one part: cu_seqlens_q [cap + 1], seqused_k [cap], cp_tot_seqused_k [cap].
 struct PartBuffers {
-  std::vector<int32_t> cu, seqused, seqused_global;
-  explicit PartBuffers(int64_t cap = 0)
-      : cu(size_t(cap) + 1, 0), seqused(size_t(cap), 0), seqused_global(size_t(cap), 0) {}
+  std::span<int32_t> cu, seqused, seqused_global;
+  static size_t elems(int64_t cap) { return 3 * size_t(cap) + 1; }
+  static PartBuffers take(Arena& a, int64_t cap) {
+    return {a.take(size_t(cap) + 1), a.take(size_t(cap)), a.take(size_t(cap))};
+  }
 };
 
 // How a batch is attended; each mode fills its parts and leaves the others idle.
@@ -55,6 +88,7 @@ struct Inputs {
   std::vector<int32_t> num_drafts;        // [max_num_reqs]
   std::vector<int32_t> tree_parent;       // [max_num_tokens]
   bool tree_slots_from_table = false;
+  bool on_device = false;                 // the metadata views point into the device copy
   std::span<const int32_t> query_start() const { return {query_start_loc.data(), size_t(num_reqs) + 1}; }
   std::span<const int32_t> seqs() const { return {seq_lens.data(), size_t(num_reqs)}; }
 };
@@ -64,18 +98,21 @@ struct State {
   AttentionMetadata md;
   Inputs in;
   Decision decision;
+  int64_t local_capacity = 0, local_width = 0;
 
+  // In the arena, in this order: what split / cascade / encoder builds use first (the upload
+  // copies a prefix), then the local buffers, then the tree's.
+  Arena arena;
   PartBuffers decode, prefill;             // max_num_reqs each
   PartBuffers cascade_prefix, cascade_suffix;  // 1, max_num_reqs
   PartBuffers local;                       // local_capacity virtual requests
+  std::span<int32_t> local_k_start, local_request;  // [local_capacity]
+  std::span<int32_t> local_table;          // [local_capacity, local_width]
   PartBuffers tree_prefix, tree;           // max_num_reqs, max_num_tokens (one per query token)
-  std::vector<int32_t> local_k_start, local_request;  // [local_capacity]
-  std::vector<int32_t> local_table;        // [local_capacity, local_width]
-  std::vector<int32_t> tree_table;         // [max_num_tokens, max_draft_depth]: slots
+  std::span<int32_t> tree_table;           // [max_num_tokens, max_draft_depth]: slots
   std::vector<int32_t> tree_depth;         // [max_num_tokens] scratch of validation
   std::vector<int32_t> query_lens;         // [max_num_reqs] scratch for use_cascade
   std::vector<int64_t> slots;              // [max_num_reqs]: advance_decode_step's slot_mapping
-  int64_t local_capacity = 0, local_width = 0;
 
   explicit State(const BuilderConfig& c);
 };
@@ -94,5 +131,15 @@ int64_t call_heads(const BuilderConfig& c);
 // Writes every part of state.md from state.in and state.decision (builder_compose.cpp).
 // The inputs were validated; nothing here throws.
 void compose(State& s);
+
+// CUDA metadata (builder_device.cpp). Whether the arena has a device copy: a CUDA config in a
+// CUDA build (CPU-only builds: never).
+bool arena_on_device(const BuilderConfig& c);
+// Before compose rewrites the staging: waits for the last upload to have read it.
+void wait_upload(State& s);
+// After compose, when s.in.on_device: one async copy of the used prefix of the staging to the
+// device copy on config.stream, the local block table gathered from the engine's device table,
+// and every view into the arena rebased onto the device copy. Host metadata: nothing.
+void publish(State& s);
 
 }  // namespace flashserve::backend::builder

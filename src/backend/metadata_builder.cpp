@@ -4,9 +4,15 @@
 // build leaves the last metadata intact.
 //
 // Host arrays: query_start_loc, seq_lens, encoder_seq_lens are read from the spans; the engine's
-// block_table is referenced by the parts (row slices, column offsets) and read on the host for
-// the cascade prefix check, the local virtual table and advance_decode_step, so it must be on
-// the CPU for now (CUDA metadata comes with the kernels).
+// block_table is referenced by the parts (row slices, column offsets).
+//
+// Host metadata (the engine's block_table / slot_mapping on the CPU): the table is also read on
+// the host for the cascade prefix check, the local virtual table and advance_decode_step.
+// CUDA metadata (CUDA tensors, a CUDA config and a CUDA build; builder_device.cpp): the builder
+// still computes on the host, then uploads its buffers with one async copy on config.stream and
+// the parts' own views point into its device copy; the local virtual table is gathered on the
+// device; the cascade prefix is the scheduler's word (checking it would read the device table);
+// tree verify and advance_decode_step need host reads of device tensors: NotImplemented.
 //
 // Speculative tree verify (build with a DraftTree): every request has at most one non-draft
 // query token (query_len - num_drafts <= 1: the committed tip), because the committed-prefix
@@ -69,21 +75,42 @@ void check_config(const BuilderConfig& c) {
   }
 }
 
+const BuilderConfig& checked(const BuilderConfig& c) {
+  check_config(c);
+  return c;
+}
+
+int64_t local_width_of(const BuilderConfig& c) {
+  return local_capacity_of(c) ? std::min(c.layer.attention_chunk_size / c.block_size, c.max_blocks_per_req) : 0;
+}
+
+// Elements of every buffer State carves from its arena.
+size_t arena_elems(const BuilderConfig& c) {
+  const int64_t L = local_capacity_of(c);
+  return 4 * PartBuffers::elems(c.max_num_reqs) + PartBuffers::elems(1) + PartBuffers::elems(L) +
+         size_t(L) * (2 + size_t(local_width_of(c))) + PartBuffers::elems(c.max_num_tokens) +
+         size_t(c.max_num_tokens * c.max_draft_depth);
+}
+
 }  // namespace
 
-State::State(const BuilderConfig& c) : config(c) {
-  check_config(c);
+State::State(const BuilderConfig& c)
+    : config(checked(c)),
+      local_capacity(local_capacity_of(c)),
+      local_width(local_width_of(c)),
+      arena(arena_elems(c), arena_on_device(c) ? c.device.device : Device{}) {
   const size_t R = size_t(c.max_num_reqs), T = size_t(c.max_num_tokens);
-  decode = prefill = cascade_suffix = tree_prefix = PartBuffers(c.max_num_reqs);
-  cascade_prefix = PartBuffers(1);
-  tree = PartBuffers(c.max_num_tokens);
-  local_capacity = local_capacity_of(c);
-  local_width = local_capacity ? std::min(c.layer.attention_chunk_size / c.block_size, c.max_blocks_per_req) : 0;
-  local = PartBuffers(local_capacity);
-  local_k_start.assign(size_t(local_capacity), 0);
-  local_request.assign(size_t(local_capacity), 0);
-  local_table.assign(size_t(local_capacity * local_width), 0);
-  tree_table.assign(T * size_t(c.max_draft_depth), 0);
+  decode = PartBuffers::take(arena, c.max_num_reqs);
+  prefill = PartBuffers::take(arena, c.max_num_reqs);
+  cascade_prefix = PartBuffers::take(arena, 1);
+  cascade_suffix = PartBuffers::take(arena, c.max_num_reqs);
+  local = PartBuffers::take(arena, local_capacity);
+  local_k_start = arena.take(size_t(local_capacity));
+  local_request = arena.take(size_t(local_capacity));
+  local_table = arena.take(size_t(local_capacity * local_width));
+  tree_prefix = PartBuffers::take(arena, c.max_num_reqs);
+  tree = PartBuffers::take(arena, c.max_num_tokens);
+  tree_table = arena.take(T * size_t(c.max_draft_depth));
   tree_depth.assign(T, 0);
   query_lens.assign(R, 0);
   slots.assign(R, 0);
@@ -102,11 +129,18 @@ namespace {
 
 bool is_encoder(const LayerSpec& l) { return l.type == AttnType::encoder || l.type == AttnType::encoder_only; }
 
-void check_host_tensor(const TensorRef& t, const char* arg, DType dtype, int ndim) {
+// An engine tensor the metadata references: host, or (CUDA metadata) on the config's device.
+void check_meta_tensor(const BuilderConfig& c, const TensorRef& t, const char* arg, DType dtype, int ndim) {
   detail::check_rank(t, arg, ndim);
   detail::check_dtype(t, arg, {dtype});
-  if (t.device.type == DeviceType::cuda)
-    fail_not_implemented("the metadata builder with a CUDA ", arg, " (host metadata only until the CUDA kernels)");
+  if (t.device.type == DeviceType::cuda) {
+    if (!builder::arena_on_device(c))
+      fail_not_implemented("the metadata builder with a CUDA ", arg,
+                           FLASHSERVE_WITH_CUDA ? " and a CPU BuilderConfig::device (CUDA metadata needs a CUDA config)"
+                                                : " (this build has no CUDA: FLASHSERVE_WITH_CUDA=0)");
+    if (t.device != c.device.device)
+      fail_arg(arg, cat("a tensor on the config's device ", to_string(c.device.device)), to_string(t.device));
+  }
   detail::check_non_negative_strides(t, arg);
   detail::check_data(t, arg);
 }
@@ -174,11 +208,13 @@ void check_kv_lengths(const BuilderConfig& c, const CommonMetadata& cm) {
     fail_arg("max_seq_len", cat(">= ", max_len, " (the longest sequence)"), cm.max_seq_len);
 }
 
-void check_common(const BuilderConfig& c, const CommonMetadata& cm) {
+// Checks the common metadata; returns whether the metadata goes to the device: the engine's
+// block_table is CUDA (encoder layers, which have none: their optional slot_mapping is CUDA).
+bool check_common(const BuilderConfig& c, const CommonMetadata& cm) {
   check_queries(c, cm);
   const bool encoder = is_encoder(c.layer);
   if (!encoder) {
-    check_host_tensor(cm.block_table, "block_table", DType::i32, 2);
+    check_meta_tensor(c, cm.block_table, "block_table", DType::i32, 2);
     detail::check_last_contiguous(cm.block_table, "block_table");
     if (cm.block_table.size(0) < cm.num_reqs)
       fail_arg("block_table", cat(">= ", cm.num_reqs, " rows (num_reqs)"), cm.block_table.shape_str());
@@ -186,11 +222,18 @@ void check_common(const BuilderConfig& c, const CommonMetadata& cm) {
     check_order(c, cm);
   }
   if (c.layer.type == AttnType::decoder || cm.slot_mapping.ndim > 0) {
-    check_host_tensor(cm.slot_mapping, "slot_mapping", DType::i64, 1);
+    check_meta_tensor(c, cm.slot_mapping, "slot_mapping", DType::i64, 1);
     if (cm.slot_mapping.size(0) < cm.num_actual_tokens)
       fail_arg("slot_mapping", cat(">= ", cm.num_actual_tokens, " entries (num_actual_tokens)"),
                cm.slot_mapping.shape_str());
   }
+  if (encoder && cm.slot_mapping.ndim == 0) return false;
+  const TensorRef& lead = encoder ? cm.slot_mapping : cm.block_table;
+  const bool on_device = lead.device.type == DeviceType::cuda;
+  if (!encoder && cm.slot_mapping.ndim > 0 && cm.slot_mapping.device != lead.device)
+    fail_arg("slot_mapping", cat("a tensor on block_table's device ", to_string(lead.device)),
+             to_string(cm.slot_mapping.device));
+  return on_device;
 }
 
 // Every row's first `blocks` blocks equal row 0's (the cascade prefix is shared).
@@ -246,7 +289,8 @@ void check_tree(State& s, const CommonMetadata& cm, const DraftTree& tree) {
 }
 
 // How the batch is attended. Reads the inputs only (and scratch buffers).
-Decision decide(State& s, const CommonMetadata& cm, int64_t common_prefix_len, const DraftTree* tree) {
+Decision decide(State& s, const CommonMetadata& cm, int64_t common_prefix_len, const DraftTree* tree,
+                bool on_device) {
   const BuilderConfig& c = s.config;
   Decision d;
   if (is_encoder(c.layer)) {
@@ -257,6 +301,9 @@ Decision decide(State& s, const CommonMetadata& cm, int64_t common_prefix_len, c
   d.num_decodes = check_order(c, cm);
   if (common_prefix_len < 0) fail_arg("common_prefix_len", ">= 0", common_prefix_len);
   if (tree) {
+    if (on_device)
+      fail_not_implemented("speculative tree verify with CUDA metadata (the tree's slot table reads slot_mapping "
+                           "on the host)");
     check_tree(s, cm, *tree);
     d.mode = Mode::tree;
     return d;
@@ -281,16 +328,18 @@ Decision decide(State& s, const CommonMetadata& cm, int64_t common_prefix_len, c
   prefix = prefix / c.block_size * c.block_size;
   const std::span<const int32_t> qlens(s.query_lens.data(), size_t(cm.num_reqs));
   if (!use_cascade(prefix, qlens, c.layer, c.dcp_world_size, c.device)) return d;
-  check_shared_prefix(cm.block_table, cm.num_reqs, prefix / c.block_size);
+  if (!on_device) check_shared_prefix(cm.block_table, cm.num_reqs, prefix / c.block_size);
   d.mode = Mode::cascade;
   d.prefix_len = prefix;
   return d;
 }
 
-void store_inputs(State& s, const CommonMetadata& cm, int64_t common_prefix_len, const DraftTree* tree) {
+void store_inputs(State& s, const CommonMetadata& cm, int64_t common_prefix_len, const DraftTree* tree,
+                  bool on_device) {
   Inputs& in = s.in;
   const size_t R = size_t(cm.num_reqs);
   in.valid = true;
+  in.on_device = on_device;
   in.num_reqs = cm.num_reqs;
   in.num_tokens = cm.num_actual_tokens;
   std::copy_n(cm.query_start_loc.begin(), R + 1, in.query_start_loc.begin());
@@ -313,6 +362,13 @@ void store_inputs(State& s, const CommonMetadata& cm, int64_t common_prefix_len,
   }
 }
 
+// Rewrites the metadata from the stored inputs and decision (and uploads it: CUDA metadata).
+void recompose(State& s) {
+  builder::wait_upload(s);
+  builder::compose(s);
+  builder::publish(s);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- MetadataBuilder
@@ -330,11 +386,11 @@ const BuilderConfig& MetadataBuilder::config() const { return state_->config; }
 const AttentionMetadata& MetadataBuilder::build(const CommonMetadata& common, int64_t common_prefix_len,
                                                 const DraftTree* tree) {
   State& s = *state_;
-  check_common(s.config, common);
-  const Decision d = decide(s, common, common_prefix_len, tree);
-  store_inputs(s, common, common_prefix_len, tree);
+  const bool on_device = check_common(s.config, common);
+  const Decision d = decide(s, common, common_prefix_len, tree, on_device);
+  store_inputs(s, common, common_prefix_len, tree, on_device);
   s.decision = d;
-  builder::compose(s);
+  recompose(s);
   return s.md;
 }
 
@@ -343,16 +399,19 @@ const AttentionMetadata& MetadataBuilder::update_block_table(const TensorRef& bl
   if (!s.in.valid) fail_arg("block_table", "a build before update_block_table", "none");
   if (s.decision.mode == Mode::encoder)
     fail_arg("block_table", "a layer with a KV cache", "an encoder layer's metadata (no block table)");
-  check_host_tensor(block_table, "block_table", DType::i32, 2);
+  check_meta_tensor(s.config, block_table, "block_table", DType::i32, 2);
   detail::check_last_contiguous(block_table, "block_table");
   const TensorRef& old = s.in.block_table;
+  if (block_table.device != old.device)
+    fail_arg("block_table", cat("a table on ", to_string(old.device), " (that of the built metadata)"),
+             to_string(block_table.device));
   if (block_table.size(0) != old.size(0) || block_table.size(1) != old.size(1))
     fail_arg("block_table", cat("shape ", old.shape_str(), " (that of the built metadata)"), block_table.shape_str());
-  if (s.decision.mode == Mode::cascade)
+  if (s.decision.mode == Mode::cascade && !s.in.on_device)
     check_shared_prefix(block_table, s.in.num_reqs, s.decision.prefix_len / s.config.block_size);
   s.in.block_table = block_table;
   s.in.tree_slots_from_table = s.decision.mode == Mode::tree;
-  builder::compose(s);
+  recompose(s);
   return s.md;
 }
 
@@ -364,6 +423,9 @@ const AttentionMetadata& MetadataBuilder::advance_decode_step() {
   if (!decodable)
     fail_arg("advance_decode_step", "a last build of a decoder layer without a draft tree",
              in.valid ? "another build" : "no build");
+  if (in.on_device)
+    fail_not_implemented("advance_decode_step with CUDA metadata (the new slots read the device block_table; "
+                         "use advance_step of cache.hpp)");
   for (int64_t r = 0; r < in.num_reqs; ++r)
     if (qlen(in.query_start(), r) != 1)
       fail_arg("advance_decode_step", "a decode-only last build (every query_len 1)",
@@ -387,7 +449,7 @@ const AttentionMetadata& MetadataBuilder::advance_decode_step() {
   cm.causal = in.causal;
   Decision d;
   try {
-    d = decide(s, cm, in.common_prefix_len, nullptr);
+    d = decide(s, cm, in.common_prefix_len, nullptr, false);
   } catch (...) {
     for (int32_t& len : std::span(in.seq_lens.data(), size_t(in.num_reqs))) --len;
     throw;
@@ -404,7 +466,7 @@ const AttentionMetadata& MetadataBuilder::advance_decode_step() {
   }
   in.slot_mapping = TensorRef::contiguous(s.slots.data(), DType::i64, {in.num_reqs});
   s.decision = d;
-  builder::compose(s);
+  recompose(s);
   return s.md;
 }
 

@@ -457,6 +457,11 @@ struct Bad {
 
 void expect_rejected(const Bad& bad) {
   SCOPED_TRACE(bad.label);
+#if FLASHSERVE_WITH_CUDA
+  // "Not implemented on CUDA" holds in CPU-only builds; CUDA builds run these ops on the device
+  // (tests/gpu), and host memory labelled as CUDA would be handed to the kernels.
+  if (bad.arg.empty()) return;
+#endif
   OpSet s;
   bad.mutate(s);
   std::vector<std::vector<unsigned char>> before;

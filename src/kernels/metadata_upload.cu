@@ -1,0 +1,99 @@
+// The metadata builder's device buffers, upload and local block-table gather
+// (metadata_upload.hpp).
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/metadata_upload.hpp"
+
+namespace flashserve::kernels {
+
+namespace {
+
+// Sets the current device for its lifetime, then restores the previous one.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    FS_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (device != previous_) FS_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() { (void)cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+// One thread per (virtual request, column).
+__global__ void gather_local_kernel(LocalTableGather g) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= g.num_virtual * g.width) return;
+  const int64_t v = i / g.width, j = i % g.width;
+  const int64_t col = g.k_start[v] / g.block_size + j;
+  g.out[i] = col < g.cols ? g.table[int64_t(g.request[v]) * g.row_stride + col] : 0;
+}
+
+}  // namespace
+
+void* metadata_device_alloc(size_t bytes, int device) {
+  if (bytes == 0) return nullptr;
+  DeviceGuard guard(device);
+  void* p = nullptr;
+  FS_CUDA_CHECK(cudaMalloc(&p, bytes));
+  return p;
+}
+
+void metadata_device_free(void* p, int device) noexcept {
+  if (!p) return;
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess) return;
+  (void)cudaSetDevice(device);
+  (void)cudaFree(p);
+  (void)cudaSetDevice(previous);
+}
+
+void* metadata_pinned_alloc(size_t bytes) {
+  if (bytes == 0) return nullptr;
+  void* p = nullptr;
+  FS_CUDA_CHECK(cudaMallocHost(&p, bytes));
+  return p;
+}
+
+void metadata_pinned_free(void* p) noexcept {
+  if (p) (void)cudaFreeHost(p);
+}
+
+void* metadata_event_create(int device) {
+  DeviceGuard guard(device);
+  cudaEvent_t e = nullptr;
+  FS_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  return e;
+}
+
+void metadata_event_destroy(void* event, int device) noexcept {
+  if (!event) return;
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess) return;
+  (void)cudaSetDevice(device);
+  (void)cudaEventDestroy(static_cast<cudaEvent_t>(event));
+  (void)cudaSetDevice(previous);
+}
+
+void metadata_upload_wait(void* event) { FS_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event))); }
+
+void metadata_upload(void* dst, const void* src, size_t bytes, void* stream, void* event) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (bytes > 0) FS_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  FS_CUDA_CHECK(cudaStreamIsCapturing(s, &capture));
+  if (capture == cudaStreamCaptureStatusNone) FS_CUDA_CHECK(cudaEventRecord(static_cast<cudaEvent_t>(event), s));
+}
+
+void gather_local_block_table(const LocalTableGather& g, void* stream) {
+  const int64_t n = g.num_virtual * g.width;
+  if (n == 0) return;
+  constexpr int kThreads = 256;
+  const auto blocks = static_cast<unsigned>((n + kThreads - 1) / kThreads);
+  gather_local_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(g);
+  FS_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace flashserve::kernels
