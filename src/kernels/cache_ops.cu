@@ -11,6 +11,7 @@
 #include <cstdlib>
 
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/warp_copy.cuh"
 #include "kernels/common/numeric.cuh"
 
 namespace flashserve::kernels {
@@ -31,22 +32,6 @@ int64_t grid_for(int64_t work, int64_t per_block) {
 }
 
 // ---- Rows moved by one warp (lane = 0..31)
-
-template <class U>
-__device__ void copy_units(char* y, const char* x, int64_t units, int lane) {
-  for (int64_t u = lane; u < units; u += kWarp) reinterpret_cast<U*>(y)[u] = reinterpret_cast<const U*>(x)[u];
-}
-
-// y[0, bytes) = x[0, bytes), with the widest accesses (up to 16 bytes) that the addresses and
-// length allow.
-__device__ void copy_bytes(char* y, const char* x, int64_t bytes, int lane) {
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(y) | uintptr_t(bytes);
-  if (bits % 16 == 0) return copy_units<uint4>(y, x, bytes / 16, lane);
-  if (bits % 8 == 0) return copy_units<uint2>(y, x, bytes / 8, lane);
-  if (bits % 4 == 0) return copy_units<uint32_t>(y, x, bytes / 4, lane);
-  if (bits % 2 == 0) return copy_units<uint16_t>(y, x, bytes / 2, lane);
-  copy_units<uint8_t>(y, x, bytes, lane);
-}
 
 // y[c] = f(c, x[c]) stored in `fmt`, for c < n: x of dtype t, both rows contiguous. Lanes take
 // groups of kGroup elements when the row length and both addresses allow, else single ones.
@@ -133,7 +118,7 @@ __device__ void write_row(const CacheWriteArgs& a, const Side& s, int64_t tok, i
   char* y = s.cache + (block * s.s_block + off * s.s_slot + h * s.s_head) * int64_t(dtype_size(s.format));
   switch (s.kind) {
     case StoreKind::plain:
-      copy_bytes(y, x, s.width * int64_t(dtype_size(s.src_dtype)), lane);
+      warp_copy_bytes(y, x, s.width * int64_t(dtype_size(s.src_dtype)), lane);
       return;
     case StoreKind::fp8: {
       const float sc = s.scale[h * s.s_scale_head];

@@ -11,6 +11,7 @@
 
 #include "common/softmax_state.hpp"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/warp_copy.cuh"
 #include "kernels/common/numeric.cuh"
 
 namespace flashserve::kernels {
@@ -284,21 +285,6 @@ __global__ void gather_offsets_kernel(const __grid_constant__ GatherArgs a) {
   if (threadIdx.x == 0) a.cu_dst[a.batch * a.s_cu_dst] = int32_t(carry);
 }
 
-template <class U>
-__device__ void copy_units(char* y, const char* x, int64_t units, int lane) {
-  for (int64_t u = lane; u < units; u += kWarp) reinterpret_cast<U*>(y)[u] = reinterpret_cast<const U*>(x)[u];
-}
-
-// y[0, bytes) = x[0, bytes) by one warp, with the widest accesses (up to 16 bytes) that the
-// addresses and the length allow.
-__device__ void copy_bytes(char* y, const char* x, int64_t bytes, int lane) {
-  const uintptr_t bits = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(y) | uintptr_t(bytes);
-  if (bits % 16 == 0) return copy_units<uint4>(y, x, bytes / 16, lane);
-  if (bits % 8 == 0) return copy_units<uint2>(y, x, bytes / 8, lane);
-  if (bits % 4 == 0) return copy_units<uint32_t>(y, x, bytes / 4, lane);
-  if (bits % 2 == 0) return copy_units<uint16_t>(y, x, bytes / 2, lane);
-  copy_units<uint8_t>(y, x, bytes, lane);
-}
 
 // The request whose rows hold destination row `row` < cu_dst[B]: the last b < B with
 // cu_dst[b] <= row (cu_dst non-decreasing).
@@ -326,7 +312,7 @@ __global__ void gather_rows_kernel(const __grid_constant__ GatherArgs a) {
     const int64_t block = a.table[b * a.t_row + col * a.t_col];
     if (block < 0 || block >= a.num_blocks) continue;
     const char* x = a.cache + block * a.c_block + (t % a.block_size) * a.c_slot;
-    copy_bytes(a.dst + row * a.d_row, x, a.row_bytes, lane);
+    warp_copy_bytes(a.dst + row * a.d_row, x, a.row_bytes, lane);
   }
 }
 
