@@ -11,6 +11,7 @@
 #include <cstdlib>
 
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/token_rows.cuh"
 #include "kernels/common/warp_copy.cuh"
 #include "kernels/common/numeric.cuh"
 
@@ -21,7 +22,6 @@ namespace {
 using detail::CacheWriteProblem;
 using detail::StoreKind;
 
-constexpr int kWarp = 32;
 constexpr int kGroup = 8;              // elements per lane and access on the vector path
 constexpr int64_t kMaxGrid = 1 << 20;  // blocks per launch; the kernels loop past it
 

@@ -9,26 +9,17 @@
 
 #include "common/softmax_state.hpp"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/token_rows.cuh"
 #include "kernels/common/numeric.cuh"
 
 namespace flashserve::kernels {
 
 namespace {
 
-constexpr int kWarp = 32;
 constexpr int kRowWarps = 4;           // warps per block, one row each
 constexpr int kGroup = 8;              // elements per lane and access on the vector path
 constexpr int64_t kMaxGrid = 1 << 20;  // blocks per launch; the kernel loops past it
 
-// [T, H, width] rows, last dim contiguous; strides in elements.
-struct Rows {
-  char* data;
-  DType dtype;
-  int64_t s_token, s_head;
-  __device__ char* row(int64_t t, int64_t h) const {
-    return data + (t * s_token + h * s_head) * int64_t(dtype_size(dtype));
-  }
-};
 
 // fp32 [T, H] (token-major view of either layout).
 struct Lse {
@@ -40,8 +31,8 @@ struct Lse {
 struct MergeArgs {
   int64_t tokens, heads, width;
   int64_t merge_rows;          // rows t >= merge_rows copy b
-  Rows a, b;
-  Rows out;                    // written; dtype = the stored format (u8 out: f8e4m3)
+  TokenRows a, b;
+  TokenRows out;                    // written; dtype = the stored format (u8 out: f8e4m3)
   Lse a_lse, b_lse, out_lse;   // out_lse.data may be null
   const float* output_scale;   // fp8 out: one fp32; else null
 };
@@ -109,10 +100,6 @@ __global__ void merge_states_kernel(const __grid_constant__ MergeArgs m) {
   }
 }
 
-Rows rows_of(const TensorRef& t, DType dtype) {
-  return {static_cast<char*>(t.data), dtype, t.stride[0], t.stride[1]};
-}
-
 Lse lse_of(const TensorRef& t) { return {static_cast<float*>(t.data), t.stride[0], t.stride[1]}; }
 
 }  // namespace
@@ -125,9 +112,9 @@ void merge_states(const detail::MergeProblem& pr, void* stream) {
   m.heads = pr.heads;
   m.width = pr.head_dim;
   m.merge_rows = pr.merge_rows;
-  m.a = rows_of(pr.a_out, pr.a_out.dtype);
-  m.b = rows_of(pr.b_out, pr.b_out.dtype);
-  m.out = rows_of(pr.out, pr.out_format);
+  m.a = token_rows(pr.a_out, pr.a_out.dtype);
+  m.b = token_rows(pr.b_out, pr.b_out.dtype);
+  m.out = token_rows(pr.out, pr.out_format);
   m.a_lse = lse_of(pr.a_lse);
   m.b_lse = lse_of(pr.b_lse);
   if (pr.out_lse) m.out_lse = lse_of(*pr.out_lse);

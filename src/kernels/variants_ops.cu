@@ -11,6 +11,7 @@
 
 #include "common/softmax_state.hpp"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/token_rows.cuh"
 #include "kernels/common/warp_copy.cuh"
 #include "kernels/common/numeric.cuh"
 
@@ -18,7 +19,6 @@ namespace flashserve::kernels {
 
 namespace {
 
-constexpr int kWarp = 32;
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kRowWarps = 8;            // warps per block, one row at a time each
 constexpr int kGroup = 8;               // elements per lane and access on the vector path
@@ -46,23 +46,12 @@ struct F32Vec {
 
 F32Vec vec_of(const TensorRef& t) { return {static_cast<const float*>(t.data), t.stride[0]}; }
 
-// [T, H, D] rows, last dim contiguous; strides in elements.
-struct Heads {
-  char* data;
-  DType dtype;
-  int64_t s_token, s_head;
-  __device__ char* row(int64_t t, int64_t h) const {
-    return data + (t * s_token + h * s_head) * int64_t(dtype_size(dtype));
-  }
-};
-
-Heads heads_of(const TensorRef& t) { return {static_cast<char*>(t.data), t.dtype, t.stride[0], t.stride[1]}; }
 
 // ---- differential_combine
 
 struct DiffArgs {
   int64_t tokens, pairs, head_dim;  // T, H / 2, D
-  Heads a1, a2, out;                // [T, 2 * pairs, D]
+  TokenRows a1, a2, out;                // [T, 2 * pairs, D]
   F32Vec q1, k1, q2, k2;            // [D]
   F32Vec weight;                    // [2D]
   float lambda_init, eps;
@@ -122,8 +111,8 @@ __device__ void combine_pair_row(const DiffArgs& a, float lambda, int64_t t, int
 __device__ bool pair_row_vectorizes(const DiffArgs& a, int64_t t, int64_t p) {
   if (a.head_dim % kGroup != 0) return false;
   for (int half = 0; half < 2; ++half) {
-    const Heads* hs[] = {&a.a1, &a.a2, &a.out};
-    for (const Heads* h : hs)
+    const TokenRows* hs[] = {&a.a1, &a.a2, &a.out};
+    for (const TokenRows* h : hs)
       if (!aligned(h->row(t, 2 * p + half), group_alignment(kGroup, int64_t(dtype_size(h->dtype))))) return false;
   }
   return true;
@@ -327,9 +316,9 @@ void differential_combine(const detail::DifferentialProblem& pr, void* stream) {
   a.tokens = pr.tokens;
   a.pairs = pr.pairs;
   a.head_dim = pr.head_dim;
-  a.a1 = heads_of(pr.a1);
-  a.a2 = heads_of(pr.a2);
-  a.out = heads_of(pr.out);
+  a.a1 = token_rows(pr.a1);
+  a.a2 = token_rows(pr.a2);
+  a.out = token_rows(pr.out);
   a.q1 = vec_of(pr.lambda_q1);
   a.k1 = vec_of(pr.lambda_k1);
   a.q2 = vec_of(pr.lambda_q2);
