@@ -147,6 +147,13 @@ inline double out_ulp(double x, fs::DType t) {
   return std::ldexp(1.0, std::max(e - 1, t == fs::DType::f16 ? -14 : -126) - bits);
 }
 
+// Whether `kernel` (attention_kernel_name) rounds P to q's dtype before P·V: the tensor-core
+// kernels (prefill_mma; decode over 16-bit K/V, whose q.k and p.v run on mma.sync, except for
+// fp32 outputs, where it adds the rounding residue in a second mma).
+inline bool kernel_rounds_p(const std::string& kernel, const fstest::CaseConfig& c) {
+  return kernel == "prefill_mma" || (kernel == "decode" && fs::is_half(c.kv_dtype) && c.out_dtype != fs::DType::f32);
+}
+
 // GPU result (in ac.out / ac.lse) against the CPU reference's: the same -inf / NaN LSE rows;
 // values within fp32 rounding (1e-5 of the head's max |v| and of the value), plus one output
 // ulp for f16/bf16 outputs. Empty when they agree.

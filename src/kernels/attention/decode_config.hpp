@@ -26,12 +26,19 @@ inline constexpr int kDecodeMaxRows = 16;     // packed rows per (sequence, KV h
 inline constexpr int kDecodeChunk = 16;       // bytes per cp.async / per K shared-memory read
 
 constexpr int decode_warps(int d) { return d > 128 ? 2 : 4; }
-constexpr int decode_row_capacity(int d) { return d > 128 ? 8 : 16; }  // rows per pass (registers)
+// 16-bit K/V run q.k and p.v on the tensor cores (mma.sync m16n8k16, decode_mma.cuh): one pass
+// covers 16 packed rows at the cost of one (the mma's M). fp8 K/V keep the fp32 CUDA-core path.
+constexpr bool decode_uses_mma(int kv_bytes) { return kv_bytes == 2; }
+constexpr int decode_row_capacity(int kv_bytes, int d) {  // rows per pass (registers)
+  return decode_uses_mma(kv_bytes) || d <= 128 ? 16 : 8;
+}
 // Rows per pass of the instantiation picked for at most `packed` rows per (sequence, KV head):
-// 4 or 8 (small shared memory: 2 CTAs per SM) or the capacity. Any choice is correct (the
-// kernel loops over row groups); the launcher dispatches on it (AttnParams::rows_per_cta).
-constexpr int decode_rows_for(int d, int64_t packed) {
-  return packed <= 4 ? 4 : packed <= 8 ? 8 : decode_row_capacity(d);
+// the tensor-core path always takes 16; the CUDA-core path 4 or 8 (small shared memory: 2
+// CTAs per SM) or the capacity. Any choice is correct (the kernel loops over row groups); the
+// launcher dispatches on it (AttnParams::rows_per_cta).
+constexpr int decode_rows_for(int kv_bytes, int d, int64_t packed) {
+  if (decode_uses_mma(kv_bytes)) return 16;
+  return packed <= 4 ? 4 : packed <= 8 ? 8 : decode_row_capacity(kv_bytes, d);
 }
 
 struct DecodeConfig {
@@ -56,29 +63,42 @@ constexpr bool decode_config_built(DType kv, int64_t d) {
 
 // Per-row metadata in shared memory (decode_fwd.cuh's RowMeta).
 inline constexpr size_t kDecodeRowMetaBytes = 32;
-inline constexpr size_t kDecodeTokenLocBytes = 24;  // TokenLoc (load.cuh)
+inline constexpr size_t kDecodeStageMaskBytes = 16;  // a stage's bad-key mask (padded)
+inline constexpr size_t kDecodeLocBytes = kDecodeTileKeys * 24;  // a warp's TokenLoc [16] (load.cuh)
 
 // Shared memory layout, in bytes (decode_fwd.cuh carves it the same way):
-//   q [rows, D] f32 | meta [rows] | per warp: stages x (K [16, D*kvb + 16], V [16, D*kvb],
-//   TokenLoc [16]) and p [rows, 16] f32. The cross-warp merge reuses the per-warp area.
-// bf16 D=128 with 4 or 8 rows: ~107 / ~110 KB, so two CTAs (8 warps) share an SM.
+//   q [rows, D] (f32; tensor-core path: q's 16-bit type, rows padded by 16 B) | meta [rows] |
+//   per warp: stages x (K [16, D*kvb + 16], V [16, D*kvb + 16], bad-key mask), TokenLoc [16] and, on the
+//   CUDA-core path, p [rows, 16] f32. The +16 B row pads put ldmatrix rows (and the CUDA-core
+//   path's lanes) on distinct banks. The cross-warp merge reuses the per-warp area.
+// bf16 D=128, 16 rows: 111 KB; fp8 D=128, 4 or 8 rows: ~62 KB; so two CTAs (8 warps) share an SM.
 constexpr size_t decode_k_stride(int kv_bytes, int d) { return size_t(d * kv_bytes + kDecodeChunk); }
-constexpr size_t decode_v_stride(int kv_bytes, int d) { return size_t(d * kv_bytes); }
+constexpr size_t decode_v_stride(int kv_bytes, int d) { return size_t(d * kv_bytes + kDecodeChunk); }
+constexpr size_t decode_q_stride(int kv_bytes, int d) {  // bytes per q row in shared memory
+  return decode_uses_mma(kv_bytes) ? size_t(d * 2 + kDecodeChunk) : size_t(d) * 4;
+}
 constexpr size_t decode_stage_bytes(int kv_bytes, int d) {
-  return kDecodeTileKeys * (decode_k_stride(kv_bytes, d) + decode_v_stride(kv_bytes, d) + kDecodeTokenLocBytes);
+  return kDecodeTileKeys * (decode_k_stride(kv_bytes, d) + decode_v_stride(kv_bytes, d)) + kDecodeStageMaskBytes;
 }
 constexpr size_t decode_warp_bytes(int kv_bytes, int d, int rows) {
-  return kDecodeStages * decode_stage_bytes(kv_bytes, d) + size_t(rows) * kDecodeTileKeys * 4;
+  return kDecodeStages * decode_stage_bytes(kv_bytes, d) + kDecodeLocBytes +
+         (decode_uses_mma(kv_bytes) ? 0 : size_t(rows) * kDecodeTileKeys * 4);
 }
-constexpr size_t decode_head_bytes(int d, int rows) { return size_t(rows) * (size_t(d) * 4 + kDecodeRowMetaBytes); }
+constexpr size_t decode_head_bytes(int kv_bytes, int d, int rows) {
+  return size_t(rows) * (decode_q_stride(kv_bytes, d) + kDecodeRowMetaBytes);
+}
 constexpr size_t decode_smem_bytes(int kv_bytes, int d, int rows) {
-  return decode_head_bytes(d, rows) + size_t(decode_warps(d)) * decode_warp_bytes(kv_bytes, d, rows);
+  return decode_head_bytes(kv_bytes, d, rows) + size_t(decode_warps(d)) * decode_warp_bytes(kv_bytes, d, rows);
 }
 // The merge area ([warps, rows, D] outputs and [warps, rows, 2] states) fits in the warps' area.
 constexpr bool decode_merge_fits(int kv_bytes, int d, int rows) {
   return size_t(rows) * size_t(d + 2) * 4 <= decode_warp_bytes(kv_bytes, d, rows);
 }
 static_assert(decode_merge_fits(1, 64, 16) && decode_merge_fits(1, 128, 16) && decode_merge_fits(1, 256, 8));
+static_assert(decode_merge_fits(2, 64, 16) && decode_merge_fits(2, 128, 16) && decode_merge_fits(2, 256, 16));
+// Two CTAs per SM (228 KB, 1 KB reserved per CTA) for the bf16 D=128 and D=256 shapes.
+static_assert(2 * (decode_smem_bytes(2, 128, 16) + 1024) <= 228 * 1024);
+static_assert(2 * (decode_smem_bytes(2, 256, 16) + 1024) <= 228 * 1024);
 
 // The decode candidate of select_attention_kernel (decode_select.cu): fills `c` and returns ""
 // when it serves the problem, else the reason it declines.

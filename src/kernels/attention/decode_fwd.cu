@@ -19,18 +19,20 @@ void launch_rows(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeConfig c = kDecodeConfigs[I];
   constexpr size_t smem = decode_smem_bytes(decode::kv_bytes(c.kv), c.d, kRows);
   constexpr auto kernel = &decode::decode_fwd<c.kv, c.d, kRows>;
-  ensure_smem_limit<kernel>(smem);
+  ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);  // 2 CTAs per SM need ~228 KB
   const dim3 grid(unsigned(p.batch), unsigned(p.num_kv_heads), unsigned(p.num_splits));
   kernel<<<grid, 32 * decode_warps(c.d), smem, stream>>>(p);
   FS_CUDA_CHECK_LAUNCH();
 }
 
-// The row-count instantiation the selection sized (AttnParams::rows_per_cta: 4, 8 or the
-// capacity; decode_rows_for).
+// The row-count instantiation the selection sized (AttnParams::rows_per_cta; decode_rows_for):
+// 16 on the tensor-core path; 4, 8 or the capacity on the CUDA-core path.
 template <size_t I>
 void launch_config(const AttnParams& p, cudaStream_t stream) {
-  constexpr int kCap = decode_row_capacity(kDecodeConfigs[I].d);
-  if (p.rows_per_cta <= 4) launch_rows<I, 4>(p, stream);
+  constexpr int kVb = decode::kv_bytes(kDecodeConfigs[I].kv);
+  constexpr int kCap = decode_row_capacity(kVb, kDecodeConfigs[I].d);
+  if constexpr (decode_uses_mma(kVb)) launch_rows<I, 16>(p, stream);
+  else if (p.rows_per_cta <= 4) launch_rows<I, 4>(p, stream);
   else if (p.rows_per_cta <= 8) launch_rows<I, 8>(p, stream);
   else launch_rows<I, kCap>(p, stream);
 }

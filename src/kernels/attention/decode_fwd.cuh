@@ -48,6 +48,7 @@
 #include "kernels/attention/masks.cuh"
 #include "kernels/attention/schedule.cuh"
 #include "kernels/attention/softmax.cuh"
+#include "kernels/common/mma.cuh"
 
 namespace flashserve::kernels::decode {
 
@@ -56,17 +57,6 @@ constexpr int kStages = kDecodeStages;
 constexpr int32_t kTokenSkip = 2;  // TokenLoc.state: not loaded (outside every row's keys); zeros
 
 constexpr int kv_bytes(DType t) { return (t == DType::f16 || t == DType::bf16) ? 2 : 1; }
-
-// ---- cp.async (sm_80+): 16-byte global -> shared copies, L1 bypassed (streamed once)
-FS_DEV void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
-}
-FS_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-FS_DEV void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // ---- N stored K/V elements in shared memory as float (one vector load of N * bytes)
 template <int kBytes> struct VecOf;
@@ -101,6 +91,7 @@ struct RowMeta {
   int32_t active;
 };
 static_assert(sizeof(RowMeta) == kDecodeRowMetaBytes, "decode_config.hpp sizes shared memory with it");
+static_assert(sizeof(TokenLoc) * kTile == kDecodeLocBytes, "decode_config.hpp sizes shared memory with it");
 
 template <DType kKv, int kD, int kR>
 struct Shape {
@@ -115,26 +106,30 @@ struct Shape {
   static constexpr int kKStride = int(decode_k_stride(kVb, kD));  // +16 B: lanes hit distinct banks
   static constexpr int kVStride = int(decode_v_stride(kVb, kD));
   static constexpr int kKeysPerLane = kChunks / 2;  // q.k: keys per lane (kChunks lanes per key)
+  static constexpr bool kMma = decode_uses_mma(kVb);  // tensor-core q.k and p.v (decode_mma.cuh)
+  static constexpr int kQStride = int(decode_q_stride(kVb, kD));  // bytes per q row in shared memory
   static constexpr size_t kStageBytes = decode_stage_bytes(kVb, kD);
   static constexpr size_t kWarpBytes = decode_warp_bytes(kVb, kD, kR);
   static_assert(kChunks >= 2 && kChunks <= 32 && 32 % kChunks == 0, "a warp copies whole rows");
   static_assert(kKeysPerLane * (32 / kChunks) == kTile, "q.k: a warp pass covers the tile");
   static_assert(kTile % (32 / kChunks) == 0, "a tile is whole copy steps");
   static_assert(kChan >= 2, "channels per lane");
-  static_assert(kR % 4 == 0 && kR <= decode_row_capacity(kD), "rows in fours, within the register budget");
+  static_assert(kR % 4 == 0 && kR <= decode_row_capacity(kVb, kD), "rows in fours, within the register budget");
+  static_assert(!kMma || kR == 16, "the tensor-core path takes 16 rows (the mma's M) per pass");
   static_assert(decode_merge_fits(kVb, kD, kR), "the merge area fits in the warps' area");
 };
 
-// A warp's view of its stage `s`: K [16, kKStride] bytes, V [16, kVStride], TokenLoc [16].
+// A warp's view of its stage `s`: K [16, kKStride] bytes, V [16, kVStride], the bad-key mask
+// (bit k: key k lies outside the cache; issue_tile).
 template <class S>
 struct Stage {
   unsigned char* k;
   unsigned char* v;
-  TokenLoc* loc;
+  uint32_t* bad;
   FS_DEV Stage(unsigned char* warp_base, int s) {
     k = warp_base + size_t(s) * S::kStageBytes;
     v = k + kTile * S::kKStride;
-    loc = reinterpret_cast<TokenLoc*>(v + kTile * S::kVStride);
+    bad = reinterpret_cast<uint32_t*>(v + kTile * S::kVStride);
   }
 };
 

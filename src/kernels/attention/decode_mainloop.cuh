@@ -2,6 +2,8 @@
 // setup, the per-warp cp.async key stream, the cross-warp merge and the epilogue.
 #pragma once
 
+#include "kernels/attention/decode_mma.cuh"
+
 namespace flashserve::kernels::decode {
 
 // Packed row j of the group starting at packed index g0: query row i = (g0 + j) / group,
@@ -13,11 +15,12 @@ FS_DEV PackedIdx packed_idx(const AttnParams& p, int64_t g, int64_t g0, int j) {
   return {(g0 + j) / p.group, g * p.group + (g0 + j) % p.group};
 }
 
-// Fills meta [kRows] and q [kRows, kD] (f32; zeros for inactive rows) of the row group; the
+// Fills meta [kRows] and q [kRows, kD] (f32, or q's 16-bit type on the tensor-core path; rows
+// kQStride bytes apart; zeros for inactive rows) of the row group; the
 // union of the active rows' keys is returned (the same in every thread). Ends synchronized.
 template <class S>
-FS_DEV KeyRange setup_rows(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows, float* q,
-                           RowMeta* meta) {
+FS_DEV KeyRange setup_rows(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows,
+                           unsigned char* q, RowMeta* meta) {
   const int64_t sq = s.rows.sq();
   if (int(threadIdx.x) < S::kRows) {
     const int j = int(threadIdx.x);
@@ -44,7 +47,8 @@ FS_DEV KeyRange setup_rows(const AttnParams& p, const DecodeSeq& s, int64_t g, i
       x = load_as_float(p.q.data, s.rows.qb * p.q.stride[0] + q_row * p.q.stride[1] + pi.h * p.q.stride[2] + d,
                         p.q.dtype);
     }
-    q[idx] = x;
+    if constexpr (S::kMma) store_from_float(q + j * S::kQStride, d, p.q.dtype, x);  // exact: q's own type
+    else reinterpret_cast<float*>(q + j * S::kQStride)[d] = x;
   }
   __syncthreads();
   KeyRange u{s.range.end, s.range.begin};
@@ -111,11 +115,16 @@ FS_DEV TokenLoc tile_loc(const AttnParams& p, const SeqKv& kv, const TileKey& k)
 }
 
 // Issues the copies of a tile's 16 keys (located by `key`, this lane's key of the tile: lanes
-// t and t + 16 hold the same) into stage st; skipped and bad keys become zero rows.
+// t and t + 16 hold the same) into stage st, whole rows per copy step (coalesced); skipped and
+// bad keys become zero rows. The locations pass through the warp's scratch `loc` [16]; the
+// stage's bad mask gets bit k set when key k is bad.
 template <class S>
-FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st, const TileKey& key, int lane) {
+FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st, TokenLoc* loc, const TileKey& key,
+                       int lane) {
   const TokenLoc L = tile_loc(p, kv, key);
-  if (lane < kTile) st.loc[lane] = L;
+  const uint32_t bad = __ballot_sync(kFullMask, lane < kTile && L.state == kTokenBad);
+  if (lane == 0) *st.bad = bad;
+  if (lane < kTile) loc[lane] = L;
   __syncwarp();
   const char* kg = static_cast<const char*>(p.k.data);
   const char* vg = static_cast<const char*>(p.v.data);
@@ -123,17 +132,12 @@ FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st,
   const int c = lane % S::kChunks;
 #pragma unroll 4
   for (int r = lane / S::kChunks; r < kTile; r += kRowsPerStep) {
-    const TokenLoc& R = st.loc[r];
-    unsigned char* dk = st.k + r * S::kKStride + c * kDecodeChunk;
-    unsigned char* dv = st.v + r * S::kVStride + c * kDecodeChunk;
-    if (R.state == kTokenValid) {
-      cp_async16(dk, kg + R.k_off * S::kVb + c * kDecodeChunk);
-      cp_async16(dv, vg + R.v_off * S::kVb + c * kDecodeChunk);
-    } else {
-      *reinterpret_cast<uint4*>(dk) = make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(dv) = make_uint4(0, 0, 0, 0);
-    }
+    const TokenLoc R = loc[r];
+    const bool ok = R.state == kTokenValid;  // else 16 zero bytes, nothing read
+    cp_async_16(smem_u32(st.k + r * S::kKStride + c * kDecodeChunk), kg + (ok ? R.k_off * S::kVb + c * kDecodeChunk : 0), ok);
+    cp_async_16(smem_u32(st.v + r * S::kVStride + c * kDecodeChunk), vg + (ok ? R.v_off * S::kVb + c * kDecodeChunk : 0), ok);
   }
+  __syncwarp();  // loc is rewritten by the next issue
 }
 
 // Per-warp running state of the row group: online softmax and output channels
@@ -147,6 +151,19 @@ struct WarpAcc {
     for (int j = 0; j < S::kRows; ++j)
 #pragma unroll
       for (int k = 0; k < S::kChan; ++k) acc[j][k] = 0.0f;
+  }
+  // The warp's state into the merge area: mo [kWarps, kRows, kD], ms [kWarps, kRows, 2].
+  FS_DEV void spill(float* mo, float* ms, int warp, int nrows, int lane) const {
+#pragma unroll
+    for (int j = 0; j < S::kRows; ++j) {
+      if (j >= nrows) break;
+#pragma unroll
+      for (int k = 0; k < S::kChan; ++k) mo[(warp * S::kRows + j) * S::kDim + lane * S::kChan + k] = acc[j][k];
+      if (lane == 0) {
+        ms[(warp * S::kRows + j) * 2] = st[j].m;
+        ms[(warp * S::kRows + j) * 2 + 1] = st[j].l;
+      }
+    }
   }
 };
 
@@ -292,7 +309,7 @@ template <DType kKv, class S>
 FS_DEV void consume_tile(const AttnParams& p, const Stage<S>& st, const float* q, const RowMeta* meta, float* pbuf,
                          int nrows, int64_t t0, float k_desc, int lane, WarpAcc<S>& w) {
   const KeySlot ks = key_slot<S>(lane);
-  const bool bad = st.loc[ks.key].state == kTokenBad;
+  const bool bad = (*st.bad >> ks.key) & 1u;
 #pragma unroll
   for (int j4 = 0; j4 < S::kRows; j4 += 4) {
     if (j4 >= nrows) break;
@@ -325,19 +342,20 @@ FS_DEV void consume_tile(const AttnParams& p, const Stage<S>& st, const float* q
 
 // The warp's tiles w, w + W, ... of keys [u.lo, u.hi) (tiles aligned to the split's start, as
 // the CPU reference), through a kStages-deep ring of cp.async groups; the block-table entries
-// of the tile after the one being issued wait in registers (`ahead`).
-template <DType kKv, class S>
-FS_DEV void stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* warp_base, const float* q,
-                        const RowMeta* meta, int nrows, KeyRange u, WarpAcc<S>& w) {
+// of the tile after the one being issued wait in registers (`ahead`). consume(stage, t0) takes
+// each tile once its copies have landed.
+template <class S, class Consume>
+FS_DEV void stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* warp_base, KeyRange u,
+                        Consume&& consume) {
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  float* pbuf = reinterpret_cast<float*>(warp_base + kStages * S::kStageBytes);
+  TokenLoc* loc = reinterpret_cast<TokenLoc*>(warp_base + kStages * S::kStageBytes);
   const int64_t base = s.range.begin + (u.lo - s.range.begin) / kTile * kTile;
   const int64_t tiles = (u.hi - base + kTile - 1) / kTile;
   const int64_t mine = tiles > warp ? (tiles - warp + S::kWarps - 1) / S::kWarps : 0;
   auto tile_start = [&](int64_t k) { return base + (warp + k * S::kWarps) * kTile; };
   TileKey ahead = tile_key(p, s.kv, tile_start(0), u.lo, u.hi, lane);  // tile 0 (skipped if past u.hi)
   auto issue = [&](int64_t k) {  // tile k (its key is `ahead`), then read tile k + 1's entries
-    issue_tile<S>(p, s.kv, Stage<S>(warp_base, int(k % kStages)), ahead, lane);
+    issue_tile<S>(p, s.kv, Stage<S>(warp_base, int(k % kStages)), loc, ahead, lane);
     if (k + 1 < mine) ahead = tile_key(p, s.kv, tile_start(k + 1), u.lo, u.hi, lane);
   };
 #pragma unroll
@@ -350,33 +368,23 @@ FS_DEV void stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* 
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncwarp();
-    consume_tile<kKv, S>(p, Stage<S>(warp_base, int(k % kStages)), q, meta, pbuf, nrows, tile_start(k),
-                         s.kv.k_desc, lane, w);
-    __syncwarp();  // the stage and pbuf are free for the next issue
+    consume(Stage<S>(warp_base, int(k % kStages)), tile_start(k));
+    __syncwarp();  // the stage (and pbuf) are free for the next issue
   }
   cp_async_wait<0>();
 }
 
 // Merges the warps' states of each row (shared memory, reusing the warps' area) and writes
 // out and LSE (num_splits == 1, the sink merged once) or the split partials.
-template <class S>
+template <class S, class Acc>
 FS_DEV void merge_and_store(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows, int split,
-                            unsigned char* warps_base, const WarpAcc<S>& w) {
+                            unsigned char* warps_base, Acc& w) {
   constexpr int kD = S::kDim;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   float* mo = reinterpret_cast<float*>(warps_base);     // [kWarps, kRows, kD]
   float* ms = mo + S::kWarps * S::kRows * kD;           // [kWarps, kRows, 2]
   __syncthreads();  // every warp is done with its ring
-#pragma unroll
-  for (int j = 0; j < S::kRows; ++j) {
-    if (j >= nrows) break;
-#pragma unroll
-    for (int k = 0; k < S::kChan; ++k) mo[(warp * S::kRows + j) * kD + lane * S::kChan + k] = w.acc[j][k];
-    if (lane == 0) {
-      ms[(warp * S::kRows + j) * 2] = w.st[j].m;
-      ms[(warp * S::kRows + j) * 2 + 1] = w.st[j].l;
-    }
-  }
+  w.spill(mo, ms, warp, nrows, lane);
   __syncthreads();
   for (int j = warp; j < nrows; j += S::kWarps) {
     RowState st;
@@ -410,16 +418,41 @@ FS_DEV void merge_and_store(const AttnParams& p, const DecodeSeq& s, int64_t g, 
   }
 }
 
-// kRows <= 8: two CTAs per SM by shared memory (decode_config.hpp), so at most 255 registers.
+// One row group: the CUDA-core path (fp8 K/V; decode_mainloop.cuh) or the tensor-core path
+// (16-bit K/V; decode_mma.cuh), then the cross-warp merge.
+template <DType kKv, class S>
+FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows, int split,
+                          unsigned char* q, RowMeta* meta, unsigned char* warps_base) {
+  const int lane = int(threadIdx.x) % 32;
+  unsigned char* warp_base = warps_base + size_t(threadIdx.x / 32) * S::kWarpBytes;
+  const KeyRange u = setup_rows<S>(p, s, g, g0, nrows, q, meta);
+  if constexpr (S::kMma) {
+    MmaWarp<kKv, S> w(q, meta, lane);
+    if (u.lo < u.hi)
+      stream_keys<S>(p, s, warp_base, u, [&](const Stage<S>& st, int64_t t0) { w.consume(p, st, t0, lane); });
+    merge_and_store<S>(p, s, g, g0, nrows, split, warps_base, w);
+  } else {
+    WarpAcc<S> w;
+    const float* qf = reinterpret_cast<const float*>(q);
+    float* pbuf = reinterpret_cast<float*>(warp_base + kStages * S::kStageBytes + kDecodeLocBytes);
+    if (u.lo < u.hi)
+      stream_keys<S>(p, s, warp_base, u, [&](const Stage<S>& st, int64_t t0) {
+        consume_tile<kKv, S>(p, st, qf, meta, pbuf, nrows, t0, s.kv.k_desc, lane, w);
+      });
+    merge_and_store<S>(p, s, g, g0, nrows, split, warps_base, w);
+  }
+}
+
+// Two CTAs per SM by shared memory for the tensor-core path and kRows <= 8 (decode_config.hpp),
+// so at most 255 registers.
 template <DType kKv, int kD, int kRows>
-__global__ void __launch_bounds__(32 * decode_warps(kD), kRows <= 8 ? 2 : 1)
+__global__ void __launch_bounds__(32 * decode_warps(kD), decode_uses_mma(kv_bytes(kKv)) || kRows <= 8 ? 2 : 1)
     decode_fwd(const __grid_constant__ AttnParams p) {
   using S = Shape<kKv, kD, kRows>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  float* q = reinterpret_cast<float*>(smem_raw);                      // [kRows, kD]
-  RowMeta* meta = reinterpret_cast<RowMeta*>(q + S::kRows * kD);     // [kRows]
+  unsigned char* q = smem_raw;                                                   // [kRows, kQStride]
+  RowMeta* meta = reinterpret_cast<RowMeta*>(q + S::kRows * S::kQStride);       // [kRows]
   unsigned char* warps_base = reinterpret_cast<unsigned char*>(meta + S::kRows);
-  unsigned char* warp_base = warps_base + size_t(threadIdx.x / 32) * S::kWarpBytes;
   const int64_t g = blockIdx.y;
   const int split = int(blockIdx.z);
   const DecodeSeq s = decode_sequence(p, blockIdx.x, g, split);
@@ -427,10 +460,7 @@ __global__ void __launch_bounds__(32 * decode_warps(kD), kRows <= 8 ? 2 : 1)
   for (int64_t g0 = 0; g0 < packed; g0 += S::kRows) {
     const int nrows = int(imin(S::kRows, packed - g0));
     __syncthreads();  // the previous row group is done with shared memory
-    const KeyRange u = setup_rows<S>(p, s, g, g0, nrows, q, meta);
-    WarpAcc<S> w;
-    if (u.lo < u.hi) stream_keys<kKv, S>(p, s, warp_base, q, meta, nrows, u, w);
-    merge_and_store<S>(p, s, g, g0, nrows, split, warps_base, w);
+    run_row_group<kKv, S>(p, s, g, g0, nrows, split, q, meta, warps_base);
   }
 }
 

@@ -43,7 +43,7 @@
 
 #include "flashserve/plan.hpp"
 #include "kernels/attention/generic_fwd.cuh"
-#include "kernels/attention/prefill_mma.cuh"
+#include "kernels/common/mma.cuh"
 
 namespace flashserve::kernels::prefill {
 

@@ -1,4 +1,4 @@
-// Warp-level tensor-core primitives of the prefill kernel (sm80+ PTX): cp.async copies into
+// Warp-level tensor-core primitives of the prefill and decode kernels (sm80+ PTX): cp.async copies into
 // shared memory, ldmatrix, mma.sync m16n8k16 (f16/bf16 operands, fp32 accumulators), packing
 // of fp32 pairs into 16-bit operand registers, and exp2.
 //
@@ -17,7 +17,7 @@
 
 #include "kernels/attention/load.cuh"
 
-namespace flashserve::kernels::prefill {
+namespace flashserve::kernels {
 
 FS_DEV uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
@@ -74,10 +74,20 @@ FS_DEV uint32_t pack2(float lo, float hi) {
   }
 }
 
+// The two 16-bit values of a pack2 register as floats (exact), lo first.
+template <class T>
+FS_DEV float2 unpack2(uint32_t v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xffff0000u));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&v));
+  }
+}
+
 FS_DEV float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
 
-}  // namespace flashserve::kernels::prefill
+}  // namespace flashserve::kernels
