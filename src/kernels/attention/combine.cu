@@ -1,11 +1,17 @@
-// Split-KV combine: per covered (flat row, head), merges the num_splits partial states in
-// split order with merge_lse (exactly as the CPU reference merges its splits), merges the sink
-// once, and stores out and lse. A NaN partial LSE stays NaN. One warp per (row, head); lane c handles channels c, c+32, ...
+// Split-KV combine: per covered (flat row, head), merges the num_splits partial states into
+// out and lse (the sink merged once), in two parallel phases instead of a sequential chain of
+// pairwise merges (a B = 1 decode has 64+ splits over few rows): the lanes reduce the partial
+// LSEs to the merged one (max, then the sum of exp(lse_s - max)), keep each split's weight
+// exp(lse_s - lse) in shared memory, then each lane sums its channels c, c + 32, ... over the
+// splits with independent loads. The same merge as merge_lse (common/softmax_state.hpp) up to
+// fp32 rounding: a NaN partial LSE makes the row NaN, empty splits (-inf) weigh 0, all empty
+// gives out 0 and lse -inf. One warp per (row, head).
 #include <cuda_runtime.h>
 
 #include "kernels/attention/epilogue.cuh"
 #include "kernels/attention/launchers.hpp"
 #include "kernels/attention/schedule.cuh"
+#include "kernels/attention/softmax.cuh"
 #include "kernels/common/cuda_check.cuh"
 
 namespace flashserve::kernels {
@@ -14,13 +20,36 @@ namespace {
 
 constexpr int kCombineWarps = 4;
 
-// merge_lse's fmaxf drops a NaN LSE next to -inf; a NaN partial (a row that saw a bad KV
-// token, load.cuh) must keep the merged LSE NaN, as its output already is (0 * NaN).
-__device__ __forceinline__ float nan_sticky(float a, float b, float merged) {
-  return (a != a) ? a : (b != b) ? b : merged;
+// The merged LSE of the splits' partial LSEs (stride `stride` apart); each split's weight into
+// w [num_splits]. Every lane returns the same value.
+__device__ __forceinline__ float merge_split_lses(const float* lse_s, int64_t stride, int splits, int lane, float* w) {
+  float mx = -INFINITY;
+  bool nan = false;
+  for (int s = lane; s < splits; s += 32) {
+    const float l = normalize_lse(lse_s[s * stride]);
+    nan |= l != l;
+    mx = fmaxf(mx, l);
+  }
+  nan = __any_sync(kFullMask, nan);
+  mx = warp_max_nan(mx);
+  float sum = 0.0f;
+  for (int s = lane; s < splits; s += 32) {
+    const float e = mx == -INFINITY ? 0.0f : expf(normalize_lse(lse_s[s * stride]) - mx);
+    w[s] = e;
+    sum += e;
+  }
+  sum = warp_sum(sum);
+  __syncwarp();
+  if (nan) return NAN;
+  if (mx == -INFINITY) return -INFINITY;
+  const float inv = 1.0f / sum;
+  for (int s = lane; s < splits; s += 32) w[s] *= inv;
+  __syncwarp();
+  return mx + logf(sum);
 }
 
 __global__ void __launch_bounds__(32 * kCombineWarps) split_combine(const __grid_constant__ AttnParams p) {
+  __shared__ float weights[kCombineWarps][kMaxSplits];
   const int64_t item = int64_t(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
   const int lane = int(threadIdx.x % 32);
   if (item >= p.total_rows() * p.num_heads) return;
@@ -28,20 +57,18 @@ __global__ void __launch_bounds__(32 * kCombineWarps) split_combine(const __grid
   const SeqRows seq = find_sequence(p, r);
   if (!seq.covers(r)) return;  // the forward kernel wrote no partial for it
   const int64_t dv = p.head_dim_v, split_stride = p.total_rows() * p.num_heads;
-  const float* lse_s = p.lse_partial + partial_index(p, 0, r, h);
   const float* o_s = p.o_partial + partial_index(p, 0, r, h) * dv;
+  float* w = weights[threadIdx.x / 32];
+  float lse = merge_split_lses(p.lse_partial + partial_index(p, 0, r, h), split_stride, p.num_splits, lane, w);
+  const float ws = apply_sink(p, h, lse);
   for (int64_t c = lane; c < dv; c += 32) {
-    float o = o_s[c], lse = lse_s[0];
-    for (int s = 1; s < p.num_splits; ++s) {
-      const float part = lse_s[s * split_stride];
-      const MergeWeights w = merge_lse(lse, part);
-      o = w.w_a * o + w.w_b * o_s[s * split_stride * dv + c];
-      lse = nan_sticky(lse, part, w.lse);
-    }
-    const float ws = apply_sink(p, h, lse);
+    float o = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < p.num_splits; ++s) o = fmaf(w[s], o_s[s * split_stride * dv + c], o);
+    if (lse != lse) o = NAN;
     store_out(p, seq.qb, seq.q_row(r, p.batched), h, c, o * ws);
-    if (c == 0) store_lse(p, seq.qb, seq.q_row(r, p.batched), h, lse);
   }
+  if (lane == 0) store_lse(p, seq.qb, seq.q_row(r, p.batched), h, lse);
 }
 
 }  // namespace

@@ -130,12 +130,14 @@ FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st,
   const char* vg = static_cast<const char*>(p.v.data);
   constexpr int kRowsPerStep = 32 / S::kChunks;
   const int c = lane % S::kChunks;
-#pragma unroll 4
-  for (int r = lane / S::kChunks; r < kTile; r += kRowsPerStep) {
-    const TokenLoc R = loc[r];
-    const bool ok = R.state == kTokenValid;  // else 16 zero bytes, nothing read
-    cp_async_16(smem_u32(st.k + r * S::kKStride + c * kDecodeChunk), kg + (ok ? R.k_off * S::kVb + c * kDecodeChunk : 0), ok);
-    cp_async_16(smem_u32(st.v + r * S::kVStride + c * kDecodeChunk), vg + (ok ? R.v_off * S::kVb + c * kDecodeChunk : 0), ok);
+  const uint32_t dk = smem_u32(st.k + c * kDecodeChunk), dv = smem_u32(st.v + c * kDecodeChunk);
+#pragma unroll
+  for (int i = 0; i < kTile / kRowsPerStep; ++i) {
+    const int r = lane / S::kChunks + i * kRowsPerStep;
+    const TokenLoc R = loc[r];  // offsets 0 unless valid: an in-bounds address, nothing read
+    const bool ok = R.state == kTokenValid;  // else 16 zero bytes
+    cp_async_16(dk + r * S::kKStride, kg + R.k_off * S::kVb + c * kDecodeChunk, ok);
+    cp_async_16(dv + r * S::kVStride, vg + R.v_off * S::kVb + c * kDecodeChunk, ok);
   }
   __syncwarp();  // loc is rewritten by the next issue
 }
@@ -354,8 +356,10 @@ FS_DEV void stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* 
   const int64_t mine = tiles > warp ? (tiles - warp + S::kWarps - 1) / S::kWarps : 0;
   auto tile_start = [&](int64_t k) { return base + (warp + k * S::kWarps) * kTile; };
   TileKey ahead = tile_key(p, s.kv, tile_start(0), u.lo, u.hi, lane);  // tile 0 (skipped if past u.hi)
+  int issue_stage = 0, consume_stage = 0;  // ring positions of the next issue / consume
   auto issue = [&](int64_t k) {  // tile k (its key is `ahead`), then read tile k + 1's entries
-    issue_tile<S>(p, s.kv, Stage<S>(warp_base, int(k % kStages)), loc, ahead, lane);
+    issue_tile<S>(p, s.kv, Stage<S>(warp_base, issue_stage), loc, ahead, lane);
+    issue_stage = issue_stage + 1 == kStages ? 0 : issue_stage + 1;
     if (k + 1 < mine) ahead = tile_key(p, s.kv, tile_start(k + 1), u.lo, u.hi, lane);
   };
 #pragma unroll
@@ -368,7 +372,8 @@ FS_DEV void stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* 
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncwarp();
-    consume(Stage<S>(warp_base, int(k % kStages)), tile_start(k));
+    consume(Stage<S>(warp_base, consume_stage), tile_start(k));
+    consume_stage = consume_stage + 1 == kStages ? 0 : consume_stage + 1;
     __syncwarp();  // the stage (and pbuf) are free for the next issue
   }
   cp_async_wait<0>();
