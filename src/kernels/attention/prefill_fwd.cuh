@@ -173,26 +173,36 @@ FS_DEV void load_q(const AttnParams& p, const CtaWork& w, int64_t h, uint32_t q_
 }
 
 // KV tokens [n0, n0 + 64) into one stage: tokens >= kv_end zero-filled; tokens outside the
-// cache NaN keys and zero values (plain stores; visible after the same barrier).
+// cache NaN keys and zero values (plain stores; visible after the same barrier). Warp w copies
+// rows [16 w, 16 w + 16): lane l locates row 16 w + l % 16 once (token_offsets: 64-bit
+// products, a block-table load), and each copy step takes its rows' offsets by shuffle, so
+// a row is located once per tile instead of once per 16-byte chunk.
 template <class T, int kD>
 FS_DEV void load_kv(const AttnParams& p, const SeqKv& kv, int64_t n0, int64_t kv_end, uint32_t k_s, uint32_t v_s) {
-  constexpr int kChunks = kD / 8, kRowsPerPass = kThreads / kChunks;
-  const int c = int(threadIdx.x) % kChunks;
+  constexpr int kChunks = kD / 8, kRowsPerStep = 32 / kChunks;
+  static_assert(kN == 16 * kWarps && kChunks <= 32, "a warp copies 16 whole rows");
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, c = lane % kChunks;
   const T* k = static_cast<const T*>(p.k.data);
   const T* v = static_cast<const T*>(p.v.data);
+  int64_t k_off = 0, v_off = 0;
+  const int my_row = 16 * warp + lane % 16;
+  const bool my_in = n0 + my_row < kv_end;
+  const bool my_bad = my_in && !token_offsets(p, kv, n0 + my_row, k_off, v_off);
+  const uint32_t in_mask = __ballot_sync(kFullMask, my_in), bad_mask = __ballot_sync(kFullMask, my_bad);
 #pragma unroll
-  for (int row = int(threadIdx.x) / kChunks; row < kN; row += kRowsPerPass) {
+  for (int i = 0; i < 16 / kRowsPerStep; ++i) {
+    const int src = i * kRowsPerStep + lane / kChunks, row = 16 * warp + src;
     const uint32_t at = Smem<kD>::at(row, c);
-    int64_t k_off = 0, v_off = 0;
-    const bool in_range = n0 + row < kv_end;
-    if (in_range && !token_offsets(p, kv, n0 + row, k_off, v_off)) {
+    const int64_t ko = __shfl_sync(kFullMask, k_off, src), vo = __shfl_sync(kFullMask, v_off, src);
+    if ((bad_mask >> src) & 1u) {
       const uint32_t nan2 = std::is_same_v<T, __half> ? 0x7e007e00u : 0x7fc07fc0u;
       asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(k_s + at), "r"(nan2) : "memory");
       asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(v_s + at), "r"(0u) : "memory");
       continue;
     }
-    cp_async_16(k_s + at, k + k_off + c * 8, in_range);
-    cp_async_16(v_s + at, v + v_off + c * 8, in_range);
+    const bool in_range = (in_mask >> src) & 1u;  // offsets 0 when not: an in-bounds address, nothing read
+    cp_async_16(k_s + at, k + ko + c * 8, in_range);
+    cp_async_16(v_s + at, v + vo + c * 8, in_range);
   }
 }
 
