@@ -66,6 +66,7 @@ struct Smem {
   static constexpr int kChunks = kD / 8;
   static_assert(kChunks >= 8, "the swizzle needs D >= 64");
   static constexpr uint32_t kRowBytes = kD * 2, kQBytes = kM * kRowBytes, kTileBytes = kN * kRowBytes;
+  static constexpr uint32_t kBytes = kQBytes + 4 * kTileBytes;  // then the rows' key ranges
   uint32_t q;
   FS_DEV explicit Smem(const void* base) : q(smem_u32(base)) {}
   // Stage j % 2 (arithmetic, not an indexed array: that would live in local memory).
@@ -303,6 +304,7 @@ FS_DEV void softmax_block(const AttnParams& p, float (&s)[kN / 8][4], float (&o)
         if (rel < lo[r] || rel >= hi[r]) s[nt][e] = kNegInf;
       }
   }
+  float alphas[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = kNegInf;
@@ -322,12 +324,18 @@ FS_DEV void softmax_block(const AttnParams& p, float (&s)[kN / 8][4], float (&o)
       sum += s[nt][2 * r] + s[nt][2 * r + 1];
     }
     l[r] = l[r] * alpha + sum;
+    alphas[r] = alpha;
+  }
+  // Once the running maxima settle (most tiles of a long row), no row of the warp moves: skip
+  // the 2 x D / 4 rescaling multiplies (alpha is exactly 1 when m is unchanged).
+  if (!__any_sync(kFullMask, alphas[0] != 1.0f || alphas[1] != 1.0f)) return;
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
 #pragma unroll
     for (int dt = 0; dt < kD / 8; ++dt) {
-      o[dt][2 * r] *= alpha;
-      o[dt][2 * r + 1] *= alpha;
+      o[dt][2 * r] *= alphas[r];
+      o[dt][2 * r + 1] *= alphas[r];
     }
-  }
 }
 
 // out = o / l and lse (natural log; m in units of exp_mul / ln 2) of the thread's valid rows;
@@ -412,20 +420,22 @@ struct RowKeys {
 FS_DEV int rel32(int64_t x) { return int(imin(imax(x, 0), INT_MAX)); }
 FS_DEV int clamp_tile(int x) { return x < 0 ? 0 : (x > kN ? kN : x); }
 
-// Key ranges relative to the CTA's first tile: each of the thread's rows, and the warp's
-// union (any) and intersection (all) of its rows' keys, which decide per tile whether the
-// warp skips it, masks it, or takes it whole.
+// Key ranges relative to the CTA's first tile: each of the thread's rows (kept in shared memory,
+// `rows_s` [128] int2, read only on masked tiles: registers are the kernel's limit), and the
+// warp's union (any) and intersection (all) of its rows' keys, which decide per tile whether
+// the warp skips it, masks it, or takes it whole.
 struct WarpKeys {
-  int lo[kMB][2], hi[kMB][2];
+  int2* rows_s;
   int any_lo, any_hi, all_lo, all_hi;
-  FS_DEV WarpKeys(const RowKeys& keys, int64_t n_begin, int rows, int warp, int lane) {
+  FS_DEV WarpKeys(const RowKeys& keys, int64_t n_begin, int rows, int warp, int lane, int2* rows_smem)
+      : rows_s(rows_smem) {
 #pragma unroll
     for (int mb = 0; mb < kMB; ++mb)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const KeyRange k = keys(kWarpRows * warp + 16 * mb + 8 * r + (lane >> 2));
-        lo[mb][r] = rel32(k.lo - n_begin);
-        hi[mb][r] = rel32(k.hi - n_begin);
+      for (int r = 0; r < 2; ++r) {  // the lanes of one row write the same pair; each reads its own
+        const int i = kWarpRows * warp + 16 * mb + 8 * r + (lane >> 2);
+        const KeyRange k = keys(i);
+        rows_s[i] = make_int2(rel32(k.lo - n_begin), rel32(k.hi - n_begin));
       }
     const int first = kWarpRows * warp, last = int(imin(first + kWarpRows, rows)) - 1;
     any_lo = any_hi = all_lo = all_hi = 0;  // no valid row: the warp skips every tile
@@ -434,11 +444,21 @@ struct WarpKeys {
     any_lo = rel32(a.lo - n_begin), any_hi = rel32(b.hi - n_begin);
     all_lo = rel32(b.lo - n_begin), all_hi = rel32(a.hi - n_begin);
   }
+  // Visible keys [lo, hi) of the thread's rows of row block mb, relative to the tile at `off`.
+  FS_DEV void tile_rows(int mb, int off, int warp, int lane, int (&lo)[2], int (&hi)[2]) const {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int2 k = rows_s[kWarpRows * warp + 16 * mb + 8 * r + (lane >> 2)];
+      lo[r] = clamp_tile(k.x - off);
+      hi[r] = clamp_tile(k.y - off);
+    }
+  }
 };
 
 template <class T, int kD>
 __global__ void __launch_bounds__(kThreads, kPrefillCtasPerSm) prefill_fwd(const __grid_constant__ AttnParams p) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
+  static_assert(Smem<kD>::kBytes + kM * sizeof(int2) == prefill_smem_bytes(kD), "select.hpp sizes shared memory");
   // Heads fastest, row tiles descending: the longest causal tiles of every head start first.
   const int64_t linear = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
   const int64_t h = linear % gridDim.y;
@@ -461,7 +481,7 @@ __global__ void __launch_bounds__(kThreads, kPrefillCtasPerSm) prefill_fwd(const
   cp_async_commit();
 
   const LaneAddr<kD> la(sm.q, warp, lane);
-  const WarpKeys wk(keys, n_begin, w.rows, warp, lane);
+  const WarpKeys wk(keys, n_begin, w.rows, warp, lane, reinterpret_cast<int2*>(smem_raw + Smem<kD>::kBytes));
   const ScoreLog2 score(p);
   float o[kMB][kD / 8][4] = {};
   float m[kMB][2], l[kMB][2] = {};
@@ -479,8 +499,8 @@ __global__ void __launch_bounds__(kThreads, kPrefillCtasPerSm) prefill_fwd(const
     qk_tile<T, kD>(sm.k(j), la, s);
 #pragma unroll
     for (int mb = 0; mb < kMB; ++mb) {
-      const int lo[2] = {clamp_tile(wk.lo[mb][0] - off), clamp_tile(wk.lo[mb][1] - off)};
-      const int hi[2] = {clamp_tile(wk.hi[mb][0] - off), clamp_tile(wk.hi[mb][1] - off)};
+      int lo[2] = {0, 0}, hi[2] = {kN, kN};
+      if (masked) wk.tile_rows(mb, off, warp, lane, lo, hi);
       softmax_block<kD>(p, s[mb], o[mb], m[mb], l[mb], score, lo, hi, masked, lane & 3);
     }
     pv_tile<T, kD>(s, sm.v(j), la, o);

@@ -78,9 +78,10 @@ constexpr bool prefill_config_built(DType t, int64_t d) {
   return false;
 }
 
-// Dynamic shared memory of the prefill kernel: Q [128, D] + K and V [2 stages, 64, D], 16-bit.
+// Dynamic shared memory of the prefill kernel: Q [128, D] + K and V [2 stages, 64, D], 16-bit,
+// then the rows' visible key ranges (int32 pairs [128]).
 constexpr size_t prefill_smem_bytes(int64_t d) {
-  return size_t(kPrefillRowsPerCta + 4 * kPrefillTileKeys) * size_t(d) * 2;
+  return size_t(kPrefillRowsPerCta + 4 * kPrefillTileKeys) * size_t(d) * 2 + size_t(kPrefillRowsPerCta) * 8;
 }
 
 struct AttnKernelChoice {
