@@ -75,8 +75,14 @@ constexpr KvRange split_kv_range(int64_t sk, int n, int s, int64_t g) {
 }
 
 // The split count for a shape: `requested` 0 = heuristic, 1 = none, >1 = forced (capped at
-// kMaxSplits and at the number of granules of KV).
+// kMaxSplits, at the number of granules of KV and, on CUDA, at max_split_rows / (total_q x H)).
 int choose_num_splits(const ProblemShape& shape, const DeviceProps& dev, int requested);
+
+// On CUDA, the most split partial rows (splits x total_q x H) a plan may hold: a bound on the
+// split-KV workspace, (Dv + 1) x 4 bytes per row, independent of the batch capacity (the
+// heuristic splits only small row counts: decode-like shapes up to 4 waves of resident CTAs of
+// 16 packed rows; 2x that). H200: 33,792 rows, 17 MB at Dv = 128.
+int64_t max_split_rows(const DeviceProps& dev);
 
 // Plan for a shape: split count and workspace (o_partial fp32 [splits, total_q, H, Dv],
 // lse_partial fp32 [splits, total_q, H]).

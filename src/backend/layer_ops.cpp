@@ -91,8 +91,8 @@ State take_state(Carver& c, std::string_view o_name, std::string_view lse_name, 
 size_t split_kv_bound(const BuilderConfig& config, int64_t H, int64_t Dv) {
   if (config.device.device.type != DeviceType::cuda) return 0;  // the CPU reference merges in registers
   const size_t splits = size_t(std::clamp(config.max_num_splits, 1, kMaxSplits));
-  const size_t rows = size_t(config.max_num_tokens) * size_t(H);
-  return align_up(splits * rows * size_t(Dv) * sizeof(float)) + align_up(splits * rows * sizeof(float));
+  const size_t rows = std::min(splits * size_t(config.max_num_tokens) * size_t(H), size_t(max_split_rows(config.device)));
+  return align_up(rows * size_t(Dv) * sizeof(float)) + align_up(rows * sizeof(float));
 }
 
 void require_host(const TensorRef& t, std::string_view what) {

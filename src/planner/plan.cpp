@@ -74,8 +74,25 @@ int stream_splits(int64_t units, int64_t granules, int64_t cap, int64_t g, int64
 }
 }  // namespace
 
+int64_t max_split_rows(const DeviceProps& dev) {
+  return 2 * kStreamWaves * kStreamSlotsPerSm * std::max(1, dev.num_sms) * kStreamRows;
+}
+
+namespace {
+int choose_unbounded(const ProblemShape& s, const DeviceProps& dev, int requested);
+}  // namespace
+
 int choose_num_splits(const ProblemShape& s, const DeviceProps& dev, int requested) {
   if (requested < 0) fail_arg("num_splits", ">= 0", requested);
+  const int n = choose_unbounded(s, dev, requested);
+  if (n <= 1 || dev.device.type != DeviceType::cuda) return n;
+  // The workspace bound (max_split_rows): a plan never holds more split partial rows.
+  const int64_t rows = std::max<int64_t>(1, s.total_q * s.num_heads);
+  return int(std::clamp<int64_t>(max_split_rows(dev) / rows, 1, n));
+}
+
+namespace {
+int choose_unbounded(const ProblemShape& s, const DeviceProps& dev, int requested) {
   const int64_t g = split_granularity(dev);
   const int64_t granules = std::max<int64_t>(1, ceil_div(s.max_seqlen_k, g));
   const int64_t cap = std::min<int64_t>(kMaxSplits, granules);
@@ -105,6 +122,8 @@ int choose_num_splits(const ProblemShape& s, const DeviceProps& dev, int request
     if (eligible(granules, n) && eff[n] >= 0.85 * best) return int(n);
   return 1;
 }
+
+}  // namespace
 
 Plan make_plan(const ProblemShape& shape, const DeviceProps& dev, int requested_splits) {
   Plan plan;

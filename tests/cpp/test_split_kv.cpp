@@ -629,3 +629,30 @@ TEST(ReferenceLoad, DecodersMatchNumericLoads) {
   EXPECT_EQ(out[2], -18.0f);
   EXPECT_EQ(out[4], 60.0f);
 }
+
+// On CUDA the split partials (splits x total_q x H rows) stay within max_split_rows, whatever is
+// requested: the backend sizes its workspace with that bound, not with the batch capacity.
+TEST(SplitKv, SplitRowsBoundTheWorkspaceOnCuda) {
+  fs::ProblemShape s;
+  s.batch = 64;
+  s.max_seqlen_q = 16;
+  s.total_q = 64 * 16;
+  s.num_heads = 32;
+  s.num_kv_heads = 8;
+  s.head_dim = s.head_dim_v = 128;
+  s.max_seqlen_k = 1 << 16;
+  const fs::DeviceProps gpu = fs::DeviceProps::h200();
+  const int64_t bound = fs::max_split_rows(gpu), rows = s.total_q * s.num_heads;
+  EXPECT_EQ(bound, 33792);
+  const int forced = fs::choose_num_splits(s, gpu, 64);
+  EXPECT_EQ(forced, bound / rows);  // 1 split = 32768 rows: at most one split's worth more
+  const fs::Plan plan = fs::make_plan(s, gpu, 64);
+  EXPECT_LE(plan.workspace.total_bytes, size_t(bound) * (128 + 1) * 4 + 2 * fs::kWorkspaceAlign);
+  for (int64_t b : {1, 4, 16, 64, 256}) {  // heuristic decode shapes stay within the bound too
+    s.batch = b;
+    s.max_seqlen_q = 1;
+    s.total_q = b;
+    EXPECT_LE(fs::choose_num_splits(s, gpu, 0) * s.total_q * s.num_heads, bound) << "B=" << b;
+  }
+  EXPECT_EQ(fs::choose_num_splits(s, fs::DeviceProps::cpu(), 64), 64);  // the CPU merges in registers
+}
