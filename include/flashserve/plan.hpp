@@ -84,9 +84,12 @@ int choose_num_splits(const ProblemShape& shape, const DeviceProps& dev, int req
 // 16 packed rows; 2x that). H200: 33,792 rows, 17 MB at Dv = 128.
 int64_t max_split_rows(const DeviceProps& dev);
 
-// Plan for a shape: split count and workspace (o_partial fp32 [splits, total_q, H, Dv],
-// lse_partial fp32 [splits, total_q, H]).
+// Plan for a shape: split count and workspace (split_workspace of splits x total_q x H rows).
 Plan make_plan(const ProblemShape& shape, const DeviceProps& dev, int requested_splits);
+
+// The split-KV workspace of `partial_rows` (splits x rows x heads) partial states:
+// o_partial fp32 [partial_rows, Dv], then lse_partial fp32 [partial_rows].
+WorkspaceSpec split_workspace(int64_t partial_rows, int64_t head_dim_v);
 
 // Streams, workspace and an optional precomputed plan for a call.
 struct ExecContext {

@@ -477,19 +477,13 @@ size_t MetadataBuilder::max_workspace_bytes() const {
     dev = DeviceProps::h200();
     dev.device = Device{DeviceType::cuda, 0};
   }
-  // The largest call any part can make: every token, the longest KV (or encoder sequence).
-  ProblemShape s;
-  s.batch = c.max_num_reqs;
-  s.max_seqlen_q = c.max_num_tokens;
-  s.max_seqlen_k = std::max(c.max_blocks_per_req * c.block_size, c.max_num_tokens);
-  s.num_heads = builder::call_heads(c);
-  s.num_kv_heads = c.layer.num_kv_heads;
-  s.head_dim = c.layer.head_size;
-  s.head_dim_v = c.layer.head_size_v > 0 ? c.layer.head_size_v : c.layer.head_size;
-  s.total_q = c.max_num_tokens;
-  s.page_size = c.block_size;
-  s.causal = true;
-  return make_plan(s, dev, c.max_num_splits).workspace.total_bytes;
+  // Any part's call: at most max_num_splits splits of every token's heads, and never more
+  // partial rows than a plan on the device holds (max_split_rows).
+  const int64_t rows = std::min<int64_t>(int64_t(std::clamp(c.max_num_splits, 1, kMaxSplits)) * c.max_num_tokens *
+                                             builder::call_heads(c),
+                                         max_split_rows(dev));
+  const int64_t dv = c.layer.head_size_v > 0 ? c.layer.head_size_v : c.layer.head_size;
+  return split_workspace(rows, dv).total_bytes;
 }
 
 }  // namespace flashserve::backend

@@ -132,11 +132,16 @@ Plan make_plan(const ProblemShape& shape, const DeviceProps& dev, int requested_
   plan.split_granularity = int(split_granularity(dev));
   if (plan.num_splits > 1 && dev.device.type == DeviceType::cuda) {
     // The CPU reference merges splits in registers; the kernels combine through these.
-    const size_t rows = size_t(shape.total_q) * size_t(shape.num_heads);
-    plan.workspace.add("o_partial", size_t(plan.num_splits) * rows * size_t(shape.head_dim_v) * sizeof(float));
-    plan.workspace.add("lse_partial", size_t(plan.num_splits) * rows * sizeof(float));
+    plan.workspace = split_workspace(int64_t(plan.num_splits) * shape.total_q * shape.num_heads, shape.head_dim_v);
   }
   return plan;
+}
+
+WorkspaceSpec split_workspace(int64_t partial_rows, int64_t head_dim_v) {
+  WorkspaceSpec ws;
+  ws.add("o_partial", size_t(partial_rows) * size_t(head_dim_v) * sizeof(float));
+  ws.add("lse_partial", size_t(partial_rows) * sizeof(float));
+  return ws;
 }
 
 }  // namespace flashserve

@@ -459,8 +459,12 @@ TEST(MetadataBuilder, MaxWorkspaceBytes) {
   const size_t o = 8ull * 512 * 8 * 64 * 4, lse = 8ull * 512 * 8 * 4;
   const size_t aligned = (o + fs::kWorkspaceAlign - 1) / fs::kWorkspaceAlign * fs::kWorkspaceAlign;
   EXPECT_EQ(b.max_workspace_bytes(), aligned + lse);
+  // DCP doubles the call's heads: 65536 partial rows, capped at the device's max_split_rows.
   c.dcp_world_size = 2;
-  EXPECT_EQ(be::MetadataBuilder(c).max_workspace_bytes(), 2 * aligned + 2 * lse);
+  const size_t rows = size_t(fs::max_split_rows(fs::DeviceProps::h200()));  // a CPU config sizes for an H200
+  ASSERT_LT(rows, 2ull * 8 * 512 * 8);
+  const size_t o2 = (rows * 64 * 4 + fs::kWorkspaceAlign - 1) / fs::kWorkspaceAlign * fs::kWorkspaceAlign;
+  EXPECT_EQ(be::MetadataBuilder(c).max_workspace_bytes(), o2 + rows * 4);
 }
 
 // ---------------------------------------------------------------- replay
