@@ -1,0 +1,23 @@
+"""flashserve: attention for LLM serving engines, as drop-ins for FlashAttention's and the
+engines' own functions (PYTHON_API.md), torch custom ops under `torch.ops.flashserve`
+(registered on import when torch is installed), and a backend layer shaped like the engines'.
+
+Tensors: torch (CPU or CUDA) or numpy (CPU), through DLPack. CPU tensors run the reference
+implementation, CUDA tensors the kernels (when the extension was built with CUDA).
+"""
+
+from . import _C
+from ._api import (DEFAULT_FA_VERSION, fa_version_unsupported_reason, flash_attn_varlen_func,
+                   flash_attn_with_kvcache, get_scheduler_metadata, is_fa_version_supported)
+from ._cache_merge import merge_attn_states, merge_state_v2, reshape_and_cache_flash
+from .backend import *  # noqa: F401,F403
+from .backend import __all__ as _backend_all
+
+__version__ = "0.1.0"
+WITH_CUDA: bool = _C.with_cuda  # whether the extension was built with the CUDA kernels
+
+__all__ = [
+    "DEFAULT_FA_VERSION", "WITH_CUDA", "fa_version_unsupported_reason", "flash_attn_varlen_func",
+    "flash_attn_with_kvcache", "get_scheduler_metadata", "is_fa_version_supported",
+    "merge_attn_states", "merge_state_v2", "reshape_and_cache_flash",
+] + list(_backend_all)

@@ -1,0 +1,70 @@
+"""The calls behind the drop-ins, one function per torch custom op (same arguments, same order
+as the op's schema in _ops.py): each hands its arguments to the extension, which validates
+and runs the C++ API. Outputs are allocated by the callers."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from . import _C
+from ._tensors import cuda_stream, host_plan, workspace_allocator
+
+_RUN = 0
+
+
+def varlen_fwd(q: Any, k: Any, v: Any, out: Any, cu_seqlens_q: Any, max_seqlen_q: int, max_seqlen_k: int,
+               softmax_lse: Optional[Any] = None, cu_seqlens_k: Optional[Any] = None,
+               seqused_k: Optional[Any] = None, block_table: Optional[Any] = None,
+               q_v: Optional[Any] = None, softmax_scale: float = 0.0, causal: bool = False,
+               window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+               alibi_slopes: Optional[Any] = None, s_aux: Optional[Any] = None,
+               q_descale: Optional[Any] = None, k_descale: Optional[Any] = None,
+               v_descale: Optional[Any] = None, num_splits: int = 0,
+               scheduler_metadata: Optional[Any] = None, cp_world_size: int = 1, cp_rank: int = 0,
+               cp_tot_seqused_k: Optional[Any] = None) -> None:
+    """Varlen attention into out (and softmax_lse [H, total_q] when given). softmax_scale 0:
+    the default scale."""
+    _C.attention(_RUN, False, q, q_v, out, softmax_lse, k, v, False,
+                 cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, None, max_seqlen_q, max_seqlen_k,
+                 softmax_scale, softcap, alibi_slopes, False, causal, window_left, window_right, 0, s_aux,
+                 q_descale, k_descale, v_descale, None, None, None,
+                 cp_world_size, cp_rank, cp_tot_seqused_k,
+                 num_splits, host_plan(scheduler_metadata), workspace_allocator(q), cuda_stream(q))
+
+
+def kvcache_fwd(q: Any, k_cache: Any, v_cache: Any, out: Any, softmax_lse: Optional[Any] = None,
+                cache_seqlens: Optional[Any] = None, cache_batch_idx: Optional[Any] = None,
+                block_table: Optional[Any] = None, softmax_scale: float = 0.0, causal: bool = False,
+                window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                alibi_slopes: Optional[Any] = None, s_aux: Optional[Any] = None,
+                q_descale: Optional[Any] = None, k_descale: Optional[Any] = None,
+                v_descale: Optional[Any] = None, num_splits: int = 0,
+                scheduler_metadata: Optional[Any] = None, cp_world_size: int = 1, cp_rank: int = 0,
+                cp_tot_seqused_k: Optional[Any] = None) -> None:
+    """Batched attention over a KV cache into out (and softmax_lse [B, H, sq] when given)."""
+    _C.attention(_RUN, True, q, None, out, softmax_lse, k_cache, v_cache, False,
+                 None, None, cache_seqlens, block_table, cache_batch_idx, 0, 0,
+                 softmax_scale, softcap, alibi_slopes, False, causal, window_left, window_right, 0, s_aux,
+                 q_descale, k_descale, v_descale, None, None, None,
+                 cp_world_size, cp_rank, cp_tot_seqused_k,
+                 num_splits, host_plan(scheduler_metadata), workspace_allocator(q), cuda_stream(q))
+
+
+def merge_attn_states(output: Any, output_lse: Optional[Any], prefix_output: Any, prefix_lse: Any,
+                      suffix_output: Any, suffix_lse: Any, prefill_tokens_with_context: Optional[int],
+                      output_scale: Optional[Any]) -> None:
+    """Merge of two [T, H, D] states with head-major [H, T] LSEs into output (and output_lse)."""
+    _C.merge_states(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse, False,
+                    prefill_tokens_with_context, output_scale, cuda_stream(output))
+
+
+def merge_state_v2(v_a: Any, s_a: Any, v_b: Any, s_b: Any, v_merged: Any, s_merged: Any) -> None:
+    """Merge of two [T, H, D] states with token-major [T, H] LSEs into v_merged and s_merged."""
+    _C.merge_states(v_merged, s_merged, v_a, s_a, v_b, s_b, True, None, None, cuda_stream(v_merged))
+
+
+def reshape_and_cache_flash(key: Any, value: Any, key_cache: Any, value_cache: Any, slot_mapping: Any,
+                            kv_cache_dtype: str, k_scale: Any, v_scale: Any) -> None:
+    """key/value rows into their slots of the paged caches (any strides, last dim contiguous)."""
+    _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+                         None, False, cuda_stream(key_cache))

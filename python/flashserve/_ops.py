@@ -1,0 +1,73 @@
+"""Torch custom ops under the namespace `flashserve`, registered on import (torch required).
+
+Each op writes its outputs in place (`Tensor!` in the schema) and returns nothing, so
+torch.compile and CUDA graph capture see an opaque, correctly aliased call; the fake
+implementations do nothing (the outputs exist already, with their shapes). None of the ops
+has a backward: autograd raises if gradients are requested through them.
+
+The drop-ins call these ops when torch.compile traces them; in eager mode they call the same
+functions (flashserve._calls) directly, which skips the dispatcher's per-call overhead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from . import _calls
+
+_SCORE_AND_EXEC = (
+    "float softmax_scale=0.0, bool causal=False, int window_left=-1, int window_right=-1, "
+    "float softcap=0.0, Tensor? alibi_slopes=None, Tensor? s_aux=None, Tensor? q_descale=None, "
+    "Tensor? k_descale=None, Tensor? v_descale=None, int num_splits=0, "
+    "Tensor? scheduler_metadata=None, int cp_world_size=1, int cp_rank=0, "
+    "Tensor? cp_tot_seqused_k=None")
+
+SCHEMAS = {
+    "reshape_and_cache_flash": (
+        "(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, Tensor slot_mapping, "
+        "str kv_cache_dtype, Tensor k_scale, Tensor v_scale) -> ()"),
+    "merge_attn_states": (
+        "(Tensor! output, Tensor!? output_lse, Tensor prefix_output, Tensor prefix_lse, "
+        "Tensor suffix_output, Tensor suffix_lse, int? prefill_tokens_with_context, "
+        "Tensor? output_scale) -> ()"),
+    "merge_state_v2": (
+        "(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b, Tensor! v_merged, Tensor! s_merged) -> ()"),
+    "varlen_fwd": (
+        "(Tensor q, Tensor k, Tensor v, Tensor! out, Tensor cu_seqlens_q, int max_seqlen_q, "
+        "int max_seqlen_k, Tensor!? softmax_lse=None, Tensor? cu_seqlens_k=None, "
+        "Tensor? seqused_k=None, Tensor? block_table=None, Tensor? q_v=None, "
+        + _SCORE_AND_EXEC + ") -> ()"),
+    "kvcache_fwd": (
+        "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor! out, Tensor!? softmax_lse=None, "
+        "Tensor? cache_seqlens=None, Tensor? cache_batch_idx=None, Tensor? block_table=None, "
+        + _SCORE_AND_EXEC + ") -> ()"),
+}
+
+_MUTATES = {
+    "reshape_and_cache_flash": ("key_cache", "value_cache"),
+    "merge_attn_states": ("output", "output_lse"),
+    "merge_state_v2": ("v_merged", "s_merged"),
+    "varlen_fwd": ("out", "softmax_lse"),
+    "kvcache_fwd": ("out", "softmax_lse"),
+}
+
+
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    """The fake implementation of every op: outputs are written in place, none is created."""
+    return None
+
+
+def _register(name: str, impl: Callable[..., None]) -> Any:
+    op = torch.library.custom_op(f"flashserve::{name}", impl, mutates_args=_MUTATES[name],
+                                 schema=SCHEMAS[name])
+    op.register_fake(_nothing)
+    return getattr(torch.ops.flashserve, name).default
+
+
+reshape_and_cache_flash = _register("reshape_and_cache_flash", _calls.reshape_and_cache_flash)
+merge_attn_states = _register("merge_attn_states", _calls.merge_attn_states)
+merge_state_v2 = _register("merge_state_v2", _calls.merge_state_v2)
+varlen_fwd = _register("varlen_fwd", _calls.varlen_fwd)
+kvcache_fwd = _register("kvcache_fwd", _calls.kvcache_fwd)

@@ -1,0 +1,25 @@
+// The Python extension's shared helpers: tensors from Python objects, streams, and the
+// registration functions of the binding files. The extension holds no logic: it converts
+// arguments and calls the C++ API (include/flashserve/*.hpp).
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include "flashserve/tensor.hpp"
+
+namespace flashserve::py {
+
+// A tensor argument from a Python object: a torch tensor (CPU or CUDA) or a numpy array,
+// taken through DLPack. Raises ValueError "<name>: ..." when the object is not a tensor.
+TensorRef tensor_arg(nanobind::handle obj, const char* name);
+// As tensor_arg; None gives an empty OptTensor.
+OptTensor opt_tensor_arg(nanobind::handle obj, const char* name);
+// A cudaStream_t passed as a Python int (torch.cuda.current_stream().cuda_stream); None or 0 =
+// the default stream.
+void* stream_arg(nanobind::handle stream);
+
+// Each binding file registers its functions on the extension module `flashserve._C`.
+void register_ops(nanobind::module_& m);      // python/src/bind_ops.cpp
+void register_backend(nanobind::module_& m);  // python/src/bind_backend.cpp
+
+}  // namespace flashserve::py
