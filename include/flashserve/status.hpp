@@ -2,10 +2,11 @@
 // argument, what was expected and what was given: "block_table: expected int32, got int64".
 #pragma once
 
-#include <sstream>
+#include <charconv>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 namespace flashserve {
 
@@ -29,11 +30,25 @@ class RuntimeError : public std::runtime_error {
 };
 
 namespace detail {
+// Messages are built without iostreams: no locale, no stream state, and nothing that a host
+// process's other C++ runtime (a Python extension beside torch) could have set up differently.
+inline void append(std::string& s, std::string_view v) { s.append(v); }
+inline void append(std::string& s, const char* v) { s.append(v); }
+inline void append(std::string& s, char c) { s.push_back(c); }
+inline void append(std::string& s, bool b) { s.append(b ? "1" : "0"); }
+template <class T>
+  requires(std::is_arithmetic_v<T> && !std::is_same_v<T, char> && !std::is_same_v<T, bool>)
+void append(std::string& s, T v) {
+  char buf[64];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);  // integers exact, floats shortest round-trip
+  s.append(buf, r.ptr);
+}
+
 template <class... Args>
 std::string cat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string s;
+  (append(s, args), ...);
+  return s;
 }
 }  // namespace detail
 

@@ -2,7 +2,7 @@
 //  - fast: a type exposing the DLPack C exchange API (`__dlpack_c_exchange_api__`, torch >=
 //    2.10) fills a DLTensor view in C, with no capsule and no Python call (~30 ns a tensor);
 //  - generic: nanobind's ndarray import (`__dlpack__` / the buffer protocol): numpy, older
-//    torch, any DLPack producer.
+//    torch, any DLPack producer (FLASHSERVE_NO_DLPACK_C_API=1 forces it, for diagnosis).
 // fp8 tensors from a torch that cannot export fp8 through DLPack travel as a uint8 view and
 // keep their dtype.
 #include "convert.hpp"
@@ -10,6 +10,7 @@
 #include <nanobind/ndarray.h>
 
 #include <array>
+#include <cstdlib>
 #include <cstdint>
 #include <string>
 
@@ -48,6 +49,8 @@ constexpr int32_t kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13;
 // The exchange API of a Python type, or null; looked up once per type. The cache keeps each
 // type and its capsule alive (the GIL guards it).
 const ExchangeApi* exchange_api(PyTypeObject* type) {
+  static const bool disabled = std::getenv("FLASHSERVE_NO_DLPACK_C_API") != nullptr;
+  if (disabled) return nullptr;
   struct Entry { PyTypeObject* type; const ExchangeApi* api; };
   static std::array<Entry, 16> cache{};
   static size_t used = 0;

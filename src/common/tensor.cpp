@@ -1,6 +1,5 @@
 #include "flashserve/tensor.hpp"
 
-#include <sstream>
 
 #include "flashserve/status.hpp"
 
@@ -116,11 +115,9 @@ TensorRef TensorRef::unsqueeze(int d) const {
 }
 
 std::string TensorRef::shape_str() const {
-  std::ostringstream os;
-  os << '[';
-  for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << shape[d];
-  os << ']';
-  return os.str();
+  std::string s = "[";
+  for (int d = 0; d < ndim; ++d) s += detail::cat(d ? ", " : "", shape[d]);
+  return s + "]";
 }
 
 }  // namespace flashserve
