@@ -80,18 +80,21 @@ struct Smem {
 // with the lane's x = 16 (chunk parity ^ l % 8). A fragments of Q and the transposed B
 // fragments of V take rows (l / 8 % 2) * 8 + l % 8, parity l / 16 (Q: of the warp's rows);
 // B fragments of K (two n8 tiles) keys (l / 16) * 8 + l % 8, parity l / 8 % 2.
+// Rows are kRowBytes-aligned (a power of two; the shared window starts aligned) and the
+// in-row offset 16 c ^ x stays below kRowBytes, so row + (16 c ^ x) == (row + x) ^ 16 c: the
+// lane keeps row + x, and each k-step's address is one XOR with a constant, the row block or
+// tile row added as an immediate.
 template <int kD>
 struct LaneAddr {
-  uint32_t q;      // shared address of the lane's row in the warp's Q rows, x folded in
-  uint32_t k, kx;  // byte offset of the lane's K row; its x
-  uint32_t v, vx;  // byte offset of the lane's V row; its x (also Q's)
+  uint32_t q;   // shared address of the lane's row in the warp's Q rows, plus its x
+  uint32_t k;   // byte offset of the lane's K row in a stage, plus its x
+  uint32_t v;   // byte offset of the lane's V row in a stage, plus its x
   FS_DEV LaneAddr(uint32_t q_s, int warp, int lane) {
     constexpr uint32_t rb = Smem<kD>::kRowBytes;
+    static_assert((rb & (rb - 1)) == 0 && 16 * (kD / 8) == int(rb), "rows of a power-of-two size");
     const uint32_t r8 = uint32_t(lane & 7), hi = uint32_t(lane >> 4), mid = uint32_t(lane >> 3) & 1u;
-    v = (r8 + 8 * mid) * rb;
-    vx = (hi ^ r8) << 4;
-    k = (r8 + 8 * hi) * rb;
-    kx = (mid ^ r8) << 4;
+    v = (r8 + 8 * mid) * rb + ((hi ^ r8) << 4);
+    k = (r8 + 8 * hi) * rb + ((mid ^ r8) << 4);
     q = q_s + uint32_t(kWarpRows * warp) * rb + v;
   }
 };
@@ -213,6 +216,7 @@ FS_DEV void load_kv(const AttnParams& p, const SeqKv& kv, int64_t n0, int64_t kv
 template <class T, int kD>
 FS_DEV void qk_tile(uint32_t k_s, const LaneAddr<kD>& la, float (&s)[kMB][kN / 8][4]) {
   constexpr uint32_t rb = Smem<kD>::kRowBytes;
+  const uint32_t k_row = k_s + la.k;
 #pragma unroll
   for (int mb = 0; mb < kMB; ++mb)
 #pragma unroll
@@ -221,11 +225,11 @@ FS_DEV void qk_tile(uint32_t k_s, const LaneAddr<kD>& la, float (&s)[kMB][kN / 8
   for (int kk = 0; kk < kD / 16; ++kk) {
     uint32_t a[kMB][4];
 #pragma unroll
-    for (int mb = 0; mb < kMB; ++mb) ldmatrix_x4(a[mb], la.q + 16 * mb * rb + ((32u * kk) ^ la.vx));
+    for (int mb = 0; mb < kMB; ++mb) ldmatrix_x4(a[mb], (la.q ^ (32u * kk)) + 16 * mb * rb);
 #pragma unroll
     for (int np = 0; np < kN / 16; ++np) {
       uint32_t b[4];
-      ldmatrix_x4(b, k_s + la.k + 16 * np * rb + ((32u * kk) ^ la.kx));
+      ldmatrix_x4(b, (k_row ^ (32u * kk)) + 16 * np * rb);
 #pragma unroll
       for (int mb = 0; mb < kMB; ++mb) {
         mma_16816<T>(s[mb][2 * np], a[mb], b[0], b[1]);
@@ -241,6 +245,7 @@ template <class T, int kD>
 FS_DEV void pv_tile(const float (&s)[kMB][kN / 8][4], uint32_t v_s, const LaneAddr<kD>& la,
                     float (&o)[kMB][kD / 8][4]) {
   constexpr uint32_t rb = Smem<kD>::kRowBytes;
+  const uint32_t v_row = v_s + la.v;
 #pragma unroll
   for (int kk = 0; kk < kN / 16; ++kk) {
     uint32_t a[kMB][4];
@@ -254,7 +259,7 @@ FS_DEV void pv_tile(const float (&s)[kMB][kN / 8][4], uint32_t v_s, const LaneAd
 #pragma unroll
     for (int dp = 0; dp < kD / 16; ++dp) {
       uint32_t b[4];
-      ldmatrix_x4_trans(b, v_s + la.v + 16 * kk * rb + ((32u * dp) ^ la.vx));
+      ldmatrix_x4_trans(b, (v_row ^ (32u * dp)) + 16 * kk * rb);
 #pragma unroll
       for (int mb = 0; mb < kMB; ++mb) {
         mma_16816<T>(o[mb][2 * dp], a[mb], b[0], b[1]);
@@ -457,7 +462,7 @@ struct WarpKeys {
 
 template <class T, int kD>
 __global__ void __launch_bounds__(kThreads, kPrefillCtasPerSm) prefill_fwd(const __grid_constant__ AttnParams p) {
-  extern __shared__ __align__(128) unsigned char smem_raw[];
+  extern __shared__ __align__(1024) unsigned char smem_raw[];  // no static shared memory: at the window start (LaneAddr)
   static_assert(Smem<kD>::kBytes + kM * sizeof(int2) == prefill_smem_bytes(kD), "select.hpp sizes shared memory");
   // Heads fastest, row tiles descending: the longest causal tiles of every head start first.
   const int64_t linear = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
