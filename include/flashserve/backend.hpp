@@ -178,7 +178,8 @@ struct DraftTree {
 // place. Not thread-safe; one per KV-cache group. With CUDA tensors (and a CUDA config) the
 // metadata's own tensors live in a device buffer the builder owns, filled by one async copy per
 // build on BuilderConfig::stream (encoder layers, which have no block table: when their
-// optional slot_mapping is a CUDA tensor); tree verify and advance_decode_step need host metadata.
+// optional slot_mapping is a CUDA tensor); tree verify's and advance_decode_step's slots are
+// computed on the device from the engine's block table (the same slots slot_mapping holds).
 class MetadataBuilder {
  public:
   explicit MetadataBuilder(const BuilderConfig& config);

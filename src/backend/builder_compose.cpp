@@ -146,15 +146,37 @@ void compose_local(State& s) {
   s.md.local.part = p;
 }
 
-// Slot of query token t (row i of request r): the engine's slot_mapping, or its position
-// through the block table after update_block_table.
+// KV position of query token t of request r.
+int64_t token_pos(const Inputs& in, int64_t r, int64_t t) {
+  const int64_t q = in.query_start_loc[size_t(r) + 1] - in.query_start_loc[size_t(r)];
+  return in.seq_lens[size_t(r)] - q + (t - in.query_start_loc[size_t(r)]);
+}
+
+// Slot of query token t of request r (host metadata): the engine's slot_mapping, or its
+// position through the block table after update_block_table.
 int64_t token_slot(const State& s, int64_t r, int64_t t) {
   const Inputs& in = s.in;
   if (!in.tree_slots_from_table) return *static_cast<const int64_t*>(in.slot_mapping.at(t));
-  const int64_t q = in.query_start_loc[size_t(r) + 1] - in.query_start_loc[size_t(r)];
-  const int64_t pos = in.seq_lens[size_t(r)] - q + (t - in.query_start_loc[size_t(r)]);
-  const int64_t bs = s.config.block_size;
+  const int64_t pos = token_pos(in, r, t), bs = s.config.block_size;
   return int64_t(table_at(in.block_table, r, pos / bs)) * bs + pos % bs;
+}
+
+// Row `row` [W] of the tree's slot table: the slots of path[0..len) of request r, zeros after.
+// CUDA metadata stages (request, position) pairs instead; publish() resolves them on the device
+// through the engine's block table (the same slots slot_mapping holds).
+void tree_row(State& s, int64_t r, int64_t row, const int64_t* path, int64_t len) {
+  const int64_t W = s.config.max_draft_depth;
+  int32_t* slots = s.tree_table.data() + row * W;
+  int32_t* src = s.tree_src.data() + 2 * row * W;
+  for (int64_t k = 0; k < W; ++k) {
+    slots[k] = 0;
+    if (s.in.on_device) {
+      src[2 * k] = k < len ? int32_t(r) : -1;
+      src[2 * k + 1] = k < len ? int32_t(token_pos(s.in, r, path[k])) : 0;
+    } else if (k < len) {
+      slots[k] = int32_t(token_slot(s, r, path[k]));
+    }
+  }
 }
 
 void compose_tree(State& s) {
@@ -174,12 +196,11 @@ void compose_tree(State& s) {
   PartMetadata tr = idle(b);
   for (int64_t r = 0; r < in.num_reqs; ++r) {
     for (int64_t t = in.query_start_loc[size_t(r)]; t < in.query_start_loc[size_t(r) + 1]; ++t) {
-      int32_t* row = s.tree_table.data() + t * W;
       int64_t len = 0;
       for (int64_t u = t; u >= 0 && in.tree_parent[size_t(u)] != -2; u = in.tree_parent[size_t(u)]) ++len;
-      int64_t k = len;
-      for (int64_t u = t; k > 0; u = in.tree_parent[size_t(u)]) row[--k] = int32_t(token_slot(s, r, u));
-      std::fill(row + len, row + W, 0);
+      int64_t* path = s.tree_path.data();  // root draft first
+      for (int64_t u = t, k = len; k > 0; u = in.tree_parent[size_t(u)]) path[--k] = u;
+      tree_row(s, r, t, path, len);
       b.cu[size_t(t) + 1] = int32_t(t + 1);
       b.seqused[size_t(t)] = int32_t(len);
       tr.max_seq_len = std::max(tr.max_seq_len, len);

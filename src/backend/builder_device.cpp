@@ -77,16 +77,18 @@ void wait_upload(State& s) {
 #if FLASHSERVE_WITH_CUDA
 namespace {
 
-// The staging elements this mode's views can read: the arena is laid out so each mode uses a
-// prefix (split / cascade / encoder, then local, then tree).
+// The staging elements this mode's views (and device-side tables) read: the arena is laid out
+// so each mode uses a prefix (split / cascade / encoder with advance_src, then local, then the
+// tree's parts and (request, position) pairs; the tree's slot table and advance_slots are
+// written on the device).
 size_t used_prefix(const State& s) {
   const int32_t* end = nullptr;
   switch (s.decision.mode) {
     case Mode::split:
     case Mode::cascade:
-    case Mode::encoder: end = s.cascade_suffix.seqused_global.data() + s.cascade_suffix.seqused_global.size(); break;
+    case Mode::encoder: end = s.advance_src.data() + s.advance_src.size(); break;
     case Mode::local: end = s.local_table.data() + s.local_table.size(); break;
-    case Mode::tree: end = s.arena.host() + s.arena.elems(); break;
+    case Mode::tree: end = s.tree_src.data() + 2 * s.in.num_tokens * s.config.max_draft_depth; break;
   }
   return size_t(end - s.arena.host());
 }
@@ -101,8 +103,33 @@ void rebase(const Arena& a, PartMetadata& p) {
   for (TensorRef* t : {&p.cu_seqlens_q, &p.seqused_k, &p.cp_tot_seqused_k, &p.block_table}) rebase(a, *t);
 }
 
+// Slots of n (request, position) pairs staged at `src` through the engine's device block table.
+void slots_on_device(const State& s, const int32_t* src, int64_t n, int64_t empty, int32_t* out32, int64_t* out64) {
+  const Arena& a = s.arena;
+  const TensorRef& t = s.in.block_table;
+  kernels::TableSlots k;
+  k.table = static_cast<const int32_t*>(t.data);
+  k.cols = t.size(1);
+  k.row_stride = t.stride[0];
+  k.block_size = s.config.block_size;
+  k.req_pos = a.device_copy() + (src - a.host());
+  k.n = n;
+  k.empty = empty;
+  k.out32 = out32;
+  k.out64 = out64;
+  kernels::table_slots(k, s.config.stream);
+}
+
 }  // namespace
 #endif
+
+int64_t* advance_slots_device(const State& s) {
+#if FLASHSERVE_WITH_CUDA
+  const Arena& a = s.arena;
+  if (a.device_copy()) return reinterpret_cast<int64_t*>(a.device_copy() + (s.advance_slots.data() - a.host()));
+#endif
+  return nullptr;
+}
 
 void publish(State& s) {
   if (!s.in.on_device) return;
@@ -125,6 +152,12 @@ void publish(State& s) {
     g.out = a.device_copy() + (s.local_table.data() - a.host());
     kernels::gather_local_block_table(g, stream);
   }
+  if (s.decision.mode == Mode::tree)
+    slots_on_device(s, s.tree_src.data(), s.in.num_tokens * s.config.max_draft_depth, 0,
+                    a.device_copy() + (s.tree_table.data() - a.host()), nullptr);
+  if (s.advance_pending)
+    slots_on_device(s, s.advance_src.data(), s.in.num_reqs, -1, nullptr, advance_slots_device(s));
+  s.advance_pending = false;
   for (PartMetadata* p : {&md.decode, &md.prefill, &md.cascade.prefix, &md.cascade.suffix, &md.local.part,
                           &md.tree.prefix, &md.tree.tree})
     rebase(a, *p);

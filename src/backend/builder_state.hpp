@@ -34,6 +34,7 @@ class Arena {
   int32_t* device_copy() const { return device_; }  // null without a device
   const Device& device() const { return device_at_; }
   size_t elems() const { return elems_; }
+  size_t used() const { return used_; }
   bool holds(const void* p) const;                  // p within [host, host + elems]
   void* event() const { return event_; }            // end of the last upload (device only)
 
@@ -105,12 +106,19 @@ struct State {
   Arena arena;
   PartBuffers decode, prefill;             // max_num_reqs each
   PartBuffers cascade_prefix, cascade_suffix;  // 1, max_num_reqs
+  std::span<int32_t> advance_src;          // [max_num_reqs][2]: advance_decode_step's (request,
+                                           // position) pairs (CUDA metadata: slots on the device)
   PartBuffers local;                       // local_capacity virtual requests
   std::span<int32_t> local_k_start, local_request;  // [local_capacity]
   std::span<int32_t> local_table;          // [local_capacity, local_width]
   PartBuffers tree_prefix, tree;           // max_num_reqs, max_num_tokens (one per query token)
+  std::span<int32_t> tree_src;             // [max_num_tokens, max_draft_depth][2]: (request,
+                                           // position) of each tree_table entry (CUDA metadata)
   std::span<int32_t> tree_table;           // [max_num_tokens, max_draft_depth]: slots
+  std::span<int32_t> advance_slots;        // int64 [max_num_reqs] (device side only, 8-byte aligned)
+  bool advance_pending = false;            // publish() computes advance_slots on the device
   std::vector<int32_t> tree_depth;         // [max_num_tokens] scratch of validation
+  std::vector<int64_t> tree_path;          // [max_draft_depth] scratch of compose_tree
   std::vector<int32_t> query_lens;         // [max_num_reqs] scratch for use_cascade
   std::vector<int64_t> slots;              // [max_num_reqs]: advance_decode_step's slot_mapping
 
@@ -138,8 +146,11 @@ bool arena_on_device(const BuilderConfig& c);
 // Before compose rewrites the staging: waits for the last upload to have read it.
 void wait_upload(State& s);
 // After compose, when s.in.on_device: one async copy of the used prefix of the staging to the
-// device copy on config.stream, the local block table gathered from the engine's device table,
-// and every view into the arena rebased onto the device copy. Host metadata: nothing.
+// device copy on config.stream, the local block table and the slot tables (tree verify,
+// advance_decode_step when advance_pending) computed from the engine's device table, and every
+// view into the arena rebased onto the device copy. Host metadata: nothing.
 void publish(State& s);
+// advance_decode_step's device slot_mapping (int64 [max_num_reqs]); null without a device copy.
+int64_t* advance_slots_device(const State& s);
 
 }  // namespace flashserve::backend::builder

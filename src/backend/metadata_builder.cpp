@@ -12,7 +12,8 @@
 // still computes on the host, then uploads its buffers with one async copy on config.stream and
 // the parts' own views point into its device copy; the local virtual table is gathered on the
 // device; the cascade prefix is the scheduler's word (checking it would read the device table);
-// tree verify and advance_decode_step need host reads of device tensors: NotImplemented.
+// the slots of tree verify's draft paths and of advance_decode_step's new tokens are computed on
+// the device from (request, position) pairs through the engine's block table.
 //
 // Speculative tree verify (build with a DraftTree): every request has at most one non-draft
 // query token (query_len - num_drafts <= 1: the committed tip), because the committed-prefix
@@ -87,9 +88,10 @@ int64_t local_width_of(const BuilderConfig& c) {
 // Elements of every buffer State carves from its arena.
 size_t arena_elems(const BuilderConfig& c) {
   const int64_t L = local_capacity_of(c);
-  return 4 * PartBuffers::elems(c.max_num_reqs) + PartBuffers::elems(1) + PartBuffers::elems(L) +
-         size_t(L) * (2 + size_t(local_width_of(c))) + PartBuffers::elems(c.max_num_tokens) +
-         size_t(c.max_num_tokens * c.max_draft_depth);
+  const size_t R = size_t(c.max_num_reqs), tree_entries = size_t(c.max_num_tokens * c.max_draft_depth);
+  return 4 * PartBuffers::elems(c.max_num_reqs) + PartBuffers::elems(1) + 2 * R + PartBuffers::elems(L) +
+         size_t(L) * (2 + size_t(local_width_of(c))) + PartBuffers::elems(c.max_num_tokens) + 3 * tree_entries +
+         2 * R + 1;
 }
 
 }  // namespace
@@ -104,14 +106,19 @@ State::State(const BuilderConfig& c)
   prefill = PartBuffers::take(arena, c.max_num_reqs);
   cascade_prefix = PartBuffers::take(arena, 1);
   cascade_suffix = PartBuffers::take(arena, c.max_num_reqs);
+  advance_src = arena.take(2 * R);
   local = PartBuffers::take(arena, local_capacity);
   local_k_start = arena.take(size_t(local_capacity));
   local_request = arena.take(size_t(local_capacity));
   local_table = arena.take(size_t(local_capacity * local_width));
   tree_prefix = PartBuffers::take(arena, c.max_num_reqs);
   tree = PartBuffers::take(arena, c.max_num_tokens);
+  tree_src = arena.take(2 * T * size_t(c.max_draft_depth));
   tree_table = arena.take(T * size_t(c.max_draft_depth));
+  if ((arena.used() & 1) != 0) arena.take(1);  // int64 alignment
+  advance_slots = arena.take(2 * R);
   tree_depth.assign(T, 0);
+  tree_path.assign(size_t(c.max_draft_depth), 0);
   query_lens.assign(R, 0);
   slots.assign(R, 0);
   in.query_start_loc.assign(R + 1, 0);
@@ -257,7 +264,7 @@ void check_tree_layer(const BuilderConfig& c) {
 
 // Drafts per request (the last num_drafts query tokens, at most one other), parents within
 // the request's earlier drafts, paths within max_draft_depth, slots within int32.
-void check_tree(State& s, const CommonMetadata& cm, const DraftTree& tree) {
+void check_tree(State& s, const CommonMetadata& cm, const DraftTree& tree, bool on_device) {
   check_tree_layer(s.config);
   const int64_t R = cm.num_reqs;
   if (int64_t(tree.num_drafts.size()) != R)
@@ -281,6 +288,7 @@ void check_tree(State& s, const CommonMetadata& cm, const DraftTree& tree) {
       const int32_t depth = s.tree_depth[size_t(k)] = p < 0 ? 1 : s.tree_depth[size_t(k - d + p)] + 1;
       if (depth > s.config.max_draft_depth)
         fail_arg("max_draft_depth", cat(">= ", depth, " (a draft path of request ", r, ")"), s.config.max_draft_depth);
+      if (on_device) continue;  // slots resolved on the device (publish): out-of-range ones are bad slots
       const int64_t slot = detail::read_index(cm.slot_mapping, first + d);
       if (slot < 0 || slot > INT32_MAX)
         fail_arg("slot_mapping", "draft slots in [0, 2^31)", cat("slot_mapping[", first + d, "]=", slot));
@@ -301,10 +309,7 @@ Decision decide(State& s, const CommonMetadata& cm, int64_t common_prefix_len, c
   d.num_decodes = check_order(c, cm);
   if (common_prefix_len < 0) fail_arg("common_prefix_len", ">= 0", common_prefix_len);
   if (tree) {
-    if (on_device)
-      fail_not_implemented("speculative tree verify with CUDA metadata (the tree's slot table reads slot_mapping "
-                           "on the host)");
-    check_tree(s, cm, *tree);
+    check_tree(s, cm, *tree, on_device);
     d.mode = Mode::tree;
     return d;
   }
@@ -423,9 +428,6 @@ const AttentionMetadata& MetadataBuilder::advance_decode_step() {
   if (!decodable)
     fail_arg("advance_decode_step", "a last build of a decoder layer without a draft tree",
              in.valid ? "another build" : "no build");
-  if (in.on_device)
-    fail_not_implemented("advance_decode_step with CUDA metadata (the new slots read the device block_table; "
-                         "use advance_step of cache.hpp)");
   for (int64_t r = 0; r < in.num_reqs; ++r)
     if (qlen(in.query_start(), r) != 1)
       fail_arg("advance_decode_step", "a decode-only last build (every query_len 1)",
@@ -455,16 +457,22 @@ const AttentionMetadata& MetadataBuilder::advance_decode_step() {
     throw;
   }
   // The new token of request r is at position seq_len - 1; with DCP only this rank's tokens
-  // (position % world == rank) get a slot, the others -1.
+  // (position % world == rank) get a slot, the others -1. CUDA metadata: (request, local
+  // position) pairs, resolved through the device block table after the upload (publish).
+  builder::wait_upload(s);  // advance_src is staging
   for (int64_t r = 0; r < in.num_reqs; ++r) {
     const int64_t pos = int64_t(in.seq_lens[size_t(r)]) - 1;
-    const int64_t w = c.dcp_world_size, bs = c.block_size;
-    s.slots[size_t(r)] = -1;
-    if (pos % w != c.dcp_rank) continue;
-    const int64_t local = pos / w;
-    s.slots[size_t(r)] = int64_t(builder::table_at(in.block_table, r, local / bs)) * bs + local % bs;
+    const int64_t w = c.dcp_world_size, bs = c.block_size, local = pos / w;
+    const bool mine = pos % w == c.dcp_rank;
+    s.advance_src[2 * size_t(r)] = mine ? int32_t(r) : -1;
+    s.advance_src[2 * size_t(r) + 1] = int32_t(local);
+    if (!in.on_device)
+      s.slots[size_t(r)] = mine ? int64_t(builder::table_at(in.block_table, r, local / bs)) * bs + local % bs : -1;
   }
-  in.slot_mapping = TensorRef::contiguous(s.slots.data(), DType::i64, {in.num_reqs});
+  in.slot_mapping = in.on_device ? TensorRef::contiguous(builder::advance_slots_device(s), DType::i64, {in.num_reqs},
+                                                         in.block_table.device)
+                                 : TensorRef::contiguous(s.slots.data(), DType::i64, {in.num_reqs});
+  s.advance_pending = in.on_device;
   s.decision = d;
   recompose(s);
   return s.md;

@@ -31,6 +31,20 @@ __global__ void gather_local_kernel(LocalTableGather g) {
   g.out[i] = col < g.cols ? g.table[int64_t(g.request[v]) * g.row_stride + col] : 0;
 }
 
+// One thread per pair.
+__global__ void table_slots_kernel(TableSlots t) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= t.n) return;
+  const int64_t r = t.req_pos[2 * i], pos = t.req_pos[2 * i + 1];
+  int64_t slot = t.empty;
+  if (r >= 0) {
+    const int64_t col = pos / t.block_size;
+    slot = pos < 0 || col >= t.cols ? -1 : int64_t(t.table[r * t.row_stride + col]) * t.block_size + pos % t.block_size;
+  }
+  if (t.out32) t.out32[i] = slot > INT32_MAX || slot < INT32_MIN ? -1 : int32_t(slot);
+  else t.out64[i] = slot;
+}
+
 }  // namespace
 
 void* metadata_device_alloc(size_t bytes, int device) {
@@ -93,6 +107,14 @@ void gather_local_block_table(const LocalTableGather& g, void* stream) {
   constexpr int kThreads = 256;
   const auto blocks = static_cast<unsigned>((n + kThreads - 1) / kThreads);
   gather_local_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(g);
+  FS_CUDA_CHECK_LAUNCH();
+}
+
+void table_slots(const TableSlots& t, void* stream) {
+  if (t.n == 0) return;
+  constexpr int kThreads = 256;
+  const auto blocks = static_cast<unsigned>((t.n + kThreads - 1) / kThreads);
+  table_slots_kernel<<<blocks, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(t);
   FS_CUDA_CHECK_LAUNCH();
 }
 

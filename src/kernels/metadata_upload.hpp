@@ -1,6 +1,6 @@
 // The metadata builder's device side (backend.hpp, MetadataBuilder with CUDA metadata): its
-// fixed buffers (pinned host staging + device copy), the one host-to-device copy per build, and
-// the gather of the chunked-local block table from the engine's device table. A plain C++
+// fixed buffers (pinned host staging + device copy), the one host-to-device copy per build, the
+// gather of the chunked-local block table and the slot tables from the engine's device table. A plain C++
 // header: src/backend includes it without CUDA headers. Defined only in CUDA builds
 // (FLASHSERVE_WITH_CUDA=1); every CUDA error becomes flashserve::RuntimeError.
 #pragma once
@@ -42,5 +42,23 @@ struct LocalTableGather {
   int32_t* out = nullptr;            // [num_virtual, width]
 };
 void gather_local_block_table(const LocalTableGather& g, void* stream);
+
+// Slots through the engine's device block table, for the builder's device-side slot tables
+// (tree verify's per-draft slot rows, advance_decode_step's new slot_mapping): for each pair
+// (request, position) of req_pos [n][2], table[request][position / block_size] * block_size +
+// position % block_size; `empty` when request < 0; -1 when the column lies past the table or
+// the slot past the output type (a bad slot: attention gives NaN rows, cache writes skip it).
+// Exactly one of out32 / out64 [n] is set.
+struct TableSlots {
+  const int32_t* table = nullptr;
+  int64_t cols = 0, row_stride = 0;
+  int64_t block_size = 1;
+  const int32_t* req_pos = nullptr;  // [n][2]
+  int64_t n = 0;
+  int64_t empty = 0;
+  int32_t* out32 = nullptr;
+  int64_t* out64 = nullptr;
+};
+void table_slots(const TableSlots& t, void* stream);
 
 }  // namespace flashserve::kernels

@@ -4,11 +4,12 @@
 // (NHD, HND), fp8 caches, cascade (with sinks and soft-cap), chunked local attention (the
 // virtual block table gathered on the device), encoder-only; the device metadata must equal the
 // host metadata element for element, the caches must end byte-identical, the outputs within
-// bf16 rounding. Also: a rebuild reuses the same device pointers (graph replay), and tree verify
-// / advance_decode_step with CUDA metadata throw NotImplemented.
+// bf16 rounding. Also tree verify and advance_decode_step (their slots resolved on the device),
+// and a rebuild reuses the same device pointers (graph replay).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <memory>
 
 #include <algorithm>
@@ -195,13 +196,22 @@ struct Outcome {
   HostTensor out, kc, vc;
 };
 
+// How a test gets its metadata from a builder and the step's common metadata (the same on
+// both devices): a build with a prefix hint by default.
+using StepFn = std::function<const be::AttentionMetadata&(be::MetadataBuilder&, const be::CommonMetadata&)>;
+StepFn plain_build(int64_t prefix_hint) {
+  return [prefix_hint](be::MetadataBuilder& mb, const be::CommonMetadata& cm) -> const be::AttentionMetadata& {
+    return mb.build(cm, prefix_hint);
+  };
+}
+
 // md_out views the builder's buffers: `keep` receives the builder so they outlive the call.
-Outcome run_cpu(const Scenario& sc, const Batch& b, int64_t prefix_hint, be::AttentionMetadata* md_out = nullptr,
+Outcome run_cpu(const Scenario& sc, const Batch& b, const StepFn& step, be::AttentionMetadata* md_out = nullptr,
                 std::unique_ptr<be::MetadataBuilder>* keep = nullptr) {
   Outcome o{HostTensor::zeros(sc.spec.dtype, {b.T, sc.spec.num_heads, sc.spec.head_size}), b.kc.clone(), b.vc.clone()};
   auto owned = std::make_unique<be::MetadataBuilder>(config_of(sc, fs::DeviceProps::cpu()));
   be::MetadataBuilder& mb = *owned;
-  const be::AttentionMetadata& md = mb.build(common_of(sc, b, b.table, b.slots), prefix_hint);
+  const be::AttentionMetadata& md = step(mb, common_of(sc, b, b.table, b.slots));
   const be::AttentionLayer layer(sc.spec);
   std::vector<unsigned char> ws(layer.workspace_bytes(mb.config()));
   be::KvCache cache{o.kc.ref, o.vc.ref, {}, {}, {}};
@@ -297,26 +307,43 @@ struct GpuRun {
   }
 };
 
-// Builds and runs the scenario on both devices; `check` sees the device metadata first.
+std::vector<int64_t> download_i64(const TensorRef& t) {
+  std::vector<int64_t> v(size_t(t.numel()));
+  if (!v.empty()) EXPECT_EQ(cudaMemcpy(v.data(), t.data, v.size() * 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  return v;
+}
+
+std::vector<int64_t> host_i64(const TensorRef& t) {
+  std::vector<int64_t> v(size_t(t.numel()));
+  for (int64_t i = 0; i < t.numel(); ++i) v[size_t(i)] = *static_cast<const int64_t*>(t.at(i));
+  return v;
+}
+
+// Builds (by `step`) and runs the scenario on both devices; `check` sees the device metadata
+// first. The device metadata must equal the host metadata (every part, and slot_mapping).
 template <class Check>
-void compare(const Scenario& sc, int64_t prefix_hint, Check check) {
+void compare(const Scenario& sc, const StepFn& step, Check check) {
   auto rng = fstest::make_rng(fstest::test_salt());
   const Batch b = make_batch(sc, rng);
   be::AttentionMetadata host_md;
   std::unique_ptr<be::MetadataBuilder> host_builder;  // host_md's views live in its buffers
-  const Outcome want = run_cpu(sc, b, prefix_hint, &host_md, &host_builder);
+  const Outcome want = run_cpu(sc, b, step, &host_md, &host_builder);
 
   GpuRun g(sc, b);
   be::MetadataBuilder mb(g.config());
-  const be::AttentionMetadata& md = mb.build(common_of(sc, b, g.table.ref, g.slots.ref), prefix_hint);
+  const be::AttentionMetadata& md = step(mb, common_of(sc, b, g.table.ref, g.slots.ref));
   check(md);
   ASSERT_EQ(cudaStreamSynchronize(g.stream), cudaSuccess);
   for (const auto& [d, h, name] : {std::tuple{&md.decode, &host_md.decode, "decode"},
                                    {&md.prefill, &host_md.prefill, "prefill"},
                                    {&md.cascade.prefix, &host_md.cascade.prefix, "cascade prefix"},
                                    {&md.cascade.suffix, &host_md.cascade.suffix, "cascade suffix"},
-                                   {&md.local.part, &host_md.local.part, "local"}})
+                                   {&md.local.part, &host_md.local.part, "local"},
+                                   {&md.tree.prefix, &host_md.tree.prefix, "tree prefix"},
+                                   {&md.tree.tree, &host_md.tree.tree, "tree"}})
     expect_same_part(*d, *h, name);
+  EXPECT_EQ(md.slot_mapping.device.type, fs::DeviceType::cuda);
+  EXPECT_EQ(download_i64(md.slot_mapping), host_i64(host_md.slot_mapping));
   g.forward(md);
   const Outcome got = g.download();
   fstest::expect_rows_close(got.out, want.out, b.T, 2e-2, 2e-2);
@@ -351,7 +378,7 @@ TEST(GpuLayer, DecodeAndPrefillParts) {
     SCOPED_TRACE(layout == fs::KvLayout::nhd ? "NHD" : "HND");
     be::LayerSpec spec = make_spec(8, 2, 128);
     spec.kv_layout = layout;
-    compare(mixed_batch(spec), 0, [](const be::AttentionMetadata& md) {
+    compare(mixed_batch(spec), plain_build(0), [](const be::AttentionMetadata& md) {
       EXPECT_EQ(md.num_decodes, 3);
       EXPECT_FALSE(md.decode.empty());
       EXPECT_FALSE(md.prefill.empty());
@@ -364,7 +391,7 @@ TEST(GpuLayer, Fp8Caches) {
     SCOPED_TRACE(fs::kv_cache_dtype_name(dt));
     be::LayerSpec spec = make_spec(8, 2, 128);
     spec.kv_cache_dtype = dt;
-    compare(mixed_batch(spec), 0, [](const be::AttentionMetadata&) {});
+    compare(mixed_batch(spec), plain_build(0), [](const be::AttentionMetadata&) {});
   }
 }
 
@@ -384,7 +411,7 @@ TEST(GpuLayer, Cascade) {
     const Batch b = make_batch(sc, rng2);
     be::AttentionMetadata host_md;
     std::unique_ptr<be::MetadataBuilder> host_builder;  // host_md's views live in its buffers
-    const Outcome want = run_cpu(sc, b, sc.prefix + 7, &host_md, &host_builder);
+    const Outcome want = run_cpu(sc, b, plain_build(sc.prefix + 7), &host_md, &host_builder);
     ASSERT_TRUE(host_md.cascade.enabled);
     Scenario dsc = sc;
     if (variant == 1) dsc.spec.sinks = dsinks.ref;
@@ -409,7 +436,7 @@ TEST(GpuLayer, ChunkedLocal) {
   sc.spec = spec;
   sc.q_lens = {1, 1, 4, 10, 45, 70};
   sc.seq_lens = {33, 64, 6, 77, 45, 150};
-  compare(sc, 0, [](const be::AttentionMetadata& md) { EXPECT_TRUE(md.local.enabled); });
+  compare(sc, plain_build(0), [](const be::AttentionMetadata& md) { EXPECT_TRUE(md.local.enabled); });
 }
 
 // ---------------------------------------------------------------- builder properties
@@ -439,21 +466,66 @@ TEST(GpuLayer, RebuildKeepsDevicePointers) {
   EXPECT_EQ(download_i32(second.decode.seqused_k), (std::vector<int32_t>{41, 2, 131}));
 }
 
-TEST(GpuLayer, HostOnlyFeaturesSayNotImplemented) {
-  auto rng = fstest::make_rng(fstest::test_salt());
+// Tree verify with CUDA metadata: the draft paths' slots come from the device block table.
+TEST(GpuLayer, TreeVerify) {
   Scenario sc = mixed_batch(make_spec(8, 2, 128));
-  sc.q_lens = {1, 1, 1};
-  sc.seq_lens = {40, 1, 130};
+  sc.q_lens = {1, 1, 3, 4};  // decodes first
+  sc.seq_lens = {17, 9, 40, 130};
+  static const std::vector<int32_t> num_drafts{1, 0, 3, 3}, parents{-1, -1, 0, 0, -1, 0, 1};
+  const StepFn step = [](be::MetadataBuilder& mb, const be::CommonMetadata& cm) -> const be::AttentionMetadata& {
+    const be::DraftTree tree{parents, num_drafts};
+    return mb.build(cm, 0, &tree);
+  };
+  compare(sc, step, [](const be::AttentionMetadata& md) {
+    EXPECT_TRUE(md.tree.enabled);
+    EXPECT_EQ(md.tree.tree.num_reqs, 9);
+  });
+}
+
+// Multi-step decode with CUDA metadata: the new slot_mapping computed on the device.
+TEST(GpuLayer, AdvanceDecodeStep) {
+  for (const int dcp : {1, 2}) {
+    SCOPED_TRACE("dcp world " + std::to_string(dcp));
+    Scenario sc = mixed_batch(make_spec(8, 2, 128));
+    sc.q_lens = {1, 1, 1};
+    sc.seq_lens = {40, 2, 130};
+    // The previous step's build (one token shorter), advanced: the batch's step, whose slots
+    // the engine's slot_mapping holds (checked against the host builder's).
+    const StepFn step = [sc](be::MetadataBuilder& mb, const be::CommonMetadata& cm) -> const be::AttentionMetadata& {
+      std::vector<int32_t> before = sc.seq_lens;
+      for (int32_t& len : before) --len;
+      be::CommonMetadata prev = cm;
+      prev.seq_lens = before;
+      mb.build(prev);
+      return mb.advance_decode_step();
+    };
+    if (dcp == 1) {
+      compare(sc, step, [](const be::AttentionMetadata& md) { EXPECT_EQ(md.num_decodes, 3); });
+      continue;
+    }
+    // DCP rank 1 of 2: the metadata (slots -1 off this rank) against the host builder's.
+    auto rng = fstest::make_rng(fstest::test_salt());
+    const Batch b = make_batch(sc, rng);
+    GpuRun g(sc, b);
+    be::BuilderConfig hc = config_of(sc, fs::DeviceProps::cpu()), dc = g.config();
+    hc.dcp_world_size = dc.dcp_world_size = 2;
+    hc.dcp_rank = dc.dcp_rank = 1;
+    be::MetadataBuilder host(hc), dev(dc);
+    const be::AttentionMetadata& hm = step(host, common_of(sc, b, b.table, b.slots));
+    const be::AttentionMetadata& dm = step(dev, common_of(sc, b, g.table.ref, g.slots.ref));
+    ASSERT_EQ(cudaStreamSynchronize(g.stream), cudaSuccess);
+    expect_same_part(dm.decode, hm.decode, "decode");
+    EXPECT_EQ(download_i64(dm.slot_mapping), host_i64(hm.slot_mapping));
+  }
+}
+
+TEST(GpuLayer, MixedDevicesAreRejected) {
+  auto rng = fstest::make_rng(fstest::test_salt());
+  const Scenario sc = mixed_batch(make_spec(8, 2, 128));
   const Batch b = make_batch(sc, rng);
   GpuRun g(sc, b);
   be::MetadataBuilder mb(g.config());
-  const be::CommonMetadata cm = common_of(sc, b, g.table.ref, g.slots.ref);
-  mb.build(cm);
-  EXPECT_THROW(mb.advance_decode_step(), fs::NotImplemented);
-  const std::vector<int32_t> num_drafts{1, 0, 1}, parents{-1, -1};
-  const be::DraftTree tree{parents, num_drafts};
-  EXPECT_THROW(mb.build(cm, 0, &tree), fs::NotImplemented);
-  be::CommonMetadata mixed = cm;
+  be::CommonMetadata mixed = common_of(sc, b, g.table.ref, g.slots.ref);
   mixed.slot_mapping = b.slots.ref;  // host slots beside a device table
   EXPECT_THROW(mb.build(mixed), fs::Error);
 }
