@@ -161,11 +161,12 @@ class FlashServeMetadataBuilder:
         return self.build(metadata.common_prefix_len, common, draft_tree=metadata.draft_tree)
 
     def advance_decode_step(self) -> FlashServeMetadata:
-        """Multi-step decode on host metadata: the last decode-only build advanced by one token
-        per request (slots from the block table into the builder's own buffer)."""
+        """Multi-step decode: the last decode-only build advanced by one token per request
+        (slots from the block table into the builder's own buffer; on CUDA computed on the device)."""
         if self._generation == 0:
             raise ValueError("advance_decode_step: expected a build first, got none")
-        handle = self._c.advance_decode_step()
+        with self._on_builder_stream():
+            handle = self._c.advance_decode_step()
         last = self._last
         seq_lens = last.seq_lens_cpu if last.seq_lens_cpu is not None else last.seq_lens
         common = replace(last, seq_lens=seq_lens + 1, seq_lens_cpu=seq_lens + 1,
