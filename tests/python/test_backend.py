@@ -373,7 +373,7 @@ def test_draft_tree_verify(case, device):
             while d >= 0:
                 visible.append(tip + 1 + d)
                 d = ps[d]
-            idx = torch.tensor(sorted(visible))
+            idx = torch.tensor(sorted(visible), device=s.keys[r].device)
             ref[row:row + 1] = attention_ref(s.q[row:row + 1].float(), s.keys[r][idx], s.values[r][idx],
                                              scale=impl.scale)[0]
     check_out(case, "output", out, ref, max(seq_lens))
