@@ -373,9 +373,10 @@ def test_draft_tree_verify(case, device):
             while d >= 0:
                 visible.append(tip + 1 + d)
                 d = ps[d]
-            idx = torch.tensor(sorted(visible), device=s.keys[r].device)
-            ref[row:row + 1] = attention_ref(s.q[row:row + 1].float(), s.keys[r][idx], s.values[r][idx],
-                                             scale=impl.scale)[0]
+            keys, values = s.keys[r], s.values[r]  # the step's host copies
+            idx = torch.tensor(sorted(visible), device=keys.device)
+            ref[row:row + 1] = attention_ref(s.q[row:row + 1].float().to(keys.device), keys[idx], values[idx],
+                                             scale=impl.scale)[0].to(ref.device)
     check_out(case, "output", out, ref, max(seq_lens))
     chain = reference(s, scale=impl.scale)[st[0]:st[1]]
     check_out(case, "chain output (causal)", out[st[0]:st[1]], chain, max(seq_lens))
