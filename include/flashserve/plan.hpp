@@ -80,8 +80,8 @@ int choose_num_splits(const ProblemShape& shape, const DeviceProps& dev, int req
 
 // On CUDA, the most split partial rows (splits x total_q x H) a plan may hold: a bound on the
 // split-KV workspace, (Dv + 1) x 4 bytes per row, independent of the batch capacity (the
-// heuristic splits only small row counts: decode-like shapes up to 4 waves of resident CTAs of
-// 16 packed rows; 2x that). H200: 33,792 rows, 17 MB at Dv = 128.
+// heuristic splits only small row counts: decode-like shapes up to 2 waves of resident CTAs of
+// 16 packed rows; 2x that). H200: 16,896 rows, 8.7 MB at Dv = 128.
 int64_t max_split_rows(const DeviceProps& dev);
 
 // Plan for a shape: split count and workspace (split_workspace of splits x total_q x H rows).

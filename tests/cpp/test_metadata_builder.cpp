@@ -454,17 +454,20 @@ TEST(MetadataBuilder, MaxWorkspaceBytes) {
   be::BuilderConfig c = base_config();
   c.layer.head_size_v = 0;
   c.max_num_splits = 8;
-  be::MetadataBuilder b(c);
-  // 8 splits x 512 rows x 8 heads: o_partial fp32 [8, 512, 8, 64], then lse_partial [8, 512, 8].
-  const size_t o = 8ull * 512 * 8 * 64 * 4, lse = 8ull * 512 * 8 * 4;
-  const size_t aligned = (o + fs::kWorkspaceAlign - 1) / fs::kWorkspaceAlign * fs::kWorkspaceAlign;
-  EXPECT_EQ(b.max_workspace_bytes(), aligned + lse);
-  // DCP doubles the call's heads: 65536 partial rows, capped at the device's max_split_rows.
+  c.max_num_tokens = 256;
+  // 8 splits x 256 rows x 8 heads: o_partial fp32 [16384, 64], then lse_partial [16384]; a CPU
+  // config sizes for an H200, whose max_split_rows (16,896) this stays under.
+  const size_t rows = 8ull * 256 * 8;
+  ASSERT_LE(rows, size_t(fs::max_split_rows(fs::DeviceProps::h200())));
+  const auto bytes = [](size_t n) {
+    return (n * 64 * 4 + fs::kWorkspaceAlign - 1) / fs::kWorkspaceAlign * fs::kWorkspaceAlign + n * 4;
+  };
+  EXPECT_EQ(be::MetadataBuilder(c).max_workspace_bytes(), bytes(rows));
+  // DCP doubles the call's heads: 32768 partial rows, capped at the device's max_split_rows.
   c.dcp_world_size = 2;
-  const size_t rows = size_t(fs::max_split_rows(fs::DeviceProps::h200()));  // a CPU config sizes for an H200
-  ASSERT_LT(rows, 2ull * 8 * 512 * 8);
-  const size_t o2 = (rows * 64 * 4 + fs::kWorkspaceAlign - 1) / fs::kWorkspaceAlign * fs::kWorkspaceAlign;
-  EXPECT_EQ(be::MetadataBuilder(c).max_workspace_bytes(), o2 + rows * 4);
+  const size_t cap = size_t(fs::max_split_rows(fs::DeviceProps::h200()));
+  ASSERT_LT(cap, 2 * rows);
+  EXPECT_EQ(be::MetadataBuilder(c).max_workspace_bytes(), bytes(cap));
 }
 
 // ---------------------------------------------------------------- replay

@@ -35,8 +35,8 @@
 // q_len 4 x group 4) shared memory is ~118 KB: 1 CTA per SM, and the FMA issue rate binds.
 // A warp's tile is a long dependent chain (table load, copies, q.k, shuffle reductions, p.v),
 // so throughput scales with resident warps: the planner splits decode shapes until
-// (B x H_kv x splits) fills 2 CTAs per SM for ~4 waves (plan.cpp, stream_splits), e.g.
-// B=16, L=8k: 8 splits of 1024 keys (1024 CTAs) instead of 128 CTAs on 132 SMs.
+// (B x H_kv x splits) fills 2 CTAs per SM for ~2 waves, splits of >= 1024 keys (plan.cpp,
+// stream_splits), e.g. B=16, L=8k: 4 splits of 2048 keys (512 CTAs) instead of 128 CTAs.
 #pragma once
 
 #include <cstdint>
