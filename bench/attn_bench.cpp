@@ -6,10 +6,15 @@
 //              [--row-budget-s S] [--seed N] SPEC...
 //   SPEC  name=prefill_d128_s2k_causal,op=prefill,B=8,S=2048,H=16,Hkv=16,D=128,causal=1
 //         name=decode_b64_l4k_bs16,op=decode,B=64,L=4096,H=32,Hkv=8,D=128,block=16,kv=bf16
+//         name=shared_b64_p4k,op=shared_prefix,B=64,L=4352,P=4096,H=32,Hkv=8,D=128,cascade=1
 //
 // prefill: varlen_attention, q/k/v [B*S, H(kv), D] bf16, cu_seqlens every S tokens.
 // decode:  kvcache_attention, q [B, 1, H, D] bf16, paged NHD caches [blocks, block, Hkv, D]
 //          (kv = bf16 or fp8 e4m3, descales absent), block tables shuffled over the pool.
+// shared_prefix: one decode step of B requests through the backend layer (MetadataBuilder with
+//          CUDA metadata, AttentionLayer::forward incl. the cache write), each context the same
+//          P-token prefix (shared blocks) plus L - P tokens of its own; cascade=0 keeps the
+//          builder on split-KV decode. One input set (the shared prefix is meant to be hot).
 // Inputs are random (never zeros), generated on the host and copied to the device. Input sets
 // rotate so that consecutive runs touch different memory (at least 2 sets, and together more
 // than 3x the L2). Timing: CUDA events around each call after warm-up; the calls are queued
@@ -28,6 +33,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -37,6 +43,7 @@
 #include <vector>
 
 #include "flashserve/attention.hpp"
+#include "flashserve/backend.hpp"
 #include "flashserve/status.hpp"
 #include "kernels/device_info.hpp"
 
@@ -79,7 +86,9 @@ class DeviceBuffer {
 struct Spec {
   std::string name, op, kv = "bf16";
   int64_t B = 0, S = 0, L = 0, H = 0, Hkv = 0, D = 0, block = 16;
+  int64_t P = 0;         // shared_prefix: tokens every request shares (whole blocks)
   bool causal = false;
+  bool cascade = true;   // shared_prefix: let the builder take the cascade path
 };
 
 Spec parse_spec(const std::string& text) {
@@ -98,14 +107,18 @@ Spec parse_spec(const std::string& text) {
   auto str = [&](const char* key, std::string& dst) {
     if (auto it = kv.find(key); it != kv.end()) dst = it->second, kv.erase(it);
   };
-  int64_t causal = 0;
+  int64_t causal = 0, cascade = 1;
   str("name", s.name), str("op", s.op), str("kv", s.kv);
   num("B", s.B), num("S", s.S), num("L", s.L), num("H", s.H), num("Hkv", s.Hkv), num("D", s.D);
-  num("block", s.block), num("causal", causal);
+  num("block", s.block), num("causal", causal), num("P", s.P), num("cascade", cascade);
   s.causal = causal != 0;
+  s.cascade = cascade != 0;
   if (!kv.empty()) throw std::invalid_argument("unknown spec key: " + kv.begin()->first);
   if (s.name.empty()) throw std::invalid_argument("spec without name");
-  if (s.op != "prefill" && s.op != "decode") throw std::invalid_argument("op: expected prefill or decode, got " + s.op);
+  if (s.op != "prefill" && s.op != "decode" && s.op != "shared_prefix")
+    throw std::invalid_argument("op: expected prefill, decode or shared_prefix, got " + s.op);
+  if (s.op == "shared_prefix" && (s.P < 0 || s.P % s.block != 0 || s.P >= s.L))
+    throw std::invalid_argument("P: expected whole blocks shorter than L, got " + std::to_string(s.P));
   if (s.kv != "bf16" && s.kv != "fp8") throw std::invalid_argument("kv: expected bf16 or fp8, got " + s.kv);
   const bool bad = s.B <= 0 || s.H <= 0 || s.Hkv <= 0 || s.D <= 0 || s.block <= 0 ||
                    (s.op == "prefill" ? s.S <= 0 : s.L <= 0);
@@ -268,6 +281,76 @@ BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
   return c;
 }
 
+// ---------------------------------------------------------------- backend step (shared prefix)
+
+struct StepCase {
+  BenchCase c;  // the buffers
+  backend::BuilderConfig config;
+  std::unique_ptr<backend::MetadataBuilder> builder;
+  std::unique_ptr<backend::AttentionLayer> layer;
+  const backend::AttentionMetadata* md = nullptr;
+  backend::KvCache cache;
+  TensorRef q, key, value, out;
+  std::vector<int32_t> qsl, seq_lens;
+};
+
+std::unique_ptr<StepCase> make_shared_prefix(const Spec& s, Device dev, const DeviceProps& props, cudaStream_t stream,
+                                             uint64_t seed) {
+  auto st = std::make_unique<StepCase>();
+  BenchCase& c = st->c;
+  const int64_t bs = s.block, shared = s.P / bs, per_seq = (s.L + bs - 1) / bs, own = per_seq - shared;
+  const int64_t pool = shared + s.B * own;
+  const int64_t cache_elems = pool * bs * s.Hkv * s.D;
+  st->cache.key_cache = TensorRef::contiguous(alloc_random(c, cache_elems, DType::bf16), DType::bf16,
+                                              {pool, bs, s.Hkv, s.D}, dev);
+  st->cache.value_cache = TensorRef::contiguous(alloc_random(c, cache_elems, DType::bf16), DType::bf16,
+                                                {pool, bs, s.Hkv, s.D}, dev);
+  std::vector<int32_t> own_ids(static_cast<size_t>(s.B * own));
+  std::iota(own_ids.begin(), own_ids.end(), int32_t(shared));
+  std::shuffle(own_ids.begin(), own_ids.end(), std::mt19937_64(seed));
+  std::vector<int32_t> table(static_cast<size_t>(s.B * per_seq));
+  std::vector<int64_t> slots(static_cast<size_t>(s.B));
+  for (int64_t b = 0; b < s.B; ++b) {
+    for (int64_t j = 0; j < per_seq; ++j)
+      table[size_t(b * per_seq + j)] = j < shared ? int32_t(j) : own_ids[size_t(b * own + j - shared)];
+    slots[size_t(b)] = int64_t(table[size_t(b * per_seq + (s.L - 1) / bs)]) * bs + (s.L - 1) % bs;
+  }
+  void* table_dev = alloc(c, table.size() * 4);
+  upload_i32(table_dev, table);
+  void* slots_dev = alloc(c, slots.size() * 8);
+  cuda_ok(cudaMemcpy(slots_dev, slots.data(), slots.size() * 8, cudaMemcpyHostToDevice), "cudaMemcpy (slots)");
+  auto random_rows = [&](int64_t heads) {
+    return TensorRef::contiguous(alloc_random(c, s.B * heads * s.D, DType::bf16), DType::bf16, {s.B, heads, s.D}, dev);
+  };
+  st->q = random_rows(s.H), st->key = random_rows(s.Hkv), st->value = random_rows(s.Hkv);
+  st->out = TensorRef::contiguous(alloc(c, size_t(s.B * s.H * s.D) * 2), DType::bf16, {s.B, s.H, s.D}, dev);
+  c.out0 = st->out;
+
+  backend::LayerSpec& spec = st->config.layer;
+  spec.num_heads = s.H, spec.num_kv_heads = s.Hkv, spec.head_size = s.D, spec.dtype = DType::bf16;
+  st->config.block_size = bs;
+  st->config.enable_cascade = s.cascade;
+  st->config.device = props;
+  st->config.max_num_reqs = st->config.max_num_tokens = s.B;
+  st->config.max_blocks_per_req = per_seq;
+  st->config.stream = stream;
+  st->builder = std::make_unique<backend::MetadataBuilder>(st->config);
+  st->layer = std::make_unique<backend::AttentionLayer>(spec);
+  st->qsl.resize(size_t(s.B) + 1);
+  std::iota(st->qsl.begin(), st->qsl.end(), 0);
+  st->seq_lens.assign(size_t(s.B), int32_t(s.L));
+  backend::CommonMetadata cm;
+  cm.num_reqs = cm.num_actual_tokens = s.B;
+  cm.max_query_len = 1;
+  cm.max_seq_len = s.L;
+  cm.query_start_loc = st->qsl;
+  cm.seq_lens = st->seq_lens;
+  cm.block_table = TensorRef::contiguous(table_dev, DType::i32, {s.B, per_seq}, dev);
+  cm.slot_mapping = TensorRef::contiguous(slots_dev, DType::i64, {s.B}, dev);
+  st->md = &st->builder->build(cm, s.P);
+  return st;
+}
+
 // ---------------------------------------------------------------- timing
 
 struct TimingOptions {
@@ -427,6 +510,62 @@ struct Options {
   std::vector<std::string> specs;
 };
 
+// One attention call (op prefill / decode), timed over rotating input sets.
+void run_attention(const Spec& s, const Options& o, const cudaDeviceProp& prop, const DeviceProps& props,
+                   cudaStream_t stream, Row& row) {
+  const Device dev{DeviceType::cuda, o.device};
+  size_t free_b = 0, total_b = 0;
+  cuda_ok(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
+  const size_t budget = free_b / 10 * 7;
+  const bool decode = s.op == "decode";
+  const size_t set_bytes = decode ? decode_set_bytes(s) : prefill_set_bytes(s);
+  const int nsets = choose_sets(set_bytes, size_t(prop.l2CacheSize), budget);
+  if (set_bytes * size_t(nsets) > budget)
+    throw std::invalid_argument(detail::cat("inputs of ", set_bytes >> 20, " MiB do not fit in ", budget >> 20, " MiB"));
+  const uint64_t seed = splitmix64(o.seed ^ std::hash<std::string>{}(s.name));
+  BenchCase c = decode ? make_decode(s, nsets, dev, seed) : make_prefill(s, nsets, dev);
+  row.sets = nsets;
+  const Plan plan = c.batched ? plan_kvcache_attention(c.sets[0], props) : plan_varlen_attention(c.sets[0], props);
+  row.kernel = served_by(c.sets[0], c.batched, props);
+  row.num_splits = plan.num_splits;
+  DeviceBuffer workspace(plan.workspace.total_bytes);
+  for (size_t i = 0; i < c.fills.size(); ++i)
+    fill_random(c.fills[i].ptr, c.fills[i].n, c.fills[i].t, splitmix64(seed + i));
+  ExecContext ctx;
+  ctx.stream = stream;
+  ctx.workspace = workspace.get();
+  ctx.workspace_bytes = workspace.bytes();
+  ctx.plan = &plan;
+  auto call = [&](int set) {
+    if (c.batched) kvcache_attention(c.sets[size_t(set)], ctx);
+    else varlen_attention(c.sets[size_t(set)], ctx);
+  };
+  row.t = time_calls(call, nsets, stream, o.timing);
+  row.out_check = check_output(c.out0);
+  row.status = "ok";
+}
+
+// One backend decode step (op shared_prefix): the builder's plan, then AttentionLayer::forward.
+void run_step(const Spec& s, const Options& o, const DeviceProps& props, cudaStream_t stream, Row& row) {
+  const Device dev{DeviceType::cuda, o.device};
+  const uint64_t seed = splitmix64(o.seed ^ std::hash<std::string>{}(s.name));
+  std::unique_ptr<StepCase> st = make_shared_prefix(s, dev, props, stream, seed);
+  for (size_t i = 0; i < st->c.fills.size(); ++i)
+    fill_random(st->c.fills[i].ptr, st->c.fills[i].n, st->c.fills[i].t, splitmix64(seed + i));
+  const backend::AttentionMetadata& md = *st->md;
+  row.kernel = md.cascade.enabled ? "cascade" : "split_kv";
+  row.num_splits = md.cascade.enabled ? md.cascade.suffix.plan.num_splits : md.decode.plan.num_splits;
+  row.sets = 1;
+  DeviceBuffer ws(st->layer->workspace_bytes(st->config));
+  const backend::LayerWorkspace lw{ws.get(), ws.bytes(), dev};
+  ExecContext ctx;
+  ctx.stream = stream;
+  auto call = [&](int) { st->layer->forward(md, st->q, st->key, st->value, &st->cache, st->out, lw, ctx); };
+  row.t = time_calls(call, 1, stream, o.timing);
+  row.out_check = check_output(st->out);
+  row.status = "ok";
+}
+
 // Runs one spec; returns false when a CUDA error may have poisoned the context.
 bool run_spec(const std::string& text, const Options& o, const cudaDeviceProp& prop, cudaStream_t stream) {
   Row row;
@@ -435,38 +574,12 @@ bool run_spec(const std::string& text, const Options& o, const cudaDeviceProp& p
   try {
     const Spec s = parse_spec(text);
     row.config = s.name;
-    const Device dev{DeviceType::cuda, o.device};
     const DeviceProps props = kernels::cuda_device_props(o.device);
-    size_t free_b = 0, total_b = 0;
-    cuda_ok(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
-    const size_t budget = free_b / 10 * 7;
-    const bool decode = s.op == "decode";
-    const size_t set_bytes = decode ? decode_set_bytes(s) : prefill_set_bytes(s);
-    const int nsets = choose_sets(set_bytes, size_t(prop.l2CacheSize), budget);
-    if (set_bytes * size_t(nsets) > budget)
-      throw std::invalid_argument(
-          detail::cat("inputs of ", set_bytes >> 20, " MiB do not fit in ", budget >> 20, " MiB"));
-    const uint64_t seed = splitmix64(o.seed ^ std::hash<std::string>{}(s.name));
-    BenchCase c = decode ? make_decode(s, nsets, dev, seed) : make_prefill(s, nsets, dev);
-    row.sets = nsets;
-    const Plan plan = c.batched ? plan_kvcache_attention(c.sets[0], props) : plan_varlen_attention(c.sets[0], props);
-    row.kernel = served_by(c.sets[0], c.batched, props);
-    row.num_splits = plan.num_splits;
-    DeviceBuffer workspace(plan.workspace.total_bytes);
-    for (size_t i = 0; i < c.fills.size(); ++i)
-      fill_random(c.fills[i].ptr, c.fills[i].n, c.fills[i].t, splitmix64(seed + i));
-    ExecContext ctx;
-    ctx.stream = stream;
-    ctx.workspace = workspace.get();
-    ctx.workspace_bytes = workspace.bytes();
-    ctx.plan = &plan;
-    auto call = [&](int set) {
-      if (c.batched) kvcache_attention(c.sets[size_t(set)], ctx);
-      else varlen_attention(c.sets[size_t(set)], ctx);
-    };
-    row.t = time_calls(call, nsets, stream, o.timing);
-    row.out_check = check_output(c.out0);
-    row.status = "ok";
+    if (s.op == "shared_prefix") {
+      run_step(s, o, props, stream, row);
+    } else {
+      run_attention(s, o, prop, props, stream, row);
+    }
   } catch (const NotImplemented& e) {
     row.status = "not_implemented", row.error = e.what();
   } catch (const Error& e) {

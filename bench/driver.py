@@ -34,8 +34,8 @@ class Config:
     """One named configuration. prefill: varlen, q_len = kv_len = S per sequence; decode: one
     query per sequence over a paged cache of L tokens in blocks of `block`."""
     name: str
-    family: str          # prefill | paged_decode | small_pages | fp8_decode
-    op: str              # prefill | decode
+    family: str          # prefill | paged_decode | small_pages | fp8_decode | shared_prefix
+    op: str              # prefill | decode | shared_prefix (a backend decode step, shared context)
     B: int
     H: int
     Hkv: int
@@ -44,6 +44,8 @@ class Config:
     L: int = 0
     block: int = 16
     kv: str = "bf16"     # KV element type: bf16 | fp8 (e4m3)
+    P: int = 0           # shared_prefix: tokens of L every request shares
+    cascade: bool = True # shared_prefix: the builder may take the cascade path
     causal: bool = False
     peers: tuple = ()    # peers (besides flashserve) that run it
     quick: bool = False  # part of --quick
@@ -69,6 +71,9 @@ class Config:
     def shape(self) -> str:
         if self.op == "prefill":
             return f"B={self.B} S={self.S} H={self.H} D={self.D}{' causal' if self.causal else ''}"
+        if self.op == "shared_prefix":
+            return (f"B={self.B} L={self.L} (prefix {self.P}) H={self.H}/{self.Hkv} D={self.D} block={self.block}"
+                    f" {'cascade' if self.cascade else 'split-KV'}")
         return f"B={self.B} L={self.L} H={self.H}/{self.Hkv} D={self.D} block={self.block} kv={self.kv}"
 
     def spec(self) -> str:
@@ -76,6 +81,8 @@ class Config:
         common = f"name={self.name},op={self.op},B={self.B},H={self.H},Hkv={self.Hkv},D={self.D}"
         if self.op == "prefill":
             return f"{common},S={self.S},causal={int(self.causal)}"
+        if self.op == "shared_prefix":
+            return f"{common},L={self.L},P={self.P},block={self.block},cascade={int(self.cascade)}"
         return f"{common},L={self.L},block={self.block},kv={self.kv}"
 
 
@@ -105,6 +112,12 @@ def all_configs() -> list[Config]:
     for b, l in decode_shapes:
         out.append(Config(name=f"decode_fp8_b{b}_l{_k(l)}_bs16", family="fp8_decode", B=b, L=l, block=16,
                           kv="fp8", quick=b == 64, **common))
+    # Shared prefix: B decodes whose contexts share P tokens, 256 of their own; one backend step.
+    for b, p in ((64, 4096), (256, 4096), (64, 32768), (256, 32768)):
+        for cascade in (True, False):
+            out.append(Config(name=f"shared_b{b}_p{_k(p)}_{'cascade' if cascade else 'split'}",
+                              family="shared_prefix", op="shared_prefix", B=b, L=p + 256, P=p, block=16,
+                              H=32, Hkv=8, D=128, cascade=cascade, quick=b == 64 and p == 4096))
     return out
 
 
@@ -211,6 +224,10 @@ def add_figures(rows: list[dict], configs: list[Config], header: dict) -> None:
                 bf16 = c.name.replace("decode_fp8_", "decode_")
                 if (bf16, "flashserve") in times:
                     r["vs_bf16"] = times[(bf16, "flashserve")] / r["time_ms"]
+            if c.op == "shared_prefix" and c.cascade:
+                split = c.name.replace("_cascade", "_split")
+                if (split, "flashserve") in times:
+                    r["vs_split"] = times[(split, "flashserve")] / r["time_ms"]
 
 
 def figure(r: dict | None) -> str:
@@ -237,7 +254,7 @@ def print_table(header: dict, configs: list[Config], rows: list[dict]) -> None:
     for c in configs:
         line = f"{c.name:28}" + "".join(f"{figure(cell.get((c.name, p))):>11}" for p in ALL_PEERS)
         fs = cell.get((c.name, "flashserve"), {})
-        ratio = fs.get("vs_best_peer", fs.get("vs_bf16"))
+        ratio = fs.get("vs_best_peer", fs.get("vs_bf16", fs.get("vs_split")))
         line += f"{ratio:9.2f}" if ratio is not None else f"{'-':>9}"
         frac = fs.get("frac_ceiling")
         line += f"{100 * frac:8.0f}%" if frac is not None else f"{'-':>9}"
@@ -250,7 +267,8 @@ def print_table(header: dict, configs: list[Config], rows: list[dict]) -> None:
         print("decode GQA: " + ", ".join(f"{p} {'/'.join(sorted(v))}" for p, v in gqa.items()))
     print("n/i: not implemented in flashserve; err: error in results.json; skip: time budget; n/a: infeasible "
           "formulation; !: flashserve output non-finite or all zeros;\nfs/best: best peer time / flashserve time "
-          "(fp8 rows: bf16 time / fp8 time); fs%ceil: of the GEMM (prefill) or copy (decode) ceiling")
+          "(fp8 rows: bf16 time / fp8 time; shared *_cascade rows: split-KV time / cascade time);\nfs%ceil: of the "
+          "GEMM (prefill) or copy (decode) ceiling")
 
 
 # ---------------------------------------------------------------- main
