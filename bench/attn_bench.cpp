@@ -7,6 +7,7 @@
 //   SPEC  name=prefill_d128_s2k_causal,op=prefill,B=8,S=2048,H=16,Hkv=16,D=128,causal=1
 //         name=decode_b64_l4k_bs16,op=decode,B=64,L=4096,H=32,Hkv=8,D=128,block=16,kv=bf16
 //         name=shared_b64_p4k,op=shared_prefix,B=64,L=4352,P=4096,H=32,Hkv=8,D=128,cascade=1
+//         name=mixed_b64,op=mixed_step,B=64,L=4096,NP=2,S=2048,C=8192,H=32,Hkv=8,D=128
 //
 // prefill: varlen_attention, q/k/v [B*S, H(kv), D] bf16, cu_seqlens every S tokens.
 // decode:  kvcache_attention, q [B, 1, H, D] bf16, paged NHD caches [blocks, block, Hkv, D]
@@ -15,6 +16,8 @@
 //          CUDA metadata, AttentionLayer::forward incl. the cache write), each context the same
 //          P-token prefix (shared blocks) plus L - P tokens of its own; cascade=0 keeps the
 //          builder on split-KV decode. One input set (the shared prefix is meant to be hot).
+// mixed_step: one backend step of B decodes (context L) and NP chunked prefills (S new tokens
+//          after C cached ones): the decode part and the prefill part of one forward.
 // Inputs are random (never zeros), generated on the host and copied to the device. Input sets
 // rotate so that consecutive runs touch different memory (at least 2 sets, and together more
 // than 3x the L2). Timing: CUDA events around each call after warm-up; the calls are queued
@@ -56,6 +59,7 @@ struct Spec {
   std::string name, op, kv = "bf16";
   int64_t B = 0, S = 0, L = 0, H = 0, Hkv = 0, D = 0, block = 16;
   int64_t P = 0;         // shared_prefix: tokens every request shares (whole blocks)
+  int64_t C = 0, NP = 2; // mixed_step: cached tokens of each of the NP chunked prefills (S new)
   bool causal = false;
   bool cascade = true;   // shared_prefix: let the builder take the cascade path
 };
@@ -80,12 +84,15 @@ Spec parse_spec(const std::string& text) {
   str("name", s.name), str("op", s.op), str("kv", s.kv);
   num("B", s.B), num("S", s.S), num("L", s.L), num("H", s.H), num("Hkv", s.Hkv), num("D", s.D);
   num("block", s.block), num("causal", causal), num("P", s.P), num("cascade", cascade);
+  num("C", s.C), num("NP", s.NP);
   s.causal = causal != 0;
   s.cascade = cascade != 0;
   if (!kv.empty()) throw std::invalid_argument("unknown spec key: " + kv.begin()->first);
   if (s.name.empty()) throw std::invalid_argument("spec without name");
-  if (s.op != "prefill" && s.op != "decode" && s.op != "shared_prefix")
-    throw std::invalid_argument("op: expected prefill, decode or shared_prefix, got " + s.op);
+  if (s.op != "prefill" && s.op != "decode" && s.op != "shared_prefix" && s.op != "mixed_step")
+    throw std::invalid_argument("op: expected prefill, decode, shared_prefix or mixed_step, got " + s.op);
+  if (s.op == "mixed_step" && (s.S <= 0 || s.C < 0 || s.NP < 0))
+    throw std::invalid_argument("mixed_step: expected S > 0, C >= 0, NP >= 0");
   if (s.op == "shared_prefix" && (s.P < 0 || s.P % s.block != 0 || s.P >= s.L))
     throw std::invalid_argument("P: expected whole blocks shorter than L, got " + std::to_string(s.P));
   if (s.kv != "bf16" && s.kv != "fp8") throw std::invalid_argument("kv: expected bf16 or fp8, got " + s.kv);
@@ -263,36 +270,46 @@ struct StepCase {
   std::vector<int32_t> qsl, seq_lens;
 };
 
-std::unique_ptr<StepCase> make_shared_prefix(const Spec& s, Device dev, const DeviceProps& props, cudaStream_t stream,
-                                             uint64_t seed) {
+// One backend step over a paged cache: request r has q_lens[r] new tokens ending its context of
+// seq_lens[r] (decodes first); the first `prefix` tokens (whole blocks) of every context share
+// blocks, the others are each request's own, shuffled over the pool.
+std::unique_ptr<StepCase> make_step_case(const Spec& s, const std::vector<int32_t>& q_lens,
+                                         const std::vector<int32_t>& seq_lens, int64_t prefix, Device dev,
+                                         const DeviceProps& props, cudaStream_t stream, uint64_t seed) {
   auto st = std::make_unique<StepCase>();
   BenchCase& c = st->c;
-  const int64_t bs = s.block, shared = s.P / bs, per_seq = (s.L + bs - 1) / bs, own = per_seq - shared;
-  const int64_t pool = shared + s.B * own;
-  const int64_t cache_elems = pool * bs * s.Hkv * s.D;
+  const int64_t R = int64_t(q_lens.size()), bs = s.block, shared = prefix / bs;
+  const int64_t T = std::accumulate(q_lens.begin(), q_lens.end(), int64_t(0));
+  int64_t width = 0, owned = 0;
+  for (int32_t len : seq_lens) width = std::max<int64_t>(width, (len + bs - 1) / bs), owned += (len + bs - 1) / bs - shared;
+  const int64_t pool = shared + owned, cache_elems = pool * bs * s.Hkv * s.D;
   st->cache.key_cache = TensorRef::contiguous(alloc_random(c, cache_elems, DType::bf16), DType::bf16,
                                               {pool, bs, s.Hkv, s.D}, dev);
   st->cache.value_cache = TensorRef::contiguous(alloc_random(c, cache_elems, DType::bf16), DType::bf16,
                                                 {pool, bs, s.Hkv, s.D}, dev);
-  std::vector<int32_t> own_ids(static_cast<size_t>(s.B * own));
+  std::vector<int32_t> own_ids(static_cast<size_t>(owned));
   std::iota(own_ids.begin(), own_ids.end(), int32_t(shared));
   std::shuffle(own_ids.begin(), own_ids.end(), std::mt19937_64(seed));
-  std::vector<int32_t> table(static_cast<size_t>(s.B * per_seq));
-  std::vector<int64_t> slots(static_cast<size_t>(s.B));
-  for (int64_t b = 0; b < s.B; ++b) {
-    for (int64_t j = 0; j < per_seq; ++j)
-      table[size_t(b * per_seq + j)] = j < shared ? int32_t(j) : own_ids[size_t(b * own + j - shared)];
-    slots[size_t(b)] = int64_t(table[size_t(b * per_seq + (s.L - 1) / bs)]) * bs + (s.L - 1) % bs;
+  std::vector<int32_t> table(static_cast<size_t>(R * width), 0);
+  std::vector<int64_t> slots;
+  st->qsl.assign(1, 0);
+  for (int64_t r = 0, next = 0; r < R; ++r) {
+    const int64_t len = seq_lens[size_t(r)], q = q_lens[size_t(r)];
+    for (int64_t j = 0; j < (len + bs - 1) / bs; ++j)
+      table[size_t(r * width + j)] = j < shared ? int32_t(j) : own_ids[size_t(next++)];
+    for (int64_t pos = len - q; pos < len; ++pos)
+      slots.push_back(int64_t(table[size_t(r * width + pos / bs)]) * bs + pos % bs);
+    st->qsl.push_back(st->qsl.back() + int32_t(q));
   }
   void* table_dev = alloc(c, table.size() * 4);
   upload_i32(table_dev, table);
   void* slots_dev = alloc(c, slots.size() * 8);
   cuda_ok(cudaMemcpy(slots_dev, slots.data(), slots.size() * 8, cudaMemcpyHostToDevice), "cudaMemcpy (slots)");
   auto random_rows = [&](int64_t heads) {
-    return TensorRef::contiguous(alloc_random(c, s.B * heads * s.D, DType::bf16), DType::bf16, {s.B, heads, s.D}, dev);
+    return TensorRef::contiguous(alloc_random(c, T * heads * s.D, DType::bf16), DType::bf16, {T, heads, s.D}, dev);
   };
   st->q = random_rows(s.H), st->key = random_rows(s.Hkv), st->value = random_rows(s.Hkv);
-  st->out = TensorRef::contiguous(alloc(c, size_t(s.B * s.H * s.D) * 2), DType::bf16, {s.B, s.H, s.D}, dev);
+  st->out = TensorRef::contiguous(alloc(c, size_t(T * s.H * s.D) * 2), DType::bf16, {T, s.H, s.D}, dev);
   c.out0 = st->out;
 
   backend::LayerSpec& spec = st->config.layer;
@@ -300,24 +317,34 @@ std::unique_ptr<StepCase> make_shared_prefix(const Spec& s, Device dev, const De
   st->config.block_size = bs;
   st->config.enable_cascade = s.cascade;
   st->config.device = props;
-  st->config.max_num_reqs = st->config.max_num_tokens = s.B;
-  st->config.max_blocks_per_req = per_seq;
+  st->config.max_num_reqs = R;
+  st->config.max_num_tokens = T;
+  st->config.max_blocks_per_req = width;
   st->config.stream = stream;
   st->builder = std::make_unique<backend::MetadataBuilder>(st->config);
   st->layer = std::make_unique<backend::AttentionLayer>(spec);
-  st->qsl.resize(size_t(s.B) + 1);
-  std::iota(st->qsl.begin(), st->qsl.end(), 0);
-  st->seq_lens.assign(size_t(s.B), int32_t(s.L));
+  st->seq_lens = seq_lens;
   backend::CommonMetadata cm;
-  cm.num_reqs = cm.num_actual_tokens = s.B;
-  cm.max_query_len = 1;
-  cm.max_seq_len = s.L;
+  cm.num_reqs = R;
+  cm.num_actual_tokens = T;
+  cm.max_query_len = *std::max_element(q_lens.begin(), q_lens.end());
+  cm.max_seq_len = *std::max_element(seq_lens.begin(), seq_lens.end());
   cm.query_start_loc = st->qsl;
   cm.seq_lens = st->seq_lens;
-  cm.block_table = TensorRef::contiguous(table_dev, DType::i32, {s.B, per_seq}, dev);
-  cm.slot_mapping = TensorRef::contiguous(slots_dev, DType::i64, {s.B}, dev);
-  st->md = &st->builder->build(cm, s.P);
+  cm.block_table = TensorRef::contiguous(table_dev, DType::i32, {R, width}, dev);
+  cm.slot_mapping = TensorRef::contiguous(slots_dev, DType::i64, {T}, dev);
+  st->md = &st->builder->build(cm, prefix);
   return st;
+}
+
+// The requests of a step spec: shared_prefix, B decodes of context L sharing P tokens;
+// mixed_step, B decodes of context L then NP chunked prefills of S new tokens on C cached ones.
+std::unique_ptr<StepCase> make_step_spec(const Spec& s, Device dev, const DeviceProps& props, cudaStream_t stream,
+                                         uint64_t seed) {
+  std::vector<int32_t> q_lens(size_t(s.B), 1), seq_lens(size_t(s.B), int32_t(s.L));
+  if (s.op == "mixed_step")
+    for (int64_t i = 0; i < s.NP; ++i) q_lens.push_back(int32_t(s.S)), seq_lens.push_back(int32_t(s.C + s.S));
+  return make_step_case(s, q_lens, seq_lens, s.op == "shared_prefix" ? s.P : 0, dev, props, stream, seed);
 }
 
 // ---------------------------------------------------------------- rows
@@ -402,15 +429,16 @@ void run_attention(const Spec& s, const Options& o, const cudaDeviceProp& prop, 
   row.status = "ok";
 }
 
-// One backend decode step (op shared_prefix): the builder's plan, then AttentionLayer::forward.
+// One backend step (op shared_prefix / mixed_step): the builder's metadata, then
+// AttentionLayer::forward (cache write included), timed.
 void run_step(const Spec& s, const Options& o, const DeviceProps& props, cudaStream_t stream, Row& row) {
   const Device dev{DeviceType::cuda, o.device};
   const uint64_t seed = splitmix64(o.seed ^ std::hash<std::string>{}(s.name));
-  std::unique_ptr<StepCase> st = make_shared_prefix(s, dev, props, stream, seed);
+  std::unique_ptr<StepCase> st = make_step_spec(s, dev, props, stream, seed);
   for (size_t i = 0; i < st->c.fills.size(); ++i)
     fill_random(st->c.fills[i].ptr, st->c.fills[i].n, st->c.fills[i].t, splitmix64(seed + i));
   const backend::AttentionMetadata& md = *st->md;
-  row.kernel = md.cascade.enabled ? "cascade" : "split_kv";
+  row.kernel = md.cascade.enabled ? "cascade" : md.prefill.empty() ? "decode" : "decode+prefill";
   row.num_splits = md.cascade.enabled ? md.cascade.suffix.plan.num_splits : md.decode.plan.num_splits;
   row.sets = 1;
   DeviceBuffer ws(st->layer->workspace_bytes(st->config));
@@ -432,7 +460,7 @@ bool run_spec(const std::string& text, const Options& o, const cudaDeviceProp& p
     const Spec s = parse_spec(text);
     row.config = s.name;
     const DeviceProps props = kernels::cuda_device_props(o.device);
-    if (s.op == "shared_prefix") {
+    if (s.op == "shared_prefix" || s.op == "mixed_step") {
       run_step(s, o, props, stream, row);
     } else {
       run_attention(s, o, prop, props, stream, row);

@@ -34,8 +34,8 @@ class Config:
     """One named configuration. prefill: varlen, q_len = kv_len = S per sequence; decode: one
     query per sequence over a paged cache of L tokens in blocks of `block`."""
     name: str
-    family: str          # prefill | paged_decode | small_pages | fp8_decode | shared_prefix
-    op: str              # prefill | decode | shared_prefix (a backend decode step, shared context)
+    family: str          # prefill | paged_decode | small_pages | fp8_decode | shared_prefix | mixed_step
+    op: str              # prefill | decode | shared_prefix, mixed_step (one backend step)
     B: int
     H: int
     Hkv: int
@@ -46,6 +46,8 @@ class Config:
     kv: str = "bf16"     # KV element type: bf16 | fp8 (e4m3)
     P: int = 0           # shared_prefix: tokens of L every request shares
     cascade: bool = True # shared_prefix: the builder may take the cascade path
+    C: int = 0           # mixed_step: cached tokens of each chunked prefill (S new ones)
+    NP: int = 0          # mixed_step: chunked prefills beside the B decodes
     causal: bool = False
     peers: tuple = ()    # peers (besides flashserve) that run it
     quick: bool = False  # part of --quick
@@ -55,7 +57,10 @@ class Config:
         """4·B·H·S²·D (÷2 causal) for prefill; 4·B·H·L·D for decode."""
         if self.op == "prefill":
             return 4.0 * self.B * self.H * self.S * self.S * self.D / (2 if self.causal else 1)
-        return 4.0 * self.B * self.H * self.L * self.D
+        decode = 4.0 * self.B * self.H * self.L * self.D
+        if self.op == "mixed_step":  # each prefill row i of S sees C + i + 1 keys
+            return decode + self.NP * 4.0 * self.H * self.D * self.S * (self.C + (self.S + 1) / 2)
+        return decode
 
     @property
     def kv_bytes(self) -> int:
@@ -65,8 +70,13 @@ class Config:
         return 2 * tokens * self.Hkv * self.D * elem
 
     @property
+    def compute_bound(self) -> bool:
+        """Figures in TFLOP/s against the GEMM ceiling (else KV GB/s against the copy ceiling)."""
+        return self.op in ("prefill", "mixed_step")
+
+    @property
     def metric(self) -> str:
-        return "TFLOP/s" if self.op == "prefill" else "GB/s"
+        return "TFLOP/s" if self.compute_bound else "GB/s"
 
     def shape(self) -> str:
         if self.op == "prefill":
@@ -74,6 +84,9 @@ class Config:
         if self.op == "shared_prefix":
             return (f"B={self.B} L={self.L} (prefix {self.P}) H={self.H}/{self.Hkv} D={self.D} block={self.block}"
                     f" {'cascade' if self.cascade else 'split-KV'}")
+        if self.op == "mixed_step":
+            return (f"{self.B} decodes L={self.L} + {self.NP} prefills {self.S} on {self.C} H={self.H}/{self.Hkv}"
+                    f" D={self.D} block={self.block}")
         return f"B={self.B} L={self.L} H={self.H}/{self.Hkv} D={self.D} block={self.block} kv={self.kv}"
 
     def spec(self) -> str:
@@ -83,6 +96,8 @@ class Config:
             return f"{common},S={self.S},causal={int(self.causal)}"
         if self.op == "shared_prefix":
             return f"{common},L={self.L},P={self.P},block={self.block},cascade={int(self.cascade)}"
+        if self.op == "mixed_step":
+            return f"{common},L={self.L},S={self.S},C={self.C},NP={self.NP},block={self.block}"
         return f"{common},L={self.L},block={self.block},kv={self.kv}"
 
 
@@ -118,6 +133,9 @@ def all_configs() -> list[Config]:
             out.append(Config(name=f"shared_b{b}_p{_k(p)}_{'cascade' if cascade else 'split'}",
                               family="shared_prefix", op="shared_prefix", B=b, L=p + 256, P=p, block=16,
                               H=32, Hkv=8, D=128, cascade=cascade, quick=b == 64 and p == 4096))
+    # Mixed step: 64 decodes (context 4k) and 2 chunked prefills of 2k new tokens on 8k cached.
+    out.append(Config(name="mixed_b64_l4k_p2x2k_c8k", family="mixed_step", op="mixed_step", B=64, L=4096,
+                      S=2048, C=8192, NP=2, H=32, Hkv=8, D=128, quick=True))
     return out
 
 
@@ -208,7 +226,7 @@ def add_figures(rows: list[dict], configs: list[Config], header: dict) -> None:
         if r.get("status") != "ok":
             continue
         t = r["time_ms"] * 1e-3
-        if c.op == "prefill":
+        if c.compute_bound:
             r["tflops"] = c.flops / t / 1e12
             if ceil.get("gemm_tflops"):
                 r["frac_ceiling"] = r["tflops"] / ceil["gemm_tflops"]
@@ -249,7 +267,7 @@ def print_table(header: dict, configs: list[Config], rows: list[dict]) -> None:
     print(f"flashserve bench {header.get('date', '')}  {header.get('device', '?')} ({header.get('sms', '?')} SMs)  "
           f"commit {header.get('commit', '?')}  torch {header.get('torch', '?')} cuDNN {header.get('cudnn', '?')}")
     print(f"ceilings: copy {ceil.get('copy_gbps', 0):.0f} GB/s (read+write), bf16 GEMM 8192^3 "
-          f"{ceil.get('gemm_tflops', 0):.0f} TFLOP/s; prefill in TFLOP/s, decode in GB/s of KV read")
+          f"{ceil.get('gemm_tflops', 0):.0f} TFLOP/s; prefill and mixed step in TFLOP/s, decode in GB/s of KV read")
     print(f"{'config':28}" + "".join(f"{p:>11}" for p in ALL_PEERS) + f"{'fs/best':>9}{'fs%ceil':>9}  fs kernel")
     for c in configs:
         line = f"{c.name:28}" + "".join(f"{figure(cell.get((c.name, p))):>11}" for p in ALL_PEERS)
