@@ -18,21 +18,12 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from . import _C, _calls
+from . import _C, _dispatch
 from ._tensors import attach_plan, empty, float32_of, int32_of, is_torch, not_a_tensor, renamed, torch
 
 DEFAULT_FA_VERSION = 2
 _FA_VERSIONS = (2, 3)
 _BF16: Any = torch.bfloat16 if torch is not None else "bfloat16"
-
-if torch is not None:
-    from . import _ops
-    _compiling = torch.compiler.is_compiling
-else:
-    _ops = None
-
-    def _compiling() -> bool:
-        return False
 
 # C++ argument names -> the drop-ins' names, for error messages.
 _VARLEN_NAMES = {"window": "window_size"}
@@ -98,7 +89,7 @@ def flash_attn_varlen_func(
         lse = empty((q.shape[-2], q.shape[0]), float32_of(q), q) if return_softmax_lse else None
     except AttributeError:
         raise not_a_tensor(q=q, v=v) from None
-    call = _ops.varlen_fwd if _compiling() else _calls.varlen_fwd
+    call = _dispatch.call("varlen_fwd")
     try:
         call(q, k, v, out, cu_seqlens_q, max_seqlen_q, max_seqlen_k, lse, cu_seqlens_k, seqused_k,
              block_table, q_v, _scale(softmax_scale), causal,
@@ -145,7 +136,7 @@ def flash_attn_with_kvcache(
         lse = empty((q.shape[0], q.shape[2], q.shape[1]), float32_of(q), q) if return_softmax_lse else None
     except AttributeError:
         raise not_a_tensor(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table) from None
-    call = _ops.kvcache_fwd if _compiling() else _calls.kvcache_fwd
+    call = _dispatch.call("kvcache_fwd")
     try:
         call(q, k_cache, v_cache, out, lse, cache_seqlens, cache_batch_idx, block_table,
              _scale(softmax_scale), causal, left, right, softcap,

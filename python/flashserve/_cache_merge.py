@@ -3,17 +3,8 @@ merge_attn_states, SGLang's merge_state_v2 (SPEC.md §3, §4)."""
 
 from __future__ import annotations
 
-from . import _calls
-from ._tensors import empty, float32_of, not_a_tensor, renamed, torch
-
-if torch is not None:
-    from . import _ops
-    _compiling = torch.compiler.is_compiling
-else:
-    _ops = None
-
-    def _compiling() -> bool:
-        return False
+from . import _dispatch
+from ._tensors import empty, float32_of, not_a_tensor, renamed
 
 # C++ argument names -> the drop-ins' names, for error messages.
 _MERGE_NAMES = {"out": "output", "out_lse": "output_lse", "a_out": "prefix_output", "a_lse": "prefix_lse",
@@ -30,7 +21,7 @@ def reshape_and_cache_flash(
     slot_mapping (int64 [num_tokens]; negative slots are skipped). kv_cache_dtype "auto",
     "fp8", "fp8_e4m3" or "fp8_e5m2"; fp8 caches store x / scale (k_scale, v_scale fp32 [] or
     [H_kv]; ignored for "auto")."""
-    call = _ops.reshape_and_cache_flash if _compiling() else _calls.reshape_and_cache_flash
+    call = _dispatch.call("reshape_and_cache_flash")
     call(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale)
 
 
@@ -42,7 +33,7 @@ def merge_attn_states(
     [T, H, D], LSEs fp32 [H, T]; output_lse [H, T] when given. Rows at or past
     prefill_tokens_with_context copy the suffix state. With output_scale (fp32 [] or [1])
     output is fp8 and stores clamp(x / scale)."""
-    call = _ops.merge_attn_states if _compiling() else _calls.merge_attn_states
+    call = _dispatch.call("merge_attn_states")
     try:
         call(output, output_lse, prefix_output, prefix_lse, suffix_output, suffix_lse,
              prefill_tokens_with_context, output_scale)
@@ -60,7 +51,7 @@ def merge_state_v2(v_a, s_a, v_b, s_b, v_merged=None, s_merged=None) -> tuple:
             s_merged = empty(tuple(s_a.shape), float32_of(s_a), s_a)
     except AttributeError:
         raise not_a_tensor(v_a=v_a, s_a=s_a) from None
-    call = _ops.merge_state_v2 if _compiling() else _calls.merge_state_v2
+    call = _dispatch.call("merge_state_v2")
     try:
         call(v_a, s_a, v_b, s_b, v_merged, s_merged)
     except (ValueError, NotImplementedError) as e:
