@@ -186,8 +186,7 @@ void forward(const PyLayer& l, const AttentionMetadata& md, nb::handle q, nb::ha
     if (!w.is_contiguous()) fail_arg("workspace", "a contiguous tensor", w.shape_str());
     ws = LayerWorkspace{w.data, size_t(w.numel()) * dtype_size(w.dtype), w.device};
   }
-  ExecContext ctx;
-  ctx.stream = stream_arg(stream);
+  ExecContext ctx = stream_context(stream);
   l.layer.forward(md, tensor_arg(q, "q"), opt_tensor_arg(key, "key"), opt_tensor_arg(value, "value"),
                   cached ? &cache : nullptr, tensor_arg(out, "out"), ws, ctx);
 }

@@ -142,8 +142,7 @@ nb::object run_attention(AttnMode mode, bool batched, const AttentionParams& p, 
     for (int32_t w : encode_plan(*plan, dev.device.type)) words.append(w);
     return words;
   }
-  ExecContext ctx;
-  ctx.stream = stream_arg(stream);
+  ExecContext ctx = stream_context(stream);
   ctx.validate_only = mode == AttnMode::validate;
   nb::object workspace;  // alive until the call returns
   if (plan) {
@@ -245,8 +244,7 @@ void reshape_and_cache_op(nb::handle key, nb::handle value, nb::handle key_cache
   p.k_scale = opt_tensor_arg(k_scale, "k_scale");
   p.v_scale = opt_tensor_arg(v_scale, "v_scale");
   p.k_scale_cache = opt_tensor_arg(k_scale_cache, "k_scale_cache");
-  ExecContext ctx;
-  ctx.stream = stream_arg(stream);
+  ExecContext ctx = stream_context(stream);
   nb::gil_scoped_release nogil;
   reshape_and_cache(p, ctx);
 }
@@ -264,8 +262,7 @@ void merge_op(nb::handle out, nb::handle out_lse, nb::handle a_out, nb::handle a
   p.lse_layout = token_major ? LseLayout::token_major : LseLayout::head_major;
   p.prefill_tokens_with_context = prefill_tokens_with_context;
   p.output_scale = opt_tensor_arg(output_scale, "output_scale");
-  ExecContext ctx;
-  ctx.stream = stream_arg(stream);
+  ExecContext ctx = stream_context(stream);
   nb::gil_scoped_release nogil;
   merge_states(p, ctx);
 }
@@ -276,8 +273,7 @@ void copy_blocks_op(const std::vector<nb::handle>& caches, nb::handle block_mapp
   for (size_t i = 0; i < caches.size(); ++i)
     refs.push_back(tensor_arg(caches[i], i == 0 ? "caches[0]" : "caches"));
   const TensorRef mapping = tensor_arg(block_mapping, "block_mapping");
-  ExecContext ctx;
-  ctx.stream = stream_arg(stream);
+  ExecContext ctx = stream_context(stream);
   nb::gil_scoped_release nogil;
   copy_blocks(refs, mapping, ctx);
 }
@@ -285,8 +281,7 @@ void copy_blocks_op(const std::vector<nb::handle>& caches, nb::handle block_mapp
 void swap_blocks_op(nb::handle src, nb::handle dst, nb::handle block_mapping, nb::handle stream) {
   const TensorRef s = tensor_arg(src, "src"), d = tensor_arg(dst, "dst");
   const TensorRef mapping = tensor_arg(block_mapping, "block_mapping");
-  ExecContext ctx;
-  ctx.stream = stream_arg(stream);
+  ExecContext ctx = stream_context(stream);
   nb::gil_scoped_release nogil;
   swap_blocks(s, d, mapping, ctx);
 }
@@ -304,16 +299,14 @@ void advance_step_op(int64_t num_seqs, int64_t num_queries, int64_t block_size, 
   p.seq_lens = tensor_arg(seq_lens, "seq_lens");
   p.slot_mapping = tensor_arg(slot_mapping, "slot_mapping");
   p.block_tables = tensor_arg(block_tables, "block_tables");
-  ExecContext ctx;
-  ctx.stream = stream_arg(stream);
+  ExecContext ctx = stream_context(stream);
   nb::gil_scoped_release nogil;
   advance_step(p, ctx);
 }
 
 void quantize_int8_op(nb::handle x, nb::handle out, nb::handle scale, nb::handle stream) {
   const TensorRef xs = tensor_arg(x, "x"), o = tensor_arg(out, "out"), s = tensor_arg(scale, "scale");
-  ExecContext ctx;
-  ctx.stream = stream_arg(stream);
+  ExecContext ctx = stream_context(stream);
   nb::gil_scoped_release nogil;
   quantize_int8(xs, o, s, ctx);
 }
@@ -347,8 +340,7 @@ void differential_combine_op(nb::handle a1, nb::handle a2, nb::handle lambda_q1,
   p.lambda_init = float(lambda_init);
   p.eps = float(eps);
   p.out = tensor_arg(out, "out");
-  ExecContext ctx;
-  ctx.stream = stream_arg(stream);
+  ExecContext ctx = stream_context(stream);
   nb::gil_scoped_release nogil;
   differential_combine(p, ctx);
 }
@@ -361,8 +353,7 @@ void lse_correct_op(nb::handle out, nb::handle lse_all, int64_t rank, nb::handle
   p.rank = rank;
   p.lse_out = opt_tensor_arg(lse_out, "lse_out");
   p.lse_layout = token_major ? LseLayout::token_major : LseLayout::head_major;
-  ExecContext ctx;
-  ctx.stream = stream_arg(stream);
+  ExecContext ctx = stream_context(stream);
   nb::gil_scoped_release nogil;
   lse_correct(p, ctx);
 }
@@ -379,8 +370,7 @@ void gather_cache_op(nb::handle cache, nb::handle block_table, nb::handle sequse
   if (token_end) p.token_end = *token_end;
   p.dst = tensor_arg(dst, "dst");
   p.cu_seqlens_dst = tensor_arg(cu_seqlens_dst, "cu_seqlens_dst");
-  ExecContext ctx;
-  ctx.stream = stream_arg(stream);
+  ExecContext ctx = stream_context(stream);
   nb::gil_scoped_release nogil;
   gather_cache(p, ctx);
 }

@@ -179,4 +179,10 @@ void* stream_arg(nb::handle stream) {
   return reinterpret_cast<void*>(nb::cast<uintptr_t>(stream));
 }
 
+ExecContext stream_context(nb::handle stream) {
+  ExecContext ctx;
+  ctx.stream = stream_arg(stream);
+  return ctx;
+}
+
 }  // namespace flashserve::py

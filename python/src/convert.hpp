@@ -5,6 +5,7 @@
 
 #include <nanobind/nanobind.h>
 
+#include "flashserve/plan.hpp"
 #include "flashserve/tensor.hpp"
 
 namespace flashserve::py {
@@ -17,6 +18,8 @@ OptTensor opt_tensor_arg(nanobind::handle obj, const char* name);
 // A cudaStream_t passed as a Python int (torch.cuda.current_stream().cuda_stream); None or 0 =
 // the default stream.
 void* stream_arg(nanobind::handle stream);
+// An ExecContext on that stream (no workspace, no plan).
+ExecContext stream_context(nanobind::handle stream);
 
 // Each binding file registers its functions on the extension module `flashserve._C`.
 void register_ops(nanobind::module_& m);      // python/src/bind_ops.cpp
