@@ -95,7 +95,7 @@ size_t used_prefix(const State& s) {
 
 void rebase(const Arena& a, TensorRef& t) {
   if (t.data == nullptr || !a.holds(t.data)) return;
-  t.data = a.device_copy() + (static_cast<const int32_t*>(t.data) - a.host());
+  t.data = a.on_device(static_cast<const int32_t*>(t.data));
   t.device = a.device();
 }
 
@@ -103,16 +103,17 @@ void rebase(const Arena& a, PartMetadata& p) {
   for (TensorRef* t : {&p.cu_seqlens_q, &p.seqused_k, &p.cp_tot_seqused_k, &p.block_table}) rebase(a, *t);
 }
 
+// The engine's device block table of the stored inputs.
+kernels::EngineTable engine_table(const State& s) {
+  const TensorRef& t = s.in.block_table;
+  return {static_cast<const int32_t*>(t.data), t.size(1), t.stride[0], s.config.block_size};
+}
+
 // Slots of n (request, position) pairs staged at `src` through the engine's device block table.
 void slots_on_device(const State& s, const int32_t* src, int64_t n, int64_t empty, int32_t* out32, int64_t* out64) {
-  const Arena& a = s.arena;
-  const TensorRef& t = s.in.block_table;
   kernels::TableSlots k;
-  k.table = static_cast<const int32_t*>(t.data);
-  k.cols = t.size(1);
-  k.row_stride = t.stride[0];
-  k.block_size = s.config.block_size;
-  k.req_pos = a.device_copy() + (src - a.host());
+  k.t = engine_table(s);
+  k.req_pos = s.arena.on_device(src);
   k.n = n;
   k.empty = empty;
   k.out32 = out32;
@@ -126,7 +127,7 @@ void slots_on_device(const State& s, const int32_t* src, int64_t n, int64_t empt
 int64_t* advance_slots_device(const State& s) {
 #if FLASHSERVE_WITH_CUDA
   const Arena& a = s.arena;
-  if (a.device_copy()) return reinterpret_cast<int64_t*>(a.device_copy() + (s.advance_slots.data() - a.host()));
+  if (a.device_copy()) return reinterpret_cast<int64_t*>(a.on_device(s.advance_slots.data()));
 #endif
   return nullptr;
 }
@@ -139,22 +140,18 @@ void publish(State& s) {
   kernels::metadata_upload(a.device_copy(), a.host(), used_prefix(s) * sizeof(int32_t), stream, a.event());
   AttentionMetadata& md = s.md;
   if (s.decision.mode == Mode::local) {
-    const TensorRef& t = s.in.block_table;
     kernels::LocalTableGather g;
-    g.table = static_cast<const int32_t*>(t.data);
-    g.cols = t.size(1);
-    g.row_stride = t.stride[0];
-    g.block_size = s.config.block_size;
-    g.k_start = a.device_copy() + (s.local_k_start.data() - a.host());
-    g.request = a.device_copy() + (s.local_request.data() - a.host());
+    g.t = engine_table(s);
+    g.k_start = a.on_device(s.local_k_start.data());
+    g.request = a.on_device(s.local_request.data());
     g.num_virtual = md.local.part.num_reqs;
     g.width = s.local_width;
-    g.out = a.device_copy() + (s.local_table.data() - a.host());
+    g.out = a.on_device(s.local_table.data());
     kernels::gather_local_block_table(g, stream);
   }
   if (s.decision.mode == Mode::tree)
     slots_on_device(s, s.tree_src.data(), s.in.num_tokens * s.config.max_draft_depth, 0,
-                    a.device_copy() + (s.tree_table.data() - a.host()), nullptr);
+                    a.on_device(s.tree_table.data()), nullptr);
   if (s.advance_pending)
     slots_on_device(s, s.advance_src.data(), s.in.num_reqs, -1, nullptr, advance_slots_device(s));
   s.advance_pending = false;

@@ -32,6 +32,8 @@ class Arena {
   std::span<int32_t> take(size_t n);  // the next n elements, zeroed
   int32_t* host() const { return host_; }
   int32_t* device_copy() const { return device_; }  // null without a device
+  // The device twin of staging element p (p within the staging buffer; a device copy exists).
+  int32_t* on_device(const int32_t* p) const { return device_ + (p - host_); }
   const Device& device() const { return device_at_; }
   size_t elems() const { return elems_; }
   size_t used() const { return used_; }

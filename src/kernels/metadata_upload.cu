@@ -22,27 +22,29 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
+// Entry j (< cols) of row r of the engine's table.
+__device__ __forceinline__ int32_t table_at(const EngineTable& t, int64_t r, int64_t j) {
+  return t.table[r * t.row_stride + j];
+}
+
 // One thread per (virtual request, column).
 __global__ void gather_local_kernel(LocalTableGather g) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= g.num_virtual * g.width) return;
   const int64_t v = i / g.width, j = i % g.width;
-  const int64_t col = g.k_start[v] / g.block_size + j;
-  g.out[i] = col < g.cols ? g.table[int64_t(g.request[v]) * g.row_stride + col] : 0;
+  const int64_t col = g.k_start[v] / g.t.block_size + j;
+  g.out[i] = col < g.t.cols ? table_at(g.t, g.request[v], col) : 0;
 }
 
 // One thread per pair.
-__global__ void table_slots_kernel(TableSlots t) {
+__global__ void table_slots_kernel(TableSlots k) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= t.n) return;
-  const int64_t r = t.req_pos[2 * i], pos = t.req_pos[2 * i + 1];
-  int64_t slot = t.empty;
-  if (r >= 0) {
-    const int64_t col = pos / t.block_size;
-    slot = pos < 0 || col >= t.cols ? -1 : int64_t(t.table[r * t.row_stride + col]) * t.block_size + pos % t.block_size;
-  }
-  if (t.out32) t.out32[i] = slot > INT32_MAX || slot < INT32_MIN ? -1 : int32_t(slot);
-  else t.out64[i] = slot;
+  if (i >= k.n) return;
+  const int64_t r = k.req_pos[2 * i], pos = k.req_pos[2 * i + 1], bs = k.t.block_size;
+  int64_t slot = k.empty;
+  if (r >= 0) slot = pos < 0 || pos / bs >= k.t.cols ? -1 : int64_t(table_at(k.t, r, pos / bs)) * bs + pos % bs;
+  if (k.out32) k.out32[i] = slot > INT32_MAX || slot < INT32_MIN ? -1 : int32_t(slot);
+  else k.out64[i] = slot;
 }
 
 }  // namespace

@@ -29,13 +29,19 @@ void metadata_upload_wait(void* event);
 // must stay unchanged until the copy ran: metadata_upload_wait(event) before rewriting it.
 void metadata_upload(void* dst, const void* src, size_t bytes, void* stream, void* event);
 
-// out[v][j] = table[request[v]][k_start[v] / block_size + j] for j < width, 0 past the source
-// row's end (the device twin of planner::gather_local_block_table). Every pointer is device
-// memory; table int32 [rows, cols] with row stride `row_stride`; out int32 [num_virtual, width].
-struct LocalTableGather {
+// The engine's device block table: int32 [rows, cols], row stride `row_stride`, of blocks of
+// `block_size` tokens.
+struct EngineTable {
   const int32_t* table = nullptr;
   int64_t cols = 0, row_stride = 0;
   int64_t block_size = 1;
+};
+
+// out[v][j] = table[request[v]][k_start[v] / block_size + j] for j < width, 0 past the source
+// row's end (the device twin of planner::gather_local_block_table). Every pointer is device
+// memory; out int32 [num_virtual, width].
+struct LocalTableGather {
+  EngineTable t;
   const int32_t* k_start = nullptr;  // [num_virtual]
   const int32_t* request = nullptr;  // [num_virtual]
   int64_t num_virtual = 0, width = 0;
@@ -50,9 +56,7 @@ void gather_local_block_table(const LocalTableGather& g, void* stream);
 // the slot past the output type (a bad slot: attention gives NaN rows, cache writes skip it).
 // Exactly one of out32 / out64 [n] is set.
 struct TableSlots {
-  const int32_t* table = nullptr;
-  int64_t cols = 0, row_stride = 0;
-  int64_t block_size = 1;
+  EngineTable t;
   const int32_t* req_pos = nullptr;  // [n][2]
   int64_t n = 0;
   int64_t empty = 0;
