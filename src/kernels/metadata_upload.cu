@@ -22,6 +22,16 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
+// Runs f with `device` current, then restores the previous one; never throws (releases).
+template <class F>
+void on_device_quietly(int device, F&& f) noexcept {
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess) return;
+  (void)cudaSetDevice(device);
+  f();
+  (void)cudaSetDevice(previous);
+}
+
 // Entry j (< cols) of row r of the engine's table.
 __device__ __forceinline__ int32_t table_at(const EngineTable& t, int64_t r, int64_t j) {
   return t.table[r * t.row_stride + j];
@@ -58,12 +68,7 @@ void* metadata_device_alloc(size_t bytes, int device) {
 }
 
 void metadata_device_free(void* p, int device) noexcept {
-  if (!p) return;
-  int previous = 0;
-  if (cudaGetDevice(&previous) != cudaSuccess) return;
-  (void)cudaSetDevice(device);
-  (void)cudaFree(p);
-  (void)cudaSetDevice(previous);
+  if (p) on_device_quietly(device, [p] { (void)cudaFree(p); });
 }
 
 void* metadata_pinned_alloc(size_t bytes) {
@@ -85,12 +90,7 @@ void* metadata_event_create(int device) {
 }
 
 void metadata_event_destroy(void* event, int device) noexcept {
-  if (!event) return;
-  int previous = 0;
-  if (cudaGetDevice(&previous) != cudaSuccess) return;
-  (void)cudaSetDevice(device);
-  (void)cudaEventDestroy(static_cast<cudaEvent_t>(event));
-  (void)cudaSetDevice(previous);
+  if (event) on_device_quietly(device, [event] { (void)cudaEventDestroy(static_cast<cudaEvent_t>(event)); });
 }
 
 void metadata_upload_wait(void* event) { FS_CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event))); }
