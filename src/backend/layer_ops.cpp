@@ -88,11 +88,14 @@ State take_state(Carver& c, std::string_view o_name, std::string_view lse_name, 
   return s;
 }
 
+int64_t split_partial_rows(const BuilderConfig& config, int64_t H, const DeviceProps& dev) {
+  const int64_t splits = std::clamp(config.max_num_splits, 1, kMaxSplits);
+  return std::min(splits * config.max_num_tokens * H, max_split_rows(dev));
+}
+
 size_t split_kv_bound(const BuilderConfig& config, int64_t H, int64_t Dv) {
   if (config.device.device.type != DeviceType::cuda) return 0;  // the CPU reference merges in registers
-  const size_t splits = size_t(std::clamp(config.max_num_splits, 1, kMaxSplits));
-  const size_t rows = std::min(splits * size_t(config.max_num_tokens) * size_t(H), size_t(max_split_rows(config.device)));
-  return align_up(rows * size_t(Dv) * sizeof(float)) + align_up(rows * sizeof(float));
+  return align_up(split_workspace(split_partial_rows(config, H, config.device), Dv).total_bytes);
 }
 
 void require_host(const TensorRef& t, std::string_view what) {

@@ -121,6 +121,10 @@ void paged_pass(const Modifiers& m, const Query& q, const CacheView& cache, cons
 void self_pass(const Modifiers& m, const Query& q, const TensorRef& key, const TensorRef& value, const Pass& pass,
                const ExecContext& ctx);
 
+// The most split partial rows a call of up to config.max_num_tokens rows of H heads can plan
+// on `dev`: max_num_splits x max_num_tokens x H, capped at max_split_rows(dev).
+int64_t split_partial_rows(const BuilderConfig& config, int64_t H, const DeviceProps& dev);
+
 // Upper bound on the split-KV workspace of one call of up to config.max_num_tokens rows (CUDA
 // plans only; the CPU reference needs none).
 size_t split_kv_bound(const BuilderConfig& config, int64_t H, int64_t Dv);

@@ -24,6 +24,7 @@
 
 #include "api/check.hpp"
 #include "backend/builder_state.hpp"
+#include "backend/layer_ops.hpp"
 #include "planner/local_batches.hpp"
 
 namespace flashserve::backend {
@@ -487,11 +488,8 @@ size_t MetadataBuilder::max_workspace_bytes() const {
   }
   // Any part's call: at most max_num_splits splits of every token's heads, and never more
   // partial rows than a plan on the device holds (max_split_rows).
-  const int64_t rows = std::min<int64_t>(int64_t(std::clamp(c.max_num_splits, 1, kMaxSplits)) * c.max_num_tokens *
-                                             builder::call_heads(c),
-                                         max_split_rows(dev));
   const int64_t dv = c.layer.head_size_v > 0 ? c.layer.head_size_v : c.layer.head_size;
-  return split_workspace(rows, dv).total_bytes;
+  return split_workspace(layer::split_partial_rows(c, builder::call_heads(c), dev), dv).total_bytes;
 }
 
 }  // namespace flashserve::backend
