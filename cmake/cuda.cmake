@@ -30,8 +30,14 @@ target_compile_options(flashserve PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
 target_link_libraries(flashserve PUBLIC CUDA::cudart)
 # Public: tests that include the instantiation tables must see the same set as the library.
+# FLASHSERVE_SM90A: the build has sm_90a code, so the selection may pick the wgmma kernels.
+if("90a" IN_LIST FLASHSERVE_CUDA_ARCHS)
+  set(_fs_sm90a 1)
+else()
+  set(_fs_sm90a 0)
+endif()
 target_compile_definitions(flashserve PUBLIC
-  FLASHSERVE_WITH_CUDA=1 FLASHSERVE_DEV_CONFIGS=$<BOOL:${FLASHSERVE_DEV_CONFIGS}>)
+  FLASHSERVE_WITH_CUDA=1 FLASHSERVE_DEV_CONFIGS=$<BOOL:${FLASHSERVE_DEV_CONFIGS}> FLASHSERVE_SM90A=${_fs_sm90a})
 
 list(LENGTH FLASHSERVE_CUDA_SOURCES _fs_num_cu)
 message(STATUS "flashserve: CUDA ${CMAKE_CUDA_COMPILER_VERSION}, archs ${CMAKE_CUDA_ARCHITECTURES}, "

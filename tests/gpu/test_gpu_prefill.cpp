@@ -1,15 +1,19 @@
-// The tensor-core prefill kernel (kernels/attention/prefill_fwd.cuh) against the fp64 oracle
-// (tests/cpp/naive: 2 output roundings + 4 eps of the head's max |v|) and the CPU reference run
-// under the same plan (relative error ||out - ref|| / ||ref|| < 1e-2: P is rounded to the
-// operand dtype before the PV product). Every case first checks which kernel the selection
-// picks: bf16 D = 128 (built in every configuration) must get "prefill_mma"; f16 and D = 64
-// may be served by the generic kernel in dev builds. Varlen batches with uneven lengths,
-// causal / non-causal, GQA 1..8, paged caches of any block size, splits, window and soft-cap,
-// fully masked rows and zero-length sequences; problems outside the kernel's scope must fall
-// back to the generic kernel.
+// The tensor-core prefill kernels (kernels/attention/prefill_fwd.cuh: mma.sync, sm80+;
+// prefill_wgmma.cuh: wgmma, sm_90a) against the fp64 oracle (tests/cpp/naive: 2 output
+// roundings + 4 eps of the head's max |v|) and the CPU reference run under the same plan
+// (relative error ||out - ref|| / ||ref|| < 1e-2: P is rounded to the operand dtype before the
+// PV product). Every case first checks which kernel the selection picks: bf16 D = 128 (built in
+// every configuration) must get "prefill_wgmma" on a 9.0 device of an sm_90a build, else
+// "prefill_mma"; ctest also runs this binary with FLASHSERVE_DISABLE_KERNELS=prefill_wgmma
+// (prefix mma80.), so the portable kernel is tested on Hopper too. f16, D = 64 and D = 256 may
+// be served by the generic kernel in dev builds. Varlen batches with uneven lengths, causal /
+// non-causal, GQA 1..8, paged caches of any block size, splits, window and soft-cap, fully
+// masked rows and zero-length sequences; problems outside the kernels' scope must fall back to
+// the generic kernel.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -47,6 +51,17 @@ std::string selected_kernel(const fstest::AttentionCase& ac, const fs::Attention
   const fs::kernels::AttnKernelChoice c = fs::kernels::select_attention_kernel(pr, fs::kernels::cuda_device_props(0));
   return fs::kernels::kernel_name(c.kernel);
 }
+
+// The tensor-core prefill kernel the selection must pick for bf16 D = 128 on device 0.
+std::string expected_prefill_kernel() {
+  const char* disabled = std::getenv("FLASHSERVE_DISABLE_KERNELS");
+  const bool wgmma_off = disabled && std::string(disabled).find("prefill_wgmma") != std::string::npos;
+  const fs::DeviceProps dev = fs::kernels::cuda_device_props(0);
+  const bool hopper = FLASHSERVE_SM90A && dev.cc_major == 9 && dev.cc_minor == 0;
+  return hopper && !wgmma_off ? "prefill_wgmma" : "prefill_mma";
+}
+
+bool tensor_core_prefill(const std::string& kernel) { return kernel == "prefill_mma" || kernel == "prefill_wgmma"; }
 
 // ||gpu - cpu|| / ||cpu|| over every valid output element (NaN anywhere: infinity).
 double relative_error(const fstest::AttentionCase& ac, const fstest::HostTensor& cpu) {
@@ -87,15 +102,16 @@ std::string run_and_check(fstest::AttentionCase& ac, std::string& kernel) {
   return err.empty() ? err : "kernel " + kernel + ", splits " + std::to_string(plan.num_splits) + "\n" + err;
 }
 
-// Checks the case; bf16 D = 128 cases with bf16 out must be served by prefill_mma (fp32 out keeps
-// P in fp32: another kernel serves it).
+// Checks the case; bf16 D = 128 cases with bf16 out must be served by the expected tensor-core
+// kernel (fp32 out keeps P in fp32: another kernel serves it).
 void expect_prefill_matches(const CaseConfig& c, uint64_t salt) {
   auto rng = fstest::make_rng(salt);
   fstest::AttentionCase ac = fstest::build_case(c, rng);
   std::string kernel;
   EXPECT_EQ(run_and_check(ac, kernel), "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
-  if (c.q_dtype == DType::bf16 && c.D == 128 && c.out_dtype == c.q_dtype) EXPECT_EQ(kernel, "prefill_mma") << fstest::describe(c);
-  if (c.out_dtype == DType::f32) EXPECT_NE(kernel, "prefill_mma") << fstest::describe(c);
+  if (c.q_dtype == DType::bf16 && c.D == 128 && c.out_dtype == c.q_dtype)
+    EXPECT_EQ(kernel, expected_prefill_kernel()) << fstest::describe(c);
+  if (c.out_dtype == DType::f32) EXPECT_FALSE(tensor_core_prefill(kernel)) << kernel << "\n" << fstest::describe(c);
 }
 
 }  // namespace
@@ -148,9 +164,9 @@ TEST(GpuPrefill, SplitsWindowSoftcapAndOutputDtypes) {
   expect_prefill_matches(c, 7);
 }
 
-TEST(GpuPrefill, HeadDim64AndF16) {
+TEST(GpuPrefill, HeadDims64To256AndF16) {
   for (DType t : {DType::f16, DType::bf16})
-    for (int64_t D : {64, 128}) {
+    for (int64_t D : {64, 128, 256}) {
       CaseConfig c = prefill_config(KvMode::varlen_contiguous, {333, 90}, {333, 200}, 4, 2);
       c.q_dtype = c.kv_dtype = c.out_dtype = t;
       c.D = c.Dv = D;
@@ -193,6 +209,6 @@ TEST(GpuPrefill, OutOfScopeFallsBackToGeneric) {
     fstest::AttentionCase ac = fstest::build_case(c, rng);
     std::string kernel;
     EXPECT_EQ(run_and_check(ac, kernel), "") << v.what << "\n" << fstest::describe(c);
-    EXPECT_NE(kernel, "prefill_mma") << v.what;
+    EXPECT_EQ(kernel, "generic") << v.what;
   }
 }

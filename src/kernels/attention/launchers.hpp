@@ -17,6 +17,10 @@ void launch_generic_attention(const AttnParams& p, const AttnKernelChoice& choic
 // Writes out/lse directly when p.num_splits == 1, else the partials.
 void launch_prefill_attention(const AttnParams& p, const AttnKernelChoice& choice, void* stream);
 
+// prefill_wgmma.cu: the sm_90a wgmma prefill kernel for choice.dv_bucket (= D) and p.q.dtype.
+// Writes out/lse directly when p.num_splits == 1, else the partials.
+void launch_prefill_wgmma(const AttnParams& p, const AttnKernelChoice& choice, void* stream);
+
 // decode_fwd.cu: the decode kernel for (p.k.dtype, p.head_dim) (decode_config.hpp). Writes
 // out/lse directly when p.num_splits == 1, else the partials.
 void launch_decode_attention(const AttnParams& p, void* stream);

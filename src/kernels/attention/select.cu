@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
 #include <iterator>
 
 #include "flashserve/status.hpp"
@@ -63,22 +64,28 @@ bool rows_16b_aligned(const TensorRef& t) {
   return true;
 }
 
-// The tensor-core prefill kernel (prefill_fwd.cuh): f16/bf16 q/k/v of one dtype, out of that
-// dtype or f32, D == Dv in kPrefillConfigs, causal / window / soft-cap, contiguous or paged KV
-// (any block size), any split count; no q_v, quantization, ALiBi, sinks, chunks or context
-// parallelism. Fills `c` and returns "" when it applies.
-std::string try_prefill_mma(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
+// Whether FLASHSERVE_DISABLE_KERNELS (comma-separated kernel names, read once) names `kernel`.
+bool kernel_disabled(AttnKernelId kernel) {
+  static const std::string list = [] {
+    const char* env = std::getenv("FLASHSERVE_DISABLE_KERNELS");
+    return "," + std::string(env ? env : "") + ",";
+  }();
+  return list.find(std::string(",") + kernel_name(kernel) + ",") != std::string::npos;
+}
+
+// The scope of both tensor-core prefill kernels (prefill_common.cuh): f16/bf16 q/k/v of one
+// dtype, out of that dtype, D == Dv, causal / window / soft-cap, contiguous or paged KV (any
+// block size), any split count; no q_v, quantization, ALiBi, sinks, chunks or context
+// parallelism. "" when the problem is in scope, else the reason (prefixed by `what`).
+std::string prefill_scope(const detail::AttnProblem& pr, const char* what) {
   const AttentionParams& p = *pr.params;
   const DType t = pr.q.dtype;
-  const char* what = "prefill_mma kernel: ";
-  if (dev.cc_major < 8) return detail::cat(what, "compute capability >= 8.0, got ", dev.cc_major, ".", dev.cc_minor);
   if (t != DType::bf16 && t != DType::f16) return detail::cat(what, "q f16/bf16, got ", dtype_name(t));
   if (pr.k.dtype != t || pr.v.dtype != t) return detail::cat(what, "k and v of q's dtype");
   // fp32 out holds partial states merged later (cascade, MLA chunks): it keeps P in fp32, so
   // it stays with a kernel that does not round P to q's dtype before P·V.
   if (pr.out.dtype != t) return detail::cat(what, "out of q's dtype (fp32 out needs fp32 P)");
-  if (pr.head_dim != pr.head_dim_v || !prefill_config_built(t, pr.head_dim))
-    return detail::cat(what, "D == Dv in the built configurations, got ", pr.head_dim, "/", pr.head_dim_v);
+  if (pr.head_dim != pr.head_dim_v) return detail::cat(what, "D == Dv, got ", pr.head_dim, "/", pr.head_dim_v);
   if (pr.q_v || pr.q_scale || pr.k_scale_cache || pr.v_scale || pr.q_descale || pr.k_descale || pr.v_descale)
     return detail::cat(what, "no q_v, scales or descales");
   if (pr.alibi_slopes || pr.s_aux || p.chunk_size > 0 || p.cp_world_size > 1 || pr.cp_tot_seqused_k)
@@ -89,20 +96,53 @@ std::string try_prefill_mma(const detail::AttnProblem& pr, const DeviceProps& de
   if (pr.k.size(1) > kPrefillMaxCacheTokens / std::max<int64_t>(cols, 1))
     return detail::cat(what, "a sequence's cache span (block_size x max_blocks or rows_k) <= ",
                        kPrefillMaxCacheTokens, " tokens, got ", pr.k.size(1), " x ", cols);
+  static_assert(kPrefillRowsPerCta == kWgmmaRowsPerCta, "one row-tile grid");
   const int64_t tiles = pr.batched ? pr.batch * ceil_div(pr.q.size(1), kPrefillRowsPerCta)
                                    : pr.total_q / kPrefillRowsPerCta + pr.batch + 1;
   if (tiles > INT_MAX || pr.num_heads > 65535)
     return detail::cat(what, "at most ", INT_MAX, " row tiles and 65535 heads, got ", tiles, " and ", pr.num_heads);
-  const size_t smem = prefill_smem_bytes(pr.head_dim);
+  return {};
+}
+
+// Fills `c` for a prefill kernel of `smem` bytes and returns "", or the reason it does not fit.
+std::string take_prefill(AttnKernelId id, size_t smem, const DeviceProps& dev, const char* what,
+                         const detail::AttnProblem& pr, AttnKernelChoice& c) {
   if (smem > max_smem_per_block(dev))
     return detail::cat(what, smem, " bytes of shared memory per block, the device allows ", max_smem_per_block(dev));
-  c.kernel = AttnKernelId::prefill_mma;
+  c.kernel = id;
   c.dv_bucket = int(pr.head_dim);
   c.rows_per_cta = kPrefillRowsPerCta;
   c.heads_per_cta = 1;
   c.head_slices = 1;
   c.smem_bytes = smem;
   return {};
+}
+
+// The sm_90a wgmma prefill kernel (prefill_wgmma.cuh): the prefill scope on compute
+// capability 9.0 in builds with sm_90a code, D in kPrefillWgmmaConfigs.
+std::string try_prefill_wgmma(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
+  const char* what = "prefill_wgmma kernel: ";
+  if (kernel_disabled(AttnKernelId::prefill_wgmma)) return detail::cat(what, "disabled by FLASHSERVE_DISABLE_KERNELS");
+  if (!FLASHSERVE_SM90A) return detail::cat(what, "a build with sm_90a code (FLASHSERVE_CUDA_ARCHS)");
+  if (dev.cc_major != 9 || dev.cc_minor != 0)
+    return detail::cat(what, "compute capability 9.0, got ", dev.cc_major, ".", dev.cc_minor);
+  std::string why = prefill_scope(pr, what);
+  if (!why.empty()) return why;
+  if (!prefill_wgmma_config_built(pr.q.dtype, pr.head_dim))
+    return detail::cat(what, "D in the built configurations, got ", pr.head_dim);
+  return take_prefill(AttnKernelId::prefill_wgmma, prefill_wgmma_smem_bytes(pr.head_dim), dev, what, pr, c);
+}
+
+// The sm80+ mma.sync prefill kernel (prefill_fwd.cuh): the prefill scope, D in kPrefillConfigs.
+std::string try_prefill_mma(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
+  const char* what = "prefill_mma kernel: ";
+  if (kernel_disabled(AttnKernelId::prefill_mma)) return detail::cat(what, "disabled by FLASHSERVE_DISABLE_KERNELS");
+  if (dev.cc_major < 8) return detail::cat(what, "compute capability >= 8.0, got ", dev.cc_major, ".", dev.cc_minor);
+  std::string why = prefill_scope(pr, what);
+  if (!why.empty()) return why;
+  if (!prefill_config_built(pr.q.dtype, pr.head_dim))
+    return detail::cat(what, "D in the built configurations, got ", pr.head_dim);
+  return take_prefill(AttnKernelId::prefill_mma, prefill_smem_bytes(pr.head_dim), dev, what, pr, c);
 }
 
 }  // namespace
@@ -124,11 +164,14 @@ AttnKernelChoice select_attention_kernel(const detail::AttnProblem& pr, const De
   AttnKernelChoice c;
   const std::string why_decode = try_decode(pr, dev, c);  // decode_select.cu
   if (c.supported()) return c;
+  const std::string why_wgmma = try_prefill_wgmma(pr, dev, c);
+  if (c.supported()) return c;
   const std::string why_prefill = try_prefill_mma(pr, dev, c);
   if (c.supported()) return c;
   std::string why = try_generic(pr, dev, c);
   if (c.supported()) return c;
-  c.why_not = "attention on CUDA: no kernel for this problem (" + why_decode + "; " + why_prefill + "; " + why + ")";
+  c.why_not = "attention on CUDA: no kernel for this problem (" + why_decode + "; " + why_wgmma + "; " + why_prefill +
+              "; " + why + ")";
   return c;
 }
 
@@ -137,6 +180,7 @@ const char* kernel_name(AttnKernelId id) {
     case AttnKernelId::none: return "none";
     case AttnKernelId::generic: return "generic";
     case AttnKernelId::prefill_mma: return "prefill_mma";
+    case AttnKernelId::prefill_wgmma: return "prefill_wgmma";
     case AttnKernelId::decode: return "decode";
   }
   return "?";

@@ -2,9 +2,11 @@
 // (or why none can). The support query, the planner's dry run and the launch all call it, so
 // "is it supported" and "what runs" never disagree. Plain C++ (no CUDA headers).
 //
-// Candidates are tried in order: fast paths first (prefill_mma: tensor-core prefill), each
-// returning its own reason when it does not apply; the generic kernel stays the fallback for
-// every validated problem.
+// Candidates are tried in order: fast paths first (decode; prefill_wgmma: the sm_90a
+// tensor-core prefill; prefill_mma: the sm80+ one), each returning its own reason when it
+// does not apply; the generic kernel stays the fallback for every validated problem.
+// FLASHSERVE_DISABLE_KERNELS (comma-separated kernel names, e.g. "prefill_wgmma") takes
+// kernels out of the selection, to test or compare the portable paths on a Hopper GPU.
 #pragma once
 
 #include <cstddef>
@@ -17,7 +19,7 @@
 
 namespace flashserve::kernels {
 
-enum class AttnKernelId : uint8_t { none, generic, prefill_mma, decode };
+enum class AttnKernelId : uint8_t { none, generic, prefill_mma, prefill_wgmma, decode };
 
 // ---- the generic kernel's fixed shape (generic_fwd.cuh)
 inline constexpr int kGenericWarps = 4;
@@ -55,9 +57,9 @@ inline constexpr int kPrefillTileKeys = 64;     // keys per KV tile (double-buff
 inline constexpr int kPrefillWarps = 4;
 inline constexpr int kPrefillThreads = 32 * kPrefillWarps;
 inline constexpr int kPrefillCtasPerSm = 2;     // launch bounds: <= 255 registers per thread
-// The kernel keeps a CTA's key offsets (within a sequence's cache span, plus a tile of
-// slack) in int32: select.cu bounds the span.
-inline constexpr int64_t kPrefillMaxCacheTokens = (int64_t(1) << 31) - 4 * kPrefillTileKeys;
+// The prefill kernels keep a CTA's key offsets (within a sequence's cache span, plus a tile
+// of slack) in int32: select.cu bounds the span (4 of the largest tile: 128 keys).
+inline constexpr int64_t kPrefillMaxCacheTokens = (int64_t(1) << 31) - 4 * 128;
 
 // The instantiated prefill configurations (q/k/v dtype, D == Dv): the one table read by the
 // selection and by prefill_fwd.cu's dispatch.
@@ -84,10 +86,42 @@ constexpr size_t prefill_smem_bytes(int64_t d) {
   return size_t(kPrefillRowsPerCta + 4 * kPrefillTileKeys) * size_t(d) * 2 + size_t(kPrefillRowsPerCta) * 8;
 }
 
+// ---- the wgmma prefill kernel (prefill_wgmma.cuh): sm_90a (H100/H200) only
+#ifndef FLASHSERVE_SM90A
+#define FLASHSERVE_SM90A 0  // the build compiles sm_90a code (cmake/cuda.cmake)
+#endif
+inline constexpr int kWgmmaRowsPerCta = 128;  // 2 warpgroups x 64 query rows
+inline constexpr int kWgmmaWarps = 8;
+inline constexpr int kWgmmaThreads = 32 * kWgmmaWarps;
+// Keys per KV tile: 128, or 64 for D > 128 (registers: O [64, D] and S [64, N] per warpgroup).
+constexpr int wgmma_tile_keys(int64_t d) { return d <= 128 ? 128 : 64; }
+
+#if FLASHSERVE_DEV_CONFIGS  // the three head sizes of the benchmark (8 s of compile for all three)
+inline constexpr PrefillConfig kPrefillWgmmaConfigs[] = {{DType::bf16, 64}, {DType::bf16, 128}, {DType::bf16, 256}};
+#else
+inline constexpr PrefillConfig kPrefillWgmmaConfigs[] = {
+    {DType::bf16, 64}, {DType::bf16, 128}, {DType::bf16, 256},
+    {DType::f16, 64},  {DType::f16, 128},  {DType::f16, 256}};
+#endif
+
+constexpr bool prefill_wgmma_config_built(DType t, int64_t d) {
+  if (!FLASHSERVE_SM90A) return false;
+  for (const PrefillConfig& c : kPrefillWgmmaConfigs)
+    if (c.dtype == t && c.head_dim == d) return true;
+  return false;
+}
+
+// Dynamic shared memory of the wgmma kernel: 1 KB of alignment slack (the swizzled tiles sit
+// on 1024-byte boundaries), Q [128, D] + K and V [2 stages, N, D], 16-bit, then the rows'
+// visible key ranges (int32 pairs [128]).
+constexpr size_t prefill_wgmma_smem_bytes(int64_t d) {
+  return 1024 + size_t(kWgmmaRowsPerCta + 4 * wgmma_tile_keys(d)) * size_t(d) * 2 + size_t(kWgmmaRowsPerCta) * 8;
+}
+
 struct AttnKernelChoice {
   AttnKernelId kernel = AttnKernelId::none;
   int dv_bucket = 0;        // generic: accumulator channels per row (a built bucket >= Dv);
-                            // prefill_mma: D (== Dv)
+                            // prefill_mma / prefill_wgmma: D (== Dv)
   int rows_per_cta = 0;     // query rows per CTA
   int heads_per_cta = 0;    // query heads (of one KV head's group) per CTA
   int head_slices = 0;      // ceil(group / heads_per_cta)

@@ -1,0 +1,399 @@
+// The parts the two tensor-core prefill kernels share: the mma.sync kernel (prefill_fwd.cuh,
+// sm80+) and the wgmma kernel (prefill_wgmma.cuh, sm_90a). Both own 128 query rows of one
+// sequence x one query head x one KV split per CTA, stream KV tiles through double-buffered
+// shared memory with cp.async (every KV row located on its own: any paged block size), and keep
+// the softmax state of a thread's two rows (g and g + 8 of a 16-row block) in registers, in the
+// m16n8 accumulator layout that mma.sync and wgmma share:
+//   s[n8 tile][4]: [0], [1] row g, cols 8 nt + 2 t, + 1; [2], [3] row g + 8 (g = lane / 4,
+//   t = lane % 4).
+// What differs is the tile shape (TileShape) and the shared-memory layout of a tile (a `Layout`
+// type with `static uint32_t at(int row, int chunk)`, the byte offset of 16-byte chunk `chunk`
+// of tile row `row`): the CTA schedule, the copies, the score mapping, the online softmax,
+// the key ranges and the epilogue below take both as parameters.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "flashserve/plan.hpp"
+#include "kernels/attention/generic_fwd.cuh"
+#include "kernels/common/mma.cuh"
+
+namespace flashserve::kernels::prefill {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// M query rows per CTA over N-key tiles with `Warps` warps; a warp owns M / Warps rows (whole
+// m16 blocks); `GroupRows` rows (a warp, or a wgmma warpgroup) decide together whether a tile
+// is skipped (no row sees it) or masked (some row sees only part of it).
+template <int M, int N, int Warps, int GroupRows>
+struct TileShape {
+  static constexpr int kM = M, kN = N, kWarps = Warps, kThreads = 32 * Warps;
+  static constexpr int kWarpRows = M / Warps, kMB = kWarpRows / 16, kGroupRows = GroupRows;
+  static_assert(kWarpRows % 16 == 0 && GroupRows % kWarpRows == 0 && M % GroupRows == 0, "whole m16 blocks");
+  static_assert(N % 16 == 0, "whole k16 steps over a tile's keys");
+};
+
+// The query rows of one CTA: tile rows [0, rows) are sequence rows i0 .. i0 + rows - 1.
+struct CtaWork {
+  bool active = false;
+  int64_t b = 0, qb = 0;  // sequence; index into the normalized q's dim 0
+  int64_t row0 = 0;       // flat row of tile row 0
+  int64_t q_row0 = 0;     // its index into the normalized view's dim 1
+  int64_t i0 = 0, sq = 0;
+  int rows = 0;
+};
+
+template <int kM>
+FS_DEV int64_t tile_base(const AttnParams& p, int64_t b) {
+  return floor_div(load_index(p.cu_seqlens_q, b), kM) + b;
+}
+
+// Row tile t: batched, tile t / B of sequence t % B (so descending t walks the latest tiles of
+// every sequence first); varlen, by a binary search over base(b) = cu_seqlens_q[b] / kM + b
+// (non-decreasing; sequence b's tiles are base(b) .. base(b) + ceil(sq_b / kM) - 1), so
+// correctness never depends on max_seqlen_q. Rows outside their sequence are never written.
+template <int kM>
+FS_DEV CtaWork cta_work(const AttnParams& p, int64_t t) {
+  CtaWork w;
+  if (p.batched) {
+    w.b = w.qb = t % p.batch;
+    w.i0 = t / p.batch * kM;
+    if (w.i0 >= p.q_rows) return w;
+    w.sq = p.q_rows;
+    w.row0 = w.b * p.q_rows + w.i0;
+    w.q_row0 = w.i0;
+  } else {
+    int64_t lo = 0, hi = p.batch;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (tile_base<kM>(p, mid) <= t) lo = mid + 1;
+      else hi = mid;
+    }
+    if (lo == 0) return w;
+    w.b = lo - 1;
+    const int64_t begin = load_index(p.cu_seqlens_q, w.b);
+    w.sq = load_index(p.cu_seqlens_q, w.b + 1) - begin;
+    w.i0 = (t - tile_base<kM>(p, w.b)) * kM;
+    w.row0 = w.q_row0 = begin + w.i0;
+  }
+  const int64_t rows = imin(imin(kM, w.sq - w.i0), p.total_rows() - w.row0);
+  if (rows <= 0 || w.row0 < 0) return w;
+  w.rows = int(rows);
+  w.active = true;
+  return w;
+}
+
+// The CTA of a (row tiles, heads, splits) grid: heads fastest, row tiles descending, so the
+// longest causal tiles of every head start first. Sets h.
+template <int kM>
+FS_DEV CtaWork cta_of_block(const AttnParams& p, int64_t& h) {
+  const int64_t linear = int64_t(blockIdx.y) * gridDim.x + blockIdx.x;
+  h = linear % gridDim.y;
+  return cta_work<kM>(p, int64_t(gridDim.x) - 1 - linear / gridDim.y);
+}
+
+// Element offsets of KV token t (0 <= t < 2^31) of sequence kv.b in k and v; false when the
+// metadata places it outside the cache.
+FS_DEV bool token_offsets(const AttnParams& p, const SeqKv& kv, int64_t t, int64_t& k_off, int64_t& v_off) {
+  int64_t d0, d1;
+  if (p.paged) {
+    const uint32_t bs = uint32_t(p.kv_dim1), col = uint32_t(t) / bs;
+    if (col >= p.max_blocks) return false;
+    d0 = load_index2(p.block_table, kv.b, col);
+    d1 = uint32_t(t) - col * bs;
+  } else {
+    d0 = kv.kb;
+    d1 = kv.k_begin + t;
+  }
+  if (d0 < 0 || d0 >= p.kv_dim0 || d1 < 0 || d1 >= p.kv_dim1) return false;
+  k_off = d0 * p.k.stride[0] + d1 * p.k.stride[1] + kv.g * p.k.stride[2];
+  v_off = d0 * p.v.stride[0] + d1 * p.v.stride[1] + kv.g * p.v.stride[2];
+  return true;
+}
+
+// Q [kM, D] of head h into shared memory (layout L); rows past the CTA's rows are zero-filled.
+template <class S, class L, class T, int kD>
+FS_DEV void load_q(const AttnParams& p, const CtaWork& w, int64_t h, uint32_t q_s) {
+  constexpr int kChunks = kD / 8, kRowsPerPass = S::kThreads / kChunks;
+  static_assert(S::kThreads % kChunks == 0, "whole rows per pass");
+  const int c = int(threadIdx.x) % kChunks;
+  const T* q = static_cast<const T*>(p.q.data);
+#pragma unroll
+  for (int row = int(threadIdx.x) / kChunks; row < S::kM; row += kRowsPerPass) {
+    const bool valid = row < w.rows;
+    const T* src = q + (valid ? w.qb * p.q.stride[0] + (w.q_row0 + row) * p.q.stride[1] + h * p.q.stride[2] + c * 8 : 0);
+    cp_async_16(q_s + L::at(row, c), src, valid);
+  }
+}
+
+// KV tokens [n0, n0 + kN) into one stage (layout L): tokens >= kv_end zero-filled; tokens
+// outside the cache NaN keys and zero values (plain stores; visible after the same barrier).
+// Warp w copies rows [R w, R w + R), R = kN / kWarps: lane l locates row R w + l % R once
+// (token_offsets: 64-bit products, a block-table load), and each copy step takes its rows'
+// offsets by shuffle, so a row is located once per tile instead of once per 16-byte chunk.
+template <class S, class L, class T, int kD>
+FS_DEV void load_kv(const AttnParams& p, const SeqKv& kv, int64_t n0, int64_t kv_end, uint32_t k_s, uint32_t v_s) {
+  constexpr int kChunks = kD / 8, kRowsPerStep = 32 / kChunks, kR = S::kN / S::kWarps;
+  static_assert(S::kN % S::kWarps == 0 && kR <= 32 && kChunks <= 32 && kR % kRowsPerStep == 0,
+                "a warp copies whole rows, located by its lanes");
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, c = lane % kChunks;
+  const T* k = static_cast<const T*>(p.k.data);
+  const T* v = static_cast<const T*>(p.v.data);
+  int64_t k_off = 0, v_off = 0;
+  const int my_row = kR * warp + lane % kR;
+  const bool my_in = n0 + my_row < kv_end;
+  const bool my_bad = my_in && !token_offsets(p, kv, n0 + my_row, k_off, v_off);
+  const uint32_t in_mask = __ballot_sync(kFullMask, my_in), bad_mask = __ballot_sync(kFullMask, my_bad);
+#pragma unroll
+  for (int i = 0; i < kR / kRowsPerStep; ++i) {
+    const int src = i * kRowsPerStep + lane / kChunks, row = kR * warp + src;
+    const uint32_t at = L::at(row, c);
+    const int64_t ko = __shfl_sync(kFullMask, k_off, src), vo = __shfl_sync(kFullMask, v_off, src);
+    if ((bad_mask >> src) & 1u) {
+      const uint32_t nan2 = std::is_same_v<T, __half> ? 0x7e007e00u : 0x7fc07fc0u;
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(k_s + at), "r"(nan2) : "memory");
+      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(v_s + at), "r"(0u) : "memory");
+      continue;
+    }
+    const bool in_range = (in_mask >> src) & 1u;  // offsets 0 when not: an in-bounds address, nothing read
+    cp_async_16(k_s + at, k + ko + c * 8, in_range);
+    cp_async_16(v_s + at, v + vo + c * 8, in_range);
+  }
+}
+
+// Scores in log2 units: dot * scale * log2(e), or softcap * tanh(dot * scale / softcap) * log2(e).
+// With a positive scale and no soft-cap, s stays the raw dot (the tile max commutes with the
+// scale) and `exp_mul` folds the scale into the exponent's FFMA; otherwise the tile is mapped
+// to log2 units first and exp_mul = 1. m holds the running max in s's units.
+struct ScoreLog2 {
+  float exp_mul = 1.0f;
+  bool prescale = false;
+  FS_DEV explicit ScoreLog2(const AttnParams& p) {
+    prescale = p.softcap > 0.0f || !(p.softmax_scale > 0.0f);
+    exp_mul = prescale ? 1.0f : p.softmax_scale * kLog2e;
+  }
+  // s in log2 units (the prescale branch; reads the scale from the parameters).
+  static FS_DEV float log2_units(const AttnParams& p, float dot) {
+    if (p.softcap > 0.0f) return tanhf(dot * (p.softmax_scale / p.softcap)) * (p.softcap * kLog2e);
+    return dot * (p.softmax_scale * kLog2e);
+  }
+};
+
+// Online softmax over one kN-key tile for one 16-row block, the thread's rows r = 0 (s[.][0..1])
+// and 1 (s[.][2..3]) with visible keys [lo[r], hi[r]) relative to the tile start (applied when
+// `masked`): s becomes exp2(score - max), l (per-thread partial sums) and o are rescaled.
+// Soft-cap and masking are whole-tile branches, so the plain tile is straight-line code.
+template <int kN, int kD>
+FS_DEV void softmax_block(const AttnParams& p, float (&s)[kN / 8][4], float (&o)[kD / 8][4], float (&m)[2],
+                          float (&l)[2], const ScoreLog2& score, const int (&lo)[2], const int (&hi)[2], bool masked, int t) {
+  if (score.prescale) {
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = ScoreLog2::log2_units(p, s[nt][e]);
+  }
+  if (masked) {
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int rel = 8 * nt + 2 * t + (e & 1), r = e >> 1;
+        if (rel < lo[r] || rel >= hi[r]) s[nt][e] = kNegInf;
+      }
+  }
+  float alphas[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = kNegInf;
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
+    const float m_new = fmaxf(m[r], mx);
+    const float m_use = m_new == kNegInf ? 0.0f : m_new * score.exp_mul;  // all -inf so far: p = 0, no NaN
+    const float alpha = fast_exp2(m[r] * score.exp_mul - m_use);
+    m[r] = m_new;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; ++nt) {
+      s[nt][2 * r] = fast_exp2(fmaf(s[nt][2 * r], score.exp_mul, -m_use));
+      s[nt][2 * r + 1] = fast_exp2(fmaf(s[nt][2 * r + 1], score.exp_mul, -m_use));
+      sum += s[nt][2 * r] + s[nt][2 * r + 1];
+    }
+    l[r] = l[r] * alpha + sum;
+    alphas[r] = alpha;
+  }
+  // Once the running maxima settle (most tiles of a long row), no row of the warp moves: skip
+  // the 2 x D / 4 rescaling multiplies (alpha is exactly 1 when m is unchanged).
+  if (!__any_sync(kFullMask, alphas[0] != 1.0f || alphas[1] != 1.0f)) return;
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int dt = 0; dt < kD / 8; ++dt) {
+      o[dt][2 * r] *= alphas[r];
+      o[dt][2 * r + 1] *= alphas[r];
+    }
+}
+
+// The probabilities of k16 step kk of a tile as the A operand of P V (mma.sync m16n8k16 and
+// wgmma m64nNk16 register A share the layout), rounded to the operand dtype T.
+template <class T, int kN>
+FS_DEV void p_fragment(const float (&s)[kN / 8][4], int kk, uint32_t (&a)[4]) {
+  a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// Tile row of the thread's row r of row block mb (warp `warp`, g = lane / 4).
+template <class S>
+FS_DEV int thread_row(int warp, int mb, int r, int g) {
+  return S::kWarpRows * warp + 16 * mb + 8 * r + g;
+}
+
+// out = o / l and lse (natural log; m in units of exp_mul / ln 2) of the thread's valid rows;
+// with splits the fp32 partials. out (of q's dtype T, rows 16-byte aligned: select.cu) is
+// staged in the warp's own Q rows of shared memory (layout L; the caller makes sure no MMA
+// still reads them) and written in 16-byte chunks.
+template <class S, class L, class T, int kD>
+FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int split, const float (&o)[S::kMB][kD / 8][4],
+                       const float (&m)[S::kMB][2], float (&l)[S::kMB][2], float exp_mul, uint32_t q_s, int warp,
+                       int lane) {
+  constexpr int kChunks = kD / 8;
+  const int g = lane >> 2, t = lane & 3;
+  float inv[S::kMB][2];
+#pragma unroll
+  for (int mb = 0; mb < S::kMB; ++mb)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[mb][r] += __shfl_xor_sync(kFullMask, l[mb][r], 1);
+      l[mb][r] += __shfl_xor_sync(kFullMask, l[mb][r], 2);
+      const bool empty = l[mb][r] == 0.0f;
+      inv[mb][r] = empty ? 0.0f : 1.0f / l[mb][r];
+      const int i = thread_row<S>(warp, mb, r, g);
+      if (i >= w.rows) continue;
+      const float lse = empty ? kNegInf : m[mb][r] * exp_mul * kLn2 + logf(l[mb][r]);
+      if (p.num_splits > 1) {
+        const int64_t at = partial_index(p, split, w.row0 + i, h);
+#pragma unroll
+        for (int dt = 0; dt < kD / 8; ++dt) {  // 4-byte stores: the workspace may be only 4-byte aligned
+          p.o_partial[at * kD + 8 * dt + 2 * t] = o[mb][dt][2 * r] * inv[mb][r];
+          p.o_partial[at * kD + 8 * dt + 2 * t + 1] = o[mb][dt][2 * r + 1] * inv[mb][r];
+        }
+        if (t == 0) p.lse_partial[at] = lse;
+      } else if (t == 0) {
+        store_lse(p, w.qb, w.q_row0 + i, h, lse);
+      }
+    }
+  if (p.num_splits > 1) return;
+  __syncwarp();  // the warp's last reads of its Q rows precede the overwrite
+#pragma unroll
+  for (int mb = 0; mb < S::kMB; ++mb)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = thread_row<S>(warp, mb, r, g);
+#pragma unroll
+      for (int dt = 0; dt < kD / 8; ++dt) {
+        const uint32_t x = pack2<T>(o[mb][dt][2 * r] * inv[mb][r], o[mb][dt][2 * r + 1] * inv[mb][r]);
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(q_s + L::at(row, dt) + 4u * t), "r"(x) : "memory");
+      }
+    }
+  __syncwarp();
+  T* out = static_cast<T*>(const_cast<void*>(p.out.data)) + w.qb * p.out.stride[0] + h * p.out.stride[2];
+#pragma unroll
+  for (int it = 0; it < S::kWarpRows * kChunks / 32; ++it) {
+    const int idx = 32 * it + lane, i = S::kWarpRows * warp + idx / kChunks, c = idx % kChunks;
+    uint4 x;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                 : "r"(q_s + L::at(i, c))
+                 : "memory");
+    if (i < w.rows) *reinterpret_cast<uint4*>(out + (w.q_row0 + i) * p.out.stride[1] + 8 * c) = x;
+  }
+}
+
+// Visible local keys of tile row i: visibility (masks.cuh) within the split's range, bounded
+// to the tokens the metadata can place in the cache (generic_fwd.cuh). lo and hi are
+// non-decreasing in i, so a group's first and last rows bound the group's keys.
+struct RowKeys {
+  Visibility vis;
+  KvRange range;
+  KeyRange cache;
+  int64_t pos0;  // aligned position of tile row 0: i0 + sk - sq
+  int64_t sk;
+  FS_DEV KeyRange operator()(int64_t i) const {
+    const KeyRange k = vis(pos0 + i, sk);
+    return generic::bound_to_cache({imax(k.lo, range.begin), imin(k.hi, range.end)}, cache);
+  }
+};
+
+// The keys a CTA walks: tiles of kN from n_begin (aligned to the split's range start) up to the
+// last row's last visible key.
+struct CtaKeys {
+  RowKeys rows;
+  int64_t n_begin = 0, end = 0;
+  int tiles = 0;
+};
+
+template <int kN>
+FS_DEV CtaKeys cta_keys(const AttnParams& p, const CtaWork& w, const SeqKv& kv, int split) {
+  const int64_t sk = kv_len(p, w.b);
+  CtaKeys c{{make_visibility(p), split_kv_range(sk, p.num_splits, split, p.split_granularity),
+             generic::cache_tokens(p, kv), w.i0 + sk - w.sq, sk}};
+  const KeyRange first = c.rows(0), last = c.rows(w.rows - 1);
+  c.n_begin = c.rows.range.begin + floor_div(first.lo - c.rows.range.begin, kN) * kN;
+  c.end = last.hi;
+  c.tiles = first.lo < last.hi ? int((last.hi - c.n_begin + kN - 1) / kN) : 0;
+  return c;
+}
+
+// A key offset relative to the CTA's first tile, clamped to [0, INT_MAX]. A CTA's keys lie
+// within its sequence's cache span plus one tile (generic::bound_to_cache), which select.cu
+// keeps under 2^31 - 4 * kN keys: offsets, tile starts j * kN and j * kN + kN fit in int.
+FS_DEV int rel32(int64_t x) { return int(imin(imax(x, 0), INT_MAX)); }
+template <int kN>
+FS_DEV int clamp_tile(int x) { return x < 0 ? 0 : (x > kN ? kN : x); }
+
+// Key ranges relative to the CTA's first tile: each of the thread's rows (kept in shared memory,
+// `rows_s` [kM] int2, read only on masked tiles: registers are the kernels' limit), and the
+// union (any) and intersection (all) of the keys of the thread's row group (S::kGroupRows
+// rows), which decide per tile whether the group skips it, masks it, or takes it whole.
+template <class S>
+struct WarpKeys {
+  int2* rows_s;
+  int any_lo, any_hi, all_lo, all_hi;
+  FS_DEV WarpKeys(const RowKeys& keys, int64_t n_begin, int rows, int warp, int lane, int2* rows_smem)
+      : rows_s(rows_smem) {
+#pragma unroll
+    for (int mb = 0; mb < S::kMB; ++mb)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {  // the lanes of one row write the same pair; each reads its own
+        const int i = thread_row<S>(warp, mb, r, lane >> 2);
+        const KeyRange k = keys(i);
+        rows_s[i] = make_int2(rel32(k.lo - n_begin), rel32(k.hi - n_begin));
+      }
+    const int first = S::kGroupRows * (S::kWarpRows * warp / S::kGroupRows);
+    const int last = int(imin(first + S::kGroupRows, rows)) - 1;
+    any_lo = any_hi = all_lo = all_hi = 0;  // no valid row: the group skips every tile
+    if (last < first) return;
+    const KeyRange a = keys(first), b = keys(last);
+    any_lo = rel32(a.lo - n_begin), any_hi = rel32(b.hi - n_begin);
+    all_lo = rel32(b.lo - n_begin), all_hi = rel32(a.hi - n_begin);
+  }
+  // Whether no row of the group sees the tile at `off`, and whether some row sees only part.
+  FS_DEV bool skips(int off) const { return off >= any_hi || off + S::kN <= any_lo; }
+  FS_DEV bool masks(int off) const { return off < all_lo || off + S::kN > all_hi; }
+  // Visible keys [lo, hi) of the thread's rows of row block mb, relative to the tile at `off`.
+  FS_DEV void tile_rows(int mb, int off, int warp, int lane, int (&lo)[2], int (&hi)[2]) const {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int2 k = rows_s[thread_row<S>(warp, mb, r, lane >> 2)];
+      lo[r] = clamp_tile<S::kN>(k.x - off);
+      hi[r] = clamp_tile<S::kN>(k.y - off);
+    }
+  }
+};
+
+}  // namespace flashserve::kernels::prefill

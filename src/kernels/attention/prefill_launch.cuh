@@ -1,0 +1,51 @@
+// Launch helpers the two prefill kernels share (prefill_fwd.cu, prefill_wgmma.cu): the dispatch
+// of (dtype, D) over an instantiation table of select.hpp, and the (row tiles, heads, splits)
+// grid of the CTA schedule in prefill_common.cuh.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <iterator>
+#include <type_traits>
+#include <utility>
+
+#include "kernels/attention/params.hpp"
+#include "kernels/attention/select.hpp"
+#include "kernels/common/cuda_check.cuh"
+#include "kernels/common/smem_limit.cuh"
+
+namespace flashserve::kernels {
+
+template <DType t>
+using half_type = std::conditional_t<t == DType::bf16, __nv_bfloat16, __half>;
+
+// Calls f.template operator()<T, D>() for the entry of kConfigs (PrefillConfig[]) matching
+// (t, d); false when none does.
+template <const auto& kConfigs, class F>
+bool with_prefill_config(DType t, int d, F&& f) {
+  return [&]<size_t... I>(std::index_sequence<I...>) {
+    return ((kConfigs[I].dtype == t && kConfigs[I].head_dim == d
+                 ? (f.template operator()<half_type<kConfigs[I].dtype>, kConfigs[I].head_dim>(), true)
+                 : false) ||
+            ...);
+  }(std::make_index_sequence<std::size(kConfigs)>{});
+}
+
+// kKernel over the CTA schedule of prefill_common.cuh: 128-row tiles (varlen: total_q / 128 +
+// B + 1, enough for every sequence's ceil(sq_b / 128); batched: B * ceil(sq / 128)) x heads x
+// splits. All of the unified L1 as shared memory.
+template <auto kKernel>
+void launch_row_tiles(const AttnParams& p, size_t smem, int threads, cudaStream_t stream) {
+  static_assert(kPrefillRowsPerCta == 128 && kWgmmaRowsPerCta == 128, "one schedule");
+  ensure_smem_limit<kKernel>(smem, true);
+  constexpr int64_t m = 128;
+  const int64_t tiles = p.batched ? p.batch * ((p.q_rows + m - 1) / m) : p.q_rows / m + p.batch + 1;
+  const dim3 grid(unsigned(tiles), unsigned(p.num_heads), unsigned(p.num_splits));
+  kKernel<<<grid, threads, smem, stream>>>(p);
+  FS_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace flashserve::kernels

@@ -1,0 +1,20 @@
+// Instantiations and launch of the sm_90a wgmma prefill kernel: one per kPrefillWgmmaConfigs
+// entry (select.hpp). Compiled for every architecture of the build; the kernel body exists only
+// in the sm_90a image, and select.cu picks the kernel only on 9.0 devices of builds with it.
+#include "kernels/attention/launchers.hpp"
+#include "kernels/attention/prefill_launch.cuh"
+#include "kernels/attention/prefill_wgmma.cuh"
+
+namespace flashserve::kernels {
+
+void launch_prefill_wgmma(const AttnParams& p, const AttnKernelChoice& choice, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  const bool built = with_prefill_config<kPrefillWgmmaConfigs>(p.q.dtype, choice.dv_bucket, [&]<class T, int kD>() {
+    launch_row_tiles<&prefill::prefill_wgmma<T, kD>>(p, prefill_wgmma_smem_bytes(kD), kWgmmaThreads, s);
+  });
+  if (!built)
+    throw RuntimeError(detail::cat("prefill_wgmma: no instantiation for ", dtype_name(p.q.dtype), " D=",
+                                   choice.dv_bucket));
+}
+
+}  // namespace flashserve::kernels

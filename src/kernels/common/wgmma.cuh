@@ -1,0 +1,72 @@
+// Warpgroup tensor-core primitives of the sm_90a kernels: shared-memory matrix descriptors for
+// 128-byte-swizzled tiles, the wgmma fence / commit / wait, the async-proxy fence that makes
+// generic-proxy shared-memory writes (cp.async, st.shared) visible to wgmma, and the
+// instruction wrappers (wgmma_mma.cuh, generated).
+//
+// The tile layout every operand uses (SwizzledTile): a tile of `Rows` rows x D 16-bit values
+// is stored as D / 64 column blocks of [Rows, 64], each row of a block 128 bytes, 16-byte chunk
+// c of row r at chunk c ^ (r % 8). With the tile 1024-byte aligned this is the canonical
+// 128-byte swizzle of wgmma (address bits [4, 7) XOR bits [7, 10)), for both operand majors:
+//   K-major (A = Q, B = K: the reduction runs along a row): 8-row groups 1024 bytes apart
+//     (stride byte offset); one k16 step is 32 bytes into the row, a column block further
+//     Rows x 128 bytes;
+//   N-major (B = V of P V: the reduction runs over rows = keys): an atom is 8 keys x 64
+//     channels, the next 64 channels a column block further (leading byte offset Rows x 128),
+//     the next 8 keys 1024 bytes further (stride byte offset); a k16 step is 16 rows.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/common/wgmma_mma.cuh"
+
+namespace flashserve::kernels {
+
+template <int Rows>
+struct SwizzledTile {
+  static_assert(Rows % 8 == 0, "whole 8-row swizzle atoms");
+  static constexpr uint32_t kBlockBytes = uint32_t(Rows) * 128u;  // one 64-channel column block
+  static FS_DEV uint32_t at(int row, int chunk) {
+    return uint32_t(chunk >> 3) * kBlockBytes + uint32_t(row) * 128u + (uint32_t((chunk & 7) ^ (row & 7)) << 4);
+  }
+};
+
+// A wgmma shared-memory descriptor: start address, leading / stride byte offsets (16-byte
+// units), 128-byte swizzle (layout type 1 in bits 62-63), base offset 0 (atoms 1024-aligned).
+FS_DEV uint64_t smem_desc_sw128(uint32_t addr, uint32_t lead_bytes, uint32_t stride_bytes) {
+  return uint64_t((addr & 0x3FFFFu) >> 4) | (uint64_t((lead_bytes >> 4) & 0x3FFFu) << 16) |
+         (uint64_t((stride_bytes >> 4) & 0x3FFFu) << 32) | (uint64_t(1) << 62);
+}
+
+// K-major operand rows [row0, row0 + 8 m) of a SwizzledTile<Rows> at `tile`, k16 step kk.
+template <int Rows>
+FS_DEV uint64_t desc_k_major(uint32_t tile, int row0, int kk) {
+  return smem_desc_sw128(tile + uint32_t(kk >> 2) * SwizzledTile<Rows>::kBlockBytes + uint32_t(row0) * 128u +
+                             uint32_t(kk & 3) * 32u,
+                         16u, 1024u);
+}
+
+// N-major operand (N = the tile's channels, K = its rows), rows [16 kk, 16 kk + 16).
+template <int Rows>
+FS_DEV uint64_t desc_n_major(uint32_t tile, int kk) {
+  return smem_desc_sw128(tile + uint32_t(kk) * 16u * 128u, SwizzledTile<Rows>::kBlockBytes, 1024u);
+}
+
+FS_DEV void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+FS_DEV void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+FS_DEV void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// This thread's completed generic-proxy shared-memory writes, visible to the async proxy.
+FS_DEV void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Keeps the compiler from moving accesses of accumulator registers across the async MMA.
+template <int N>
+FS_DEV void fence_operands(float (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+}  // namespace flashserve::kernels
