@@ -128,12 +128,12 @@ FS_DEV void load_q(const AttnParams& p, const CtaWork& w, int64_t h, uint32_t q_
   }
 }
 
-// KV tokens [n0, n0 + kN) into one stage (layout L): tokens >= kv_end zero-filled; tokens
-// outside the cache NaN keys and zero values (plain stores; visible after the same barrier).
-// Warp w copies rows [R w, R w + R), R = kN / kWarps: lane l locates row R w + l % R once
+// KV tokens [n0, n0 + kN) into one stage (layout L; only K or only V with kV or kK false):
+// tokens >= kv_end zero-filled; tokens outside the cache NaN keys and zero values (plain
+// stores; visible after the same barrier). Warp w copies rows [R w, R w + R), R = kN / kWarps: lane l locates row R w + l % R once
 // (token_offsets: 64-bit products, a block-table load), and each copy step takes its rows'
 // offsets by shuffle, so a row is located once per tile instead of once per 16-byte chunk.
-template <class S, class L, class T, int kD>
+template <class S, class L, class T, int kD, bool kK = true, bool kV = true>
 FS_DEV void load_kv(const AttnParams& p, const SeqKv& kv, int64_t n0, int64_t kv_end, uint32_t k_s, uint32_t v_s) {
   constexpr int kChunks = kD / 8, kRowsPerStep = 32 / kChunks, kR = S::kN / S::kWarps;
   static_assert(S::kN % S::kWarps == 0 && kR <= 32 && kChunks <= 32 && kR % kRowsPerStep == 0,
@@ -153,13 +153,13 @@ FS_DEV void load_kv(const AttnParams& p, const SeqKv& kv, int64_t n0, int64_t kv
     const int64_t ko = __shfl_sync(kFullMask, k_off, src), vo = __shfl_sync(kFullMask, v_off, src);
     if ((bad_mask >> src) & 1u) {
       const uint32_t nan2 = std::is_same_v<T, __half> ? 0x7e007e00u : 0x7fc07fc0u;
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(k_s + at), "r"(nan2) : "memory");
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(v_s + at), "r"(0u) : "memory");
+      if (kK) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(k_s + at), "r"(nan2) : "memory");
+      if (kV) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(v_s + at), "r"(0u) : "memory");
       continue;
     }
     const bool in_range = (in_mask >> src) & 1u;  // offsets 0 when not: an in-bounds address, nothing read
-    cp_async_16(k_s + at, k + ko + c * 8, in_range);
-    cp_async_16(v_s + at, v + vo + c * 8, in_range);
+    if (kK) cp_async_16(k_s + at, k + ko + c * 8, in_range);
+    if (kV) cp_async_16(v_s + at, v + vo + c * 8, in_range);
   }
 }
 
@@ -183,11 +183,14 @@ struct ScoreLog2 {
 
 // Online softmax over one kN-key tile for one 16-row block, the thread's rows r = 0 (s[.][0..1])
 // and 1 (s[.][2..3]) with visible keys [lo[r], hi[r]) relative to the tile start (applied when
-// `masked`): s becomes exp2(score - max), l (per-thread partial sums) and o are rescaled.
-// Soft-cap and masking are whole-tile branches, so the plain tile is straight-line code.
-template <int kN, int kD>
-FS_DEV void softmax_block(const AttnParams& p, float (&s)[kN / 8][4], float (&o)[kD / 8][4], float (&m)[2],
-                          float (&l)[2], const ScoreLog2& score, const int (&lo)[2], const int (&hi)[2], bool masked, int t) {
+// `masked`): s becomes exp2(score - max), m and l (per-thread partial sums) move on, and
+// alpha[r] receives the factor the row's output accumulator must be scaled by (rescale_o)
+// before this tile's P V is added. Soft-cap and masking are whole-tile branches, so the plain
+// tile is straight-line code.
+template <int kN>
+FS_DEV void softmax_scores(const AttnParams& p, float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
+                           float (&alpha)[2], const ScoreLog2& score, const int (&lo)[2], const int (&hi)[2],
+                           bool masked, int t) {
   if (score.prescale) {
 #pragma unroll
     for (int nt = 0; nt < kN / 8; ++nt)
@@ -203,7 +206,6 @@ FS_DEV void softmax_block(const AttnParams& p, float (&s)[kN / 8][4], float (&o)
         if (rel < lo[r] || rel >= hi[r]) s[nt][e] = kNegInf;
       }
   }
-  float alphas[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = kNegInf;
@@ -213,7 +215,7 @@ FS_DEV void softmax_block(const AttnParams& p, float (&s)[kN / 8][4], float (&o)
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
     const float m_new = fmaxf(m[r], mx);
     const float m_use = m_new == kNegInf ? 0.0f : m_new * score.exp_mul;  // all -inf so far: p = 0, no NaN
-    const float alpha = fast_exp2(m[r] * score.exp_mul - m_use);
+    alpha[r] = fast_exp2(m[r] * score.exp_mul - m_use);
     m[r] = m_new;
     float sum = 0.0f;
 #pragma unroll
@@ -222,18 +224,22 @@ FS_DEV void softmax_block(const AttnParams& p, float (&s)[kN / 8][4], float (&o)
       s[nt][2 * r + 1] = fast_exp2(fmaf(s[nt][2 * r + 1], score.exp_mul, -m_use));
       sum += s[nt][2 * r] + s[nt][2 * r + 1];
     }
-    l[r] = l[r] * alpha + sum;
-    alphas[r] = alpha;
+    l[r] = l[r] * alpha[r] + sum;
   }
-  // Once the running maxima settle (most tiles of a long row), no row of the warp moves: skip
-  // the 2 x D / 4 rescaling multiplies (alpha is exactly 1 when m is unchanged).
-  if (!__any_sync(kFullMask, alphas[0] != 1.0f || alphas[1] != 1.0f)) return;
+}
+
+// o (the thread's rows r = 0, 1 of a 16-row block) *= alpha[r]. Once the running maxima settle
+// (most tiles of a long row), no row of the warp moves: the 2 x D / 4 multiplies are skipped
+// (alpha is exactly 1 when m is unchanged).
+template <int kD>
+FS_DEV void rescale_o(float (&o)[kD / 8][4], const float (&alpha)[2]) {
+  if (!__any_sync(kFullMask, alpha[0] != 1.0f || alpha[1] != 1.0f)) return;
 #pragma unroll
   for (int r = 0; r < 2; ++r)
 #pragma unroll
     for (int dt = 0; dt < kD / 8; ++dt) {
-      o[dt][2 * r] *= alphas[r];
-      o[dt][2 * r + 1] *= alphas[r];
+      o[dt][2 * r] *= alpha[r];
+      o[dt][2 * r + 1] *= alpha[r];
     }
 }
 

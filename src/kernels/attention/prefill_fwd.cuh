@@ -191,7 +191,9 @@ __global__ void __launch_bounds__(kThreads, kPrefillCtasPerSm) prefill_fwd(const
     for (int mb = 0; mb < kMB; ++mb) {
       int lo[2] = {0, 0}, hi[2] = {kN, kN};
       if (masked) wk.tile_rows(mb, off, warp, lane, lo, hi);
-      softmax_block<kN, kD>(p, s[mb], o[mb], m[mb], l[mb], score, lo, hi, masked, lane & 3);
+      float alpha[2];
+      softmax_scores<kN>(p, s[mb], m[mb], l[mb], alpha, score, lo, hi, masked, lane & 3);
+      rescale_o<kD>(o[mb], alpha);
     }
     pv_tile<T, kD>(s, sm.v(j), la, o);
   }

@@ -6,27 +6,32 @@
 //
 // CTA: 128 query rows of one sequence x one query head x one KV split (the schedule of
 // prefill_common.cuh); 2 warpgroups of 64 rows, 256 threads, one CTA per SM. KV tiles of N keys
-// (128; 64 for D > 128), K and V double-buffered, copied by all 256 threads with cp.async (each
-// KV row located on its own, as prefill_mma), one barrier per tile after the async-proxy fence.
-// Per tile each warpgroup:
+// (128; 64 for D > 128), K double- and V triple-buffered, copied by all 256 threads with
+// cp.async (each KV row located on its own, as prefill_mma), one barrier per tile after the
+// async-proxy fence. Per tile each warpgroup:
 //   S [64, N] = Q K^T:  D / 16 wgmma m64nNk16, A = Q and B = K from shared memory (K-major);
 //   the online softmax of prefill_common.cuh on S (the accumulator layout of wgmma per warp is
-//   mma.sync's), masks only on tiles some row of the warpgroup sees partly, tiles no row of it
-//   sees skipped;
+//   mma.sync's), masks only on tiles some row of the warpgroup sees partly;
 //   O [64, D] += P V: N / 16 wgmma m64nDk16, A = P from registers (rounded to the operand
-//   dtype), B = V from shared memory N-major (the transpose is the descriptor's).
-// The epilogue is prefill_mma's (prefill_common.cuh: out through the warp's own Q rows, or the
-// fp32 partials).
+//   dtype), B = V from shared memory N-major (the transpose is the descriptor's);
+// software-pipelined so that the softmax of tile j overlaps P V of tile j - 1 (the mainloop
+// below). The epilogue is prefill_mma's (prefill_common.cuh: out through the warp's own Q
+// rows, or the fp32 partials).
 //
-// Arithmetic per 128-key tile (D = 128; H200 SM: 4096 dense bf16 FLOP/clk = 990 TFLOP/s):
-//   2 GEMMs x 128 x 128 x 128 x 2 = 8.4 MFLOP = 2048 clk at the dense rate; the softmax does
-//   128 x 128 exp2 on 16 MUFU/clk = 1024 clk, plus ~4 FP32 ops per score on 128/clk = 512 clk.
-//   With the barrier aligning the two warpgroups' softmax phases and no overlap of softmax with
-//   MMA: ~2048 / (2048 + 1100) = 65% of peak at best, ~640 TFLOP/s; overlap (FlashAttention-3's
-//   ping-pong and intra-warpgroup pipelining) is the next step.
-//   Shared memory: wgmma reads each operand once per warpgroup: (Q 16 KB + K 32 KB + V 32 KB)
-//   x 2 = 160 KB per tile = 1250 clk at 128 B/clk, under the MMA time.
-//   Registers per thread: S N / 2 + O D / 2 fp32 (128 at D = 128), P N / 4, masks, state.
+// Arithmetic per 128-key tile (D = 128; H200 SM: 4096 dense bf16 FLOP/clk = 990 TFLOP/s at the
+// boost clock; cuBLAS reaches ~700 under load):
+//   2 GEMMs x 128 x 128 x 128 x 2 = 8.4 MFLOP = 2048 clk; the softmax does 128 x 128 exp2 on
+//   16 MUFU/clk = 1024 clk, plus ~4 FP32 ops per score on 128/clk = 512 clk. With S of both
+//   warpgroups waited for together and the softmax overlapping only P V, ~1024 (QK) + 1100
+//   (softmax || PV) + ~200 (barrier, copies) = ~2300 clk per tile: ~90% of the GEMM rate
+//   predicted; measured 388 TFLOP/s at S = 8k (56% of cuBLAS's 692 in the same run): the
+//   shared per-tile barrier keeps the two warpgroups in lockstep, and one CTA per SM exposes
+//   every CTA's prologue. Warp specialization (a producer warp on mbarriers, TMA where the
+//   cache is contiguous) and ping-pong of the two warpgroups are the next step.
+//   Shared memory per tile: wgmma reads Q 16 KB + K 32 KB + V 32 KB per warpgroup (160 KB)
+//   and the copies write 64 KB: 224 KB / 2048 clk = 110 B/clk of the 128 B/clk.
+//   Registers per thread: S N / 2 + O D / 2 fp32 (128 at D = 128), P N / 4, masks, state
+//   (237 at D = 128, no spills).
 #pragma once
 
 #include <cstdint>
@@ -39,15 +44,17 @@ namespace flashserve::kernels::prefill {
 template <int kD>
 using Wgmma90 = TileShape<kWgmmaRowsPerCta, wgmma_tile_keys(kD), kWgmmaWarps, 64>;
 
-// Shared memory: [Q | K stage 0 | K stage 1 | V stage 0 | V stage 1 | rows' key ranges], the
-// tiles SwizzledTile (wgmma.cuh) from a 1024-byte-aligned base.
+// Shared memory: [Q | K stage 0, 1 | V stage 0, 1, 2 | rows' key ranges], the tiles
+// SwizzledTile (wgmma.cuh) from a 1024-byte-aligned base. V has a third stage: P V of tile j - 1
+// still reads V j-1 while the copies of tile j + 1 fill the stages of tile j - 1 (K) and
+// j - 2 (V).
 template <int kD>
 struct WgmmaSmem {
   static constexpr int kN = wgmma_tile_keys(kD);
   using QL = SwizzledTile<kWgmmaRowsPerCta>;
   using KvL = SwizzledTile<kN>;
   static constexpr uint32_t kQBytes = kWgmmaRowsPerCta * kD * 2, kTileBytes = kN * kD * 2;
-  static constexpr uint32_t kBytes = kQBytes + 4 * kTileBytes;
+  static constexpr uint32_t kBytes = kQBytes + 5 * kTileBytes;
   uint32_t q;
   unsigned char* ranges;  // int2 [128]
   FS_DEV explicit WgmmaSmem(unsigned char* raw) {
@@ -56,42 +63,59 @@ struct WgmmaSmem {
     ranges = raw + (aligned - base) + kBytes;
   }
   FS_DEV uint32_t k(int j) const { return q + kQBytes + uint32_t(j & 1) * kTileBytes; }
-  FS_DEV uint32_t v(int j) const { return q + kQBytes + uint32_t(2 + (j & 1)) * kTileBytes; }
+  // V stage of tile j, given vs = j % 3.
+  FS_DEV uint32_t v(int vs) const { return q + kQBytes + uint32_t(2 + vs) * kTileBytes; }
 };
 
-// S = Q K^T of the warpgroup's 64 rows (wg) over the tile at k_s.
+FS_DEV int mod3_next(int vs) { return vs == 2 ? 0 : vs + 1; }
+
+// Issues S = Q K^T of the warpgroup's 64 rows (wg) over the K tile at k_s (one commit group).
 template <class T, int kD, int kN>
-FS_DEV void qk_wgmma(uint32_t q_s, uint32_t k_s, int wg, float (&s)[kN / 8][4]) {
+FS_DEV void issue_qk(uint32_t q_s, uint32_t k_s, int wg, float (&s)[kN / 8][4]) {
   fence_operands(s);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk)
     wgmma_ss<T, kN>(s, desc_k_major<kWgmmaRowsPerCta>(q_s, 64 * wg, kk), desc_k_major<kN>(k_s, 0, kk), kk > 0);
   wgmma_commit();
-  wgmma_wait<0>();
-  fence_operands(s);
 }
 
-// O += P V over the tile at v_s, P = s (probabilities) rounded to T.
+// Issues O += P V over the V tile at v_s, P the packed probabilities (one commit group).
 template <class T, int kD, int kN>
-FS_DEV void pv_wgmma(const float (&s)[kN / 8][4], uint32_t v_s, float (&o)[kD / 8][4]) {
-  uint32_t a[kN / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < kN / 16; ++kk) p_fragment<T, kN>(s, kk, a[kk]);
+FS_DEV void issue_pv(const uint32_t (&pa)[kN / 16][4], uint32_t v_s, float (&o)[kD / 8][4]) {
   fence_operands(o);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < kN / 16; ++kk) wgmma_rs<T, kD>(o, a[kk], desc_n_major<kN>(v_s, kk), 1);
+  for (int kk = 0; kk < kN / 16; ++kk) wgmma_rs<T, kD>(o, pa[kk], desc_n_major<kN>(v_s, kk), 1);
   wgmma_commit();
-  wgmma_wait<0>();
-  fence_operands(o);
 }
 
+// The pipeline barrier of tile j: this thread's copies and stores (K and V j, Q) complete and
+// visible to wgmma (the async proxy), then every thread's.
+FS_DEV void tile_barrier() {
+  cp_async_wait<0>();
+  fence_proxy_async_shared();
+  __syncthreads();
+}
+
+// The mainloop, software-pipelined within each warpgroup so that the softmax of tile j runs on
+// the CUDA cores while the tensor cores add P V of tile j - 1:
+//   barrier j (tile j complete; every warpgroup done with K j-1 and V j-2)
+//   copies of tile j+1 (K into the stage of j-1, V into that of j-2)
+//   issue S = Q K j; issue O += P(j-1) V(j-1)
+//   wait S; softmax of S (m, l, alpha)
+//   wait O; O *= alpha; P(j) = S rounded to T
+// with the first tile's P V peeled off (nothing pending) and the last tile's after the loop.
+// Every wgmma sits on straight-line code (no branch between issue and wait: ptxas serializes
+// wgmma otherwise), so a warpgroup also walks tiles none of its rows sees, fully masked (p = 0;
+// at most one such tile per CTA, on the causal diagonal).
 template <class T, int kD>
 __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_constant__ AttnParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = Wgmma90<kD>;
   using Sm = WgmmaSmem<kD>;
+  using QL = typename Sm::QL;
+  using KvL = typename Sm::KvL;
   constexpr int kN = S::kN;
   static_assert(Sm::kBytes + 1024 + S::kM * sizeof(int2) == prefill_wgmma_smem_bytes(kD), "select.hpp sizes it");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -104,35 +128,65 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_c
   const SeqKv kv = seq_kv(p, w.b, h / p.group);
   const CtaKeys ck = cta_keys<kN>(p, w, kv, split);
 
-  load_q<S, typename Sm::QL, T, kD>(p, w, h, sm.q);
-  cp_async_commit();
-  if (ck.tiles > 0) load_kv<S, typename Sm::KvL, T, kD>(p, kv, ck.n_begin, ck.end, sm.k(0), sm.v(0));
+  load_q<S, QL, T, kD>(p, w, h, sm.q);
+  if (ck.tiles > 0) load_kv<S, KvL, T, kD>(p, kv, ck.n_begin, ck.end, sm.k(0), sm.v(0));
   cp_async_commit();
 
   const WarpKeys<S> wk(ck.rows, ck.n_begin, w.rows, warp, lane, reinterpret_cast<int2*>(sm.ranges));
   const ScoreLog2 score(p);
   float o[1][kD / 8][4] = {};
   float s[kN / 8][4] = {};
+  uint32_t pa[kN / 16][4];
   float m[1][2] = {{kNegInf, kNegInf}}, l[1][2] = {};
-  for (int j = 0; j < ck.tiles; ++j) {
-    cp_async_wait<0>();
-    fence_proxy_async_shared();  // this thread's copies and stores of tile j (and Q), to wgmma
-    __syncthreads();             // tile j complete; every warpgroup is done with tile j - 1
+  // Barrier j, then the copies of tile j + 1 into K stage (j + 1) % 2 and V stage vs_next.
+  const auto next_tile = [&](int j, int vs_next) {
+    tile_barrier();
     if (j + 1 < ck.tiles)
-      load_kv<S, typename Sm::KvL, T, kD>(p, kv, ck.n_begin + int64_t(j + 1) * kN, ck.end, sm.k(j + 1), sm.v(j + 1));
+      load_kv<S, KvL, T, kD>(p, kv, ck.n_begin + int64_t(j + 1) * kN, ck.end, sm.k(j + 1), sm.v(vs_next));
     cp_async_commit();
+  };
+  // The softmax of tile j on s (completed), masked where some row of the warpgroup sees only part.
+  const auto softmax_tile = [&](int j, float (&alpha)[2]) {
     const int off = j * kN;
-    if (wk.skips(off)) continue;  // no row of the warpgroup sees the tile (uniform in it)
     const bool masked = wk.masks(off);
-    qk_wgmma<T, kD, kN>(sm.q, sm.k(j), wg, s);
     int lo[2] = {0, 0}, hi[2] = {kN, kN};
     if (masked) wk.tile_rows(0, off, warp, lane, lo, hi);
-    softmax_block<kN, kD>(p, s, o[0], m[0], l[0], score, lo, hi, masked, lane & 3);
-    pv_wgmma<T, kD, kN>(s, sm.v(j), o[0]);
+    softmax_scores<kN>(p, s, m[0], l[0], alpha, score, lo, hi, masked, lane & 3);
+  };
+  const auto pack_p = [&] {
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) p_fragment<T, kN>(s, kk, pa[kk]);
+  };
+  if (ck.tiles > 0) {
+    float alpha[2];
+    int vs = 0;  // V stage of tile j - 1 in the loop, of the last tile after it
+    next_tile(0, 1);
+    issue_qk<T, kD, kN>(sm.q, sm.k(0), wg, s);
+    wgmma_wait<0>();
+    fence_operands(s);
+    softmax_tile(0, alpha);  // o is still 0: no rescale
+    pack_p();
+    for (int j = 1; j < ck.tiles; ++j) {
+      const int vs_j = mod3_next(vs);
+      next_tile(j, mod3_next(vs_j));
+      issue_qk<T, kD, kN>(sm.q, sm.k(j), wg, s);
+      issue_pv<T, kD, kN>(pa, sm.v(vs), o[0]);
+      wgmma_wait<1>();
+      fence_operands(s);
+      softmax_tile(j, alpha);
+      wgmma_wait<0>();  // P(j-1) V(j-1) added: pa free, o final for it
+      fence_operands(o[0]);
+      rescale_o<kD>(o[0], alpha);
+      pack_p();
+      vs = vs_j;
+    }
+    issue_pv<T, kD, kN>(pa, sm.v(vs), o[0]);
+    wgmma_wait<0>();
+    fence_operands(o[0]);
   }
   cp_async_wait<0>();
-  __syncthreads();  // Q landed (no tiles) and no warpgroup's MMA still reads Q rows
-  store_rows<S, typename Sm::QL, T, kD>(p, w, h, split, o, m, l, score.exp_mul, sm.q, warp, lane);
+  __syncthreads();  // Q landed (no tiles); no warpgroup's MMA still reads Q rows
+  store_rows<S, QL, T, kD>(p, w, h, split, o, m, l, score.exp_mul, sm.q, warp, lane);
 #endif
 }
 

@@ -112,10 +112,10 @@ constexpr bool prefill_wgmma_config_built(DType t, int64_t d) {
 }
 
 // Dynamic shared memory of the wgmma kernel: 1 KB of alignment slack (the swizzled tiles sit
-// on 1024-byte boundaries), Q [128, D] + K and V [2 stages, N, D], 16-bit, then the rows'
-// visible key ranges (int32 pairs [128]).
+// on 1024-byte boundaries), Q [128, D] + K [2 stages, N, D] + V [3 stages, N, D], 16-bit, then
+// the rows' visible key ranges (int32 pairs [128]). 226 KB at D = 128 and 256.
 constexpr size_t prefill_wgmma_smem_bytes(int64_t d) {
-  return 1024 + size_t(kWgmmaRowsPerCta + 4 * wgmma_tile_keys(d)) * size_t(d) * 2 + size_t(kWgmmaRowsPerCta) * 8;
+  return 1024 + size_t(kWgmmaRowsPerCta + 5 * wgmma_tile_keys(d)) * size_t(d) * 2 + size_t(kWgmmaRowsPerCta) * 8;
 }
 
 struct AttnKernelChoice {
