@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "gpu_attention_case.hpp"
+#include "kernels/attention/decode_config.hpp"
 
 using flashserve::DType;
 using fstest::CaseConfig;
@@ -84,7 +85,7 @@ bool expect_decode(const CaseConfig& c, uint64_t salt) {
   auto rng = fstest::make_rng(salt);
   fstest::AttentionCase ac = fstest::build_case(c, rng);
   const Outcome o = run_decode(ac, [](fs::AttentionParams&) {});
-  if (o.kernel == "generic" && !(c.kv_dtype == DType::bf16 && c.D == 128)) return false;
+  if (!fs::kernels::decode_config_built(c.kv_dtype, c.D)) return false;
   EXPECT_EQ(o.kernel, "decode") << fstest::describe(c);
   EXPECT_EQ(o.error, "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
   return true;
