@@ -148,10 +148,11 @@ inline double out_ulp(double x, fs::DType t) {
 }
 
 // Whether `kernel` (attention_kernel_name) rounds P to q's dtype before P·V: the tensor-core
-// kernels (prefill_mma, prefill_wgmma; decode over 16-bit K/V, whose q.k and p.v run on mma.sync, except for
+// kernels (prefill_mma, prefill_wgmma except for fp32 outputs; decode over 16-bit K/V, whose q.k and p.v run on mma.sync, except for
 // fp32 outputs, where it adds the rounding residue in a second mma).
 inline bool kernel_rounds_p(const std::string& kernel, const fstest::CaseConfig& c) {
-  return kernel == "prefill_mma" || kernel == "prefill_wgmma" || (kernel == "decode" && fs::is_half(c.kv_dtype) && c.out_dtype != fs::DType::f32);
+  if (kernel == "prefill_wgmma") return c.out_dtype != fs::DType::f32;  // fp32 out: P hi + lo
+  return kernel == "prefill_mma" || (kernel == "decode" && fs::is_half(c.kv_dtype) && c.out_dtype != fs::DType::f32);
 }
 
 // GPU result (in ac.out / ac.lse) against the CPU reference's: the same -inf / NaN LSE rows;

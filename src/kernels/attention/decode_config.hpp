@@ -47,7 +47,7 @@ struct DecodeConfig {
 };
 
 #if FLASHSERVE_DEV_CONFIGS
-inline constexpr DecodeConfig kDecodeConfigs[] = {{DType::bf16, 128}};
+inline constexpr DecodeConfig kDecodeConfigs[] = {{DType::bf16, 128}, {DType::f8e4m3, 128}};  // the benchmark's
 #else
 inline constexpr DecodeConfig kDecodeConfigs[] = {
     {DType::f16, 64},     {DType::f16, 128},     {DType::f16, 256},     {DType::bf16, 64},

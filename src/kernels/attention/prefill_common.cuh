@@ -253,6 +253,18 @@ FS_DEV void p_fragment(const float (&s)[kN / 8][4], int kk, uint32_t (&a)[4]) {
   a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
 }
 
+// The rounding residue of p_fragment: P - round_T(P), rounded to T, so that hi + lo carries P
+// to ~2^-16 relative (fp32 outputs: P V = P_hi V + P_lo V).
+template <class T, int kN>
+FS_DEV void p_residue(const float (&s)[kN / 8][4], int kk, const uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float* x = s[2 * kk + (i >> 1)] + 2 * (i & 1);
+    const float2 h = unpack2<T>(hi[i]);
+    lo[i] = pack2<T>(x[0] - h.x, x[1] - h.y);
+  }
+}
+
 // Tile row of the thread's row r of row block mb (warp `warp`, g = lane / 4).
 template <class S>
 FS_DEV int thread_row(int warp, int mb, int r, int g) {
@@ -260,10 +272,11 @@ FS_DEV int thread_row(int warp, int mb, int r, int g) {
 }
 
 // out = o / l and lse (natural log; m in units of exp_mul / ln 2) of the thread's valid rows;
-// with splits the fp32 partials. out (of q's dtype T, rows 16-byte aligned: select.cu) is
+// with splits the fp32 partials. An out of q's dtype T (rows 16-byte aligned: select.cu) is
 // staged in the warp's own Q rows of shared memory (layout L; the caller makes sure no MMA
-// still reads them) and written in 16-byte chunks.
-template <class S, class L, class T, int kD>
+// still reads them) and written in 16-byte chunks; an fp32 out (TOut = float) is written from
+// registers in 8-byte pairs.
+template <class S, class L, class T, int kD, class TOut = T>
 FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int split, const float (&o)[S::kMB][kD / 8][4],
                        const float (&m)[S::kMB][2], float (&l)[S::kMB][2], float exp_mul, uint32_t q_s, int warp,
                        int lane) {
@@ -289,11 +302,19 @@ FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int spl
           p.o_partial[at * kD + 8 * dt + 2 * t + 1] = o[mb][dt][2 * r + 1] * inv[mb][r];
         }
         if (t == 0) p.lse_partial[at] = lse;
-      } else if (t == 0) {
-        store_lse(p, w.qb, w.q_row0 + i, h, lse);
+        continue;
+      }
+      if (t == 0) store_lse(p, w.qb, w.q_row0 + i, h, lse);
+      if constexpr (std::is_same_v<TOut, float>) {
+        float* out = static_cast<float*>(const_cast<void*>(p.out.data)) + w.qb * p.out.stride[0] +
+                     (w.q_row0 + i) * p.out.stride[1] + h * p.out.stride[2];
+#pragma unroll
+        for (int dt = 0; dt < kD / 8; ++dt)
+          *reinterpret_cast<float2*>(out + 8 * dt + 2 * t) =
+              make_float2(o[mb][dt][2 * r] * inv[mb][r], o[mb][dt][2 * r + 1] * inv[mb][r]);
       }
     }
-  if (p.num_splits > 1) return;
+  if (p.num_splits > 1 || std::is_same_v<TOut, float>) return;
   __syncwarp();  // the warp's last reads of its Q rows precede the overwrite
 #pragma unroll
   for (int mb = 0; mb < S::kMB; ++mb)

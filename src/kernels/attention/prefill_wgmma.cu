@@ -1,5 +1,5 @@
 // Instantiations and launch of the sm_90a wgmma prefill kernel: one per kPrefillWgmmaConfigs
-// entry (select.hpp). Compiled for every architecture of the build; the kernel body exists only
+// entry (select.hpp), each with an out of q's dtype and an fp32 out. Compiled for every architecture of the build; the kernel body exists only
 // in the sm_90a image, and select.cu picks the kernel only on 9.0 devices of builds with it.
 #include "kernels/attention/launchers.hpp"
 #include "kernels/attention/prefill_launch.cuh"
@@ -9,8 +9,10 @@ namespace flashserve::kernels {
 
 void launch_prefill_wgmma(const AttnParams& p, const AttnKernelChoice& choice, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
+  const bool f32_out = p.out.dtype == DType::f32;
   const bool built = with_prefill_config<kPrefillWgmmaConfigs>(p.q.dtype, choice.dv_bucket, [&]<class T, int kD>() {
-    launch_row_tiles<&prefill::prefill_wgmma<T, kD>>(p, prefill_wgmma_smem_bytes(kD), kWgmmaThreads, s);
+    if (f32_out) launch_row_tiles<&prefill::prefill_wgmma<T, kD, true>>(p, prefill_wgmma_smem_bytes(kD), kWgmmaThreads, s);
+    else launch_row_tiles<&prefill::prefill_wgmma<T, kD, false>>(p, prefill_wgmma_smem_bytes(kD), kWgmmaThreads, s);
   });
   if (!built)
     throw RuntimeError(detail::cat("prefill_wgmma: no instantiation for ", dtype_name(p.q.dtype), " D=",

@@ -80,13 +80,19 @@ FS_DEV void issue_qk(uint32_t q_s, uint32_t k_s, int wg, float (&s)[kN / 8][4]) 
   wgmma_commit();
 }
 
-// Issues O += P V over the V tile at v_s, P the packed probabilities (one commit group).
-template <class T, int kD, int kN>
-FS_DEV void issue_pv(const uint32_t (&pa)[kN / 16][4], uint32_t v_s, float (&o)[kD / 8][4]) {
+// Issues O += P V over the V tile at v_s, P the packed probabilities, plus P_lo V with the
+// rounding residues when kSplitP (one commit group).
+template <class T, int kD, int kN, bool kSplitP, int kLo>
+FS_DEV void issue_pv(const uint32_t (&pa)[kN / 16][4], const uint32_t (&lo)[kLo][4], uint32_t v_s,
+                     float (&o)[kD / 8][4]) {
   fence_operands(o);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kN / 16; ++kk) wgmma_rs<T, kD>(o, pa[kk], desc_n_major<kN>(v_s, kk), 1);
+  if constexpr (kSplitP) {
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) wgmma_rs<T, kD>(o, lo[kk], desc_n_major<kN>(v_s, kk), 1);
+  }
   wgmma_commit();
 }
 
@@ -109,7 +115,9 @@ FS_DEV void tile_barrier() {
 // Every wgmma sits on straight-line code (no branch between issue and wait: ptxas serializes
 // wgmma otherwise), so a warpgroup also walks tiles none of its rows sees, fully masked (p = 0;
 // at most one such tile per CTA, on the causal diagonal).
-template <class T, int kD>
+// kF32Out: out is fp32 (partial states merged later: cascade, MLA chunks); P V then adds the
+// residues of P's rounding too (issue_pv), so P is not rounded.
+template <class T, int kD, bool kF32Out>
 __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_constant__ AttnParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = Wgmma90<kD>;
@@ -137,6 +145,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_c
   float o[1][kD / 8][4] = {};
   float s[kN / 8][4] = {};
   uint32_t pa[kN / 16][4];
+  uint32_t pl[kF32Out ? kN / 16 : 1][4];  // P's rounding residues (kF32Out)
   float m[1][2] = {{kNegInf, kNegInf}}, l[1][2] = {};
   // Barrier j, then the copies of tile j + 1 into K stage (j + 1) % 2 and V stage vs_next.
   const auto next_tile = [&](int j, int vs_next) {
@@ -155,7 +164,10 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_c
   };
   const auto pack_p = [&] {
 #pragma unroll
-    for (int kk = 0; kk < kN / 16; ++kk) p_fragment<T, kN>(s, kk, pa[kk]);
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      p_fragment<T, kN>(s, kk, pa[kk]);
+      if constexpr (kF32Out) p_residue<T, kN>(s, kk, pa[kk], pl[kk]);
+    }
   };
   if (ck.tiles > 0) {
     float alpha[2];
@@ -170,7 +182,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_c
       const int vs_j = mod3_next(vs);
       next_tile(j, mod3_next(vs_j));
       issue_qk<T, kD, kN>(sm.q, sm.k(j), wg, s);
-      issue_pv<T, kD, kN>(pa, sm.v(vs), o[0]);
+      issue_pv<T, kD, kN, kF32Out>(pa, pl, sm.v(vs), o[0]);
       wgmma_wait<1>();
       fence_operands(s);
       softmax_tile(j, alpha);
@@ -180,13 +192,14 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_c
       pack_p();
       vs = vs_j;
     }
-    issue_pv<T, kD, kN>(pa, sm.v(vs), o[0]);
+    issue_pv<T, kD, kN, kF32Out>(pa, pl, sm.v(vs), o[0]);
     wgmma_wait<0>();
     fence_operands(o[0]);
   }
   cp_async_wait<0>();
   __syncthreads();  // Q landed (no tiles); no warpgroup's MMA still reads Q rows
-  store_rows<S, QL, T, kD>(p, w, h, split, o, m, l, score.exp_mul, sm.q, warp, lane);
+  store_rows<S, QL, T, kD, std::conditional_t<kF32Out, float, T>>(p, w, h, split, o, m, l, score.exp_mul, sm.q,
+                                                                  warp, lane);
 #endif
 }
 

@@ -74,17 +74,20 @@ bool kernel_disabled(AttnKernelId kernel) {
 }
 
 // The scope of both tensor-core prefill kernels (prefill_common.cuh): f16/bf16 q/k/v of one
-// dtype, out of that dtype, D == Dv, causal / window / soft-cap, contiguous or paged KV (any
-// block size), any split count; no q_v, quantization, ALiBi, sinks, chunks or context
-// parallelism. "" when the problem is in scope, else the reason (prefixed by `what`).
-std::string prefill_scope(const detail::AttnProblem& pr, const char* what) {
+// dtype, out of that dtype (or fp32 with `f32_out`), D == Dv, causal / window / soft-cap,
+// contiguous or paged KV (any block size), any split count; no q_v, quantization, ALiBi,
+// sinks, chunks or context parallelism. "" when the problem is in scope, else the reason
+// (prefixed by `what`).
+std::string prefill_scope(const detail::AttnProblem& pr, const char* what, bool f32_out) {
   const AttentionParams& p = *pr.params;
   const DType t = pr.q.dtype;
   if (t != DType::bf16 && t != DType::f16) return detail::cat(what, "q f16/bf16, got ", dtype_name(t));
   if (pr.k.dtype != t || pr.v.dtype != t) return detail::cat(what, "k and v of q's dtype");
-  // fp32 out holds partial states merged later (cascade, MLA chunks): it keeps P in fp32, so
-  // it stays with a kernel that does not round P to q's dtype before P·V.
-  if (pr.out.dtype != t) return detail::cat(what, "out of q's dtype (fp32 out needs fp32 P)");
+  // fp32 out holds partial states merged later (cascade, MLA chunks): it keeps P to fp32
+  // precision, which the wgmma kernel does (P V adds the residues of P's rounding) and the
+  // mma.sync one does not.
+  if (pr.out.dtype != t && !(f32_out && pr.out.dtype == DType::f32))
+    return detail::cat(what, f32_out ? "out of q's dtype or fp32" : "out of q's dtype (fp32 out needs fp32 P)");
   if (pr.head_dim != pr.head_dim_v) return detail::cat(what, "D == Dv, got ", pr.head_dim, "/", pr.head_dim_v);
   if (pr.q_v || pr.q_scale || pr.k_scale_cache || pr.v_scale || pr.q_descale || pr.k_descale || pr.v_descale)
     return detail::cat(what, "no q_v, scales or descales");
@@ -118,15 +121,15 @@ std::string take_prefill(AttnKernelId id, size_t smem, const DeviceProps& dev, c
   return {};
 }
 
-// The sm_90a wgmma prefill kernel (prefill_wgmma.cuh): the prefill scope on compute
-// capability 9.0 in builds with sm_90a code, D in kPrefillWgmmaConfigs.
+// The sm_90a wgmma prefill kernel (prefill_wgmma.cuh): the prefill scope with fp32 out too, on
+// compute capability 9.0 in builds with sm_90a code, D in kPrefillWgmmaConfigs.
 std::string try_prefill_wgmma(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
   const char* what = "prefill_wgmma kernel: ";
   if (kernel_disabled(AttnKernelId::prefill_wgmma)) return detail::cat(what, "disabled by FLASHSERVE_DISABLE_KERNELS");
   if (!FLASHSERVE_SM90A) return detail::cat(what, "a build with sm_90a code (FLASHSERVE_CUDA_ARCHS)");
   if (dev.cc_major != 9 || dev.cc_minor != 0)
     return detail::cat(what, "compute capability 9.0, got ", dev.cc_major, ".", dev.cc_minor);
-  std::string why = prefill_scope(pr, what);
+  std::string why = prefill_scope(pr, what, true);
   if (!why.empty()) return why;
   if (!prefill_wgmma_config_built(pr.q.dtype, pr.head_dim))
     return detail::cat(what, "D in the built configurations, got ", pr.head_dim);
@@ -138,7 +141,7 @@ std::string try_prefill_mma(const detail::AttnProblem& pr, const DeviceProps& de
   const char* what = "prefill_mma kernel: ";
   if (kernel_disabled(AttnKernelId::prefill_mma)) return detail::cat(what, "disabled by FLASHSERVE_DISABLE_KERNELS");
   if (dev.cc_major < 8) return detail::cat(what, "compute capability >= 8.0, got ", dev.cc_major, ".", dev.cc_minor);
-  std::string why = prefill_scope(pr, what);
+  std::string why = prefill_scope(pr, what, false);
   if (!why.empty()) return why;
   if (!prefill_config_built(pr.q.dtype, pr.head_dim))
     return detail::cat(what, "D in the built configurations, got ", pr.head_dim);
