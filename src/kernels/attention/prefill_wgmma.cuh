@@ -26,8 +26,14 @@
 //   (softmax || PV) + ~200 (barrier, copies) = ~2300 clk per tile: ~90% of the GEMM rate
 //   predicted; measured 388 TFLOP/s at S = 8k (56% of cuBLAS's 692 in the same run): the
 //   shared per-tile barrier keeps the two warpgroups in lockstep, and one CTA per SM exposes
-//   every CTA's prologue. Warp specialization (a producer warp on mbarriers, TMA where the
-//   cache is contiguous) and ping-pong of the two warpgroups are the next step.
+//   every CTA's prologue. ncu (S = 8k, clocks locked at 1.36 GHz): tensor pipe 40% busy, 2
+//   warps per scheduler with 0.5 eligible, top stalls the wgmma waits (19%), MUFU (15%) and
+//   wgmma issue (13%).
+//   Tried and dropped (session 3): a producer warpgroup doing the same cp.async copies on
+//   mbarriers (K full/empty x 2, V x 3) with the two consumer warpgroups in ping-pong on named
+//   barriers ran at 294-325 TFLOP/s: consumers capped at 224-232 registers (spills), the
+//   producer's 16-byte copies and in-order wait_group gate every stage. Warp specialization
+//   wants TMA (one thread per tile for contiguous caches and large pages) first.
 //   Shared memory per tile: wgmma reads Q 16 KB + K 32 KB + V 32 KB per warpgroup (160 KB)
 //   and the copies write 64 KB: 224 KB / 2048 clk = 110 B/clk of the 128 B/clk.
 //   Registers per thread: S N / 2 + O D / 2 fp32 (128 at D = 128), P N / 4, masks, state
