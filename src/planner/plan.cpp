@@ -51,7 +51,9 @@ bool eligible(int64_t granules, int64_t n) { return n == 1 || ceil_div(granules,
 // costs (row setup, pipeline fill, the cross-warp merge, its share of the combine) favour
 // few long splits: on an H200 (bf16 decode, GQA 32/8) 2 waves and 1024 keys beat 4 waves and
 // 512 keys at every batch size measured (B=64 L=4k 3.39 -> 3.64 TB/s, B=16 L=8k 2.87 -> 3.17,
-// B=1 L=32k 1.07 -> 1.82); 256 keys halved B=1.
+// B=1 L=32k 1.07 -> 1.82); 256 keys halved B=1. Re-checked after the combine was parallelized
+// (B=1 L=32k, GB/s): 1024 keys 2433, 512 keys 1986 (4 waves: 1987, and B=64 3635 -> 3382),
+// 2048 keys 1712.
 constexpr int64_t kStreamRows = 16;
 constexpr int64_t kStreamSlotsPerSm = 2;
 constexpr int64_t kStreamWaves = 2;
