@@ -38,7 +38,6 @@
 //   Registers per thread: O 2 x 64 + S 2 x 32 fp32 = 192, fragments 12, masks, state.
 #pragma once
 
-#include <climits>
 #include <cstdint>
 
 #include "kernels/attention/prefill_common.cuh"
