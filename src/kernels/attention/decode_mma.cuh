@@ -136,15 +136,8 @@ struct MmaWarp {
   // leaving P with ~16 significant bits.
   FS_DEV void accumulate(const Stage<S>& st, int lane, const float (&pr)[2][4], bool split_p) {
     uint32_t a[4], r[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) a[i] = pack2<T>(pr[i / 2][2 * (i % 2)], pr[i / 2][2 * (i % 2) + 1]);
-    if (split_p) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 hi = unpack2<T>(a[i]);
-        r[i] = pack2<T>(pr[i / 2][2 * (i % 2)] - hi.x, pr[i / 2][2 * (i % 2) + 1] - hi.y);
-      }
-    }
+    p_fragment<T, kTile>(pr, 0, a);
+    if (split_p) p_residue<T, kTile>(pr, 0, a, r);
     const uint32_t vbase = smem_u32(st.v) + uint32_t((lane % 8 + 8 * ((lane / 8) % 2)) * S::kVStride + 16 * (lane / 16));
 #pragma unroll
     for (int n2 = 0; n2 < kNTiles / 2; ++n2) {

@@ -243,28 +243,6 @@ FS_DEV void rescale_o(float (&o)[kD / 8][4], const float (&alpha)[2]) {
     }
 }
 
-// The probabilities of k16 step kk of a tile as the A operand of P V (mma.sync m16n8k16 and
-// wgmma m64nNk16 register A share the layout), rounded to the operand dtype T.
-template <class T, int kN>
-FS_DEV void p_fragment(const float (&s)[kN / 8][4], int kk, uint32_t (&a)[4]) {
-  a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-  a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-  a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-  a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-}
-
-// The rounding residue of p_fragment: P - round_T(P), rounded to T, so that hi + lo carries P
-// to ~2^-16 relative (fp32 outputs: P V = P_hi V + P_lo V).
-template <class T, int kN>
-FS_DEV void p_residue(const float (&s)[kN / 8][4], int kk, const uint32_t (&hi)[4], uint32_t (&lo)[4]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float* x = s[2 * kk + (i >> 1)] + 2 * (i & 1);
-    const float2 h = unpack2<T>(hi[i]);
-    lo[i] = pack2<T>(x[0] - h.x, x[1] - h.y);
-  }
-}
-
 // Tile row of the thread's row r of row block mb (warp `warp`, g = lane / 4).
 template <class S>
 FS_DEV int thread_row(int warp, int mb, int r, int g) {
