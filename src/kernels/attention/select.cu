@@ -64,13 +64,18 @@ bool rows_16b_aligned(const TensorRef& t) {
   return true;
 }
 
-// Whether FLASHSERVE_DISABLE_KERNELS (comma-separated kernel names, read once) names `kernel`.
+// Whether FLASHSERVE_DISABLE_KERNELS (comma-separated kernel names) names `kernel`. The list
+// is parsed once into a bit per kernel: the selection runs on every forward call.
 bool kernel_disabled(AttnKernelId kernel) {
-  static const std::string list = [] {
+  static const uint32_t mask = [] {
     const char* env = std::getenv("FLASHSERVE_DISABLE_KERNELS");
-    return "," + std::string(env ? env : "") + ",";
+    const std::string list = "," + std::string(env ? env : "") + ",";
+    uint32_t m = 0;
+    for (AttnKernelId id : {AttnKernelId::prefill_mma, AttnKernelId::prefill_wgmma})  // the ones it can take out
+      if (list.find(std::string(",") + kernel_name(id) + ",") != std::string::npos) m |= 1u << unsigned(id);
+    return m;
   }();
-  return list.find(std::string(",") + kernel_name(kernel) + ",") != std::string::npos;
+  return (mask >> unsigned(kernel)) & 1u;
 }
 
 // The scope of both tensor-core prefill kernels (prefill_common.cuh): f16/bf16 q/k/v of one

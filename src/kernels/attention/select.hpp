@@ -5,8 +5,9 @@
 // Candidates are tried in order: fast paths first (decode; prefill_wgmma: the sm_90a
 // tensor-core prefill; prefill_mma: the sm80+ one), each returning its own reason when it
 // does not apply; the generic kernel stays the fallback for every validated problem.
-// FLASHSERVE_DISABLE_KERNELS (comma-separated kernel names, e.g. "prefill_wgmma") takes
-// kernels out of the selection, to test or compare the portable paths on a Hopper GPU.
+// FLASHSERVE_DISABLE_KERNELS (comma-separated names of the tensor-core prefill kernels,
+// e.g. "prefill_wgmma") takes them out of the selection, to test or compare the portable paths
+// on a Hopper GPU.
 #pragma once
 
 #include <cstddef>
