@@ -2,12 +2,10 @@
 // kDecodeConfigs (KV storage dtype x head size), the one table of decode instantiations.
 #include <cuda_runtime.h>
 
-#include <iterator>
-#include <utility>
-
 #include "kernels/attention/decode_fwd.cuh"
 #include "kernels/attention/launchers.hpp"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/dispatch.hpp"
 #include "kernels/common/smem_limit.cuh"
 
 namespace flashserve::kernels {
@@ -37,19 +35,12 @@ void launch_config(const AttnParams& p, cudaStream_t stream) {
   else launch_rows<I, kCap>(p, stream);
 }
 
-template <size_t... I>
-bool launch_built(const AttnParams& p, cudaStream_t stream, std::index_sequence<I...>) {
-  return ((kDecodeConfigs[I].kv == p.k.dtype && kDecodeConfigs[I].d == p.head_dim
-               ? (launch_config<I>(p, stream), true)
-               : false) ||
-          ...);
-}
-
 }  // namespace
 
 void launch_decode_attention(const AttnParams& p, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  if (!launch_built(p, s, std::make_index_sequence<std::size(kDecodeConfigs)>{}))
+  if (!dispatch_built<kDecodeConfigs>([&](const DecodeConfig& c) { return c.kv == p.k.dtype && c.d == p.head_dim; },
+                                      [&]<size_t I>() { launch_config<I>(p, s); }))
     throw RuntimeError(detail::cat("decode attention: no instantiation for KV ", dtype_name(p.k.dtype), " and D ",
                                    p.head_dim));
 }

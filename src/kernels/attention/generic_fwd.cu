@@ -2,12 +2,10 @@
 // (select.hpp's kGenericDvBuckets, the one table of instantiations).
 #include <cuda_runtime.h>
 
-#include <iterator>
-#include <utility>
-
 #include "kernels/attention/generic_fwd.cuh"
 #include "kernels/attention/launchers.hpp"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/dispatch.hpp"
 #include "kernels/common/smem_limit.cuh"
 
 namespace flashserve::kernels {
@@ -24,18 +22,12 @@ void launch_bucket(const AttnParams& p, size_t smem, cudaStream_t stream) {
   FS_CUDA_CHECK_LAUNCH();
 }
 
-template <size_t... I>
-bool launch_built_bucket(const AttnParams& p, const AttnKernelChoice& c, cudaStream_t stream,
-                         std::index_sequence<I...>) {
-  return ((c.dv_bucket == kGenericDvBuckets[I] ? (launch_bucket<kGenericDvBuckets[I]>(p, c.smem_bytes, stream), true)
-                                               : false) || ...);
-}
-
 }  // namespace
 
 void launch_generic_attention(const AttnParams& p, const AttnKernelChoice& choice, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  if (!launch_built_bucket(p, choice, s, std::make_index_sequence<std::size(kGenericDvBuckets)>{}))
+  if (!dispatch_built<kGenericDvBuckets>([&](int bucket) { return bucket == choice.dv_bucket; },
+                                         [&]<size_t I>() { launch_bucket<kGenericDvBuckets[I]>(p, choice.smem_bytes, s); }))
     throw RuntimeError(detail::cat("generic attention: no instantiation for the Dv bucket ", choice.dv_bucket));
 }
 

@@ -8,13 +8,12 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
-#include <iterator>
 #include <type_traits>
-#include <utility>
 
 #include "kernels/attention/params.hpp"
 #include "kernels/attention/select.hpp"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/dispatch.hpp"
 #include "kernels/common/smem_limit.cuh"
 
 namespace flashserve::kernels {
@@ -26,12 +25,10 @@ using half_type = std::conditional_t<t == DType::bf16, __nv_bfloat16, __half>;
 // (t, d); false when none does.
 template <const auto& kConfigs, class F>
 bool with_prefill_config(DType t, int d, F&& f) {
-  return [&]<size_t... I>(std::index_sequence<I...>) {
-    return ((kConfigs[I].dtype == t && kConfigs[I].head_dim == d
-                 ? (f.template operator()<half_type<kConfigs[I].dtype>, kConfigs[I].head_dim>(), true)
-                 : false) ||
-            ...);
-  }(std::make_index_sequence<std::size(kConfigs)>{});
+  return dispatch_built<kConfigs>([&](const PrefillConfig& c) { return c.dtype == t && c.head_dim == d; },
+                                  [&]<size_t I>() {
+                                    f.template operator()<half_type<kConfigs[I].dtype>, kConfigs[I].head_dim>();
+                                  });
 }
 
 // kKernel over the CTA schedule of prefill_common.cuh: 128-row tiles (varlen: total_q / 128 +
