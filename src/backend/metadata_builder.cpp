@@ -245,7 +245,9 @@ bool check_common(const BuilderConfig& c, const CommonMetadata& cm) {
 }
 
 // Every row's first `blocks` blocks equal row 0's (the cascade prefix is shared).
+// A table on the device is the scheduler's word (reading it would sync): not checked.
 void check_shared_prefix(const TensorRef& table, int64_t num_reqs, int64_t blocks) {
+  if (table.device.type == DeviceType::cuda) return;
   for (int64_t r = 1; r < num_reqs; ++r)
     for (int64_t j = 0; j < blocks; ++j)
       if (builder::table_at(table, r, j) != builder::table_at(table, 0, j))
@@ -265,7 +267,7 @@ void check_tree_layer(const BuilderConfig& c) {
 
 // Drafts per request (the last num_drafts query tokens, at most one other), parents within
 // the request's earlier drafts, paths within max_draft_depth, slots within int32.
-void check_tree(State& s, const CommonMetadata& cm, const DraftTree& tree, bool on_device) {
+void check_tree(State& s, const CommonMetadata& cm, const DraftTree& tree) {
   check_tree_layer(s.config);
   const int64_t R = cm.num_reqs;
   if (int64_t(tree.num_drafts.size()) != R)
@@ -289,7 +291,8 @@ void check_tree(State& s, const CommonMetadata& cm, const DraftTree& tree, bool 
       const int32_t depth = s.tree_depth[size_t(k)] = p < 0 ? 1 : s.tree_depth[size_t(k - d + p)] + 1;
       if (depth > s.config.max_draft_depth)
         fail_arg("max_draft_depth", cat(">= ", depth, " (a draft path of request ", r, ")"), s.config.max_draft_depth);
-      if (on_device) continue;  // slots resolved on the device (publish): out-of-range ones are bad slots
+      // Device slots are resolved on the device (publish): out-of-range ones are bad slots.
+      if (cm.slot_mapping.device.type == DeviceType::cuda) continue;
       const int64_t slot = detail::read_index(cm.slot_mapping, first + d);
       if (slot < 0 || slot > INT32_MAX)
         fail_arg("slot_mapping", "draft slots in [0, 2^31)", cat("slot_mapping[", first + d, "]=", slot));
@@ -298,8 +301,7 @@ void check_tree(State& s, const CommonMetadata& cm, const DraftTree& tree, bool 
 }
 
 // How the batch is attended. Reads the inputs only (and scratch buffers).
-Decision decide(State& s, const CommonMetadata& cm, int64_t common_prefix_len, const DraftTree* tree,
-                bool on_device) {
+Decision decide(State& s, const CommonMetadata& cm, int64_t common_prefix_len, const DraftTree* tree) {
   const BuilderConfig& c = s.config;
   Decision d;
   if (is_encoder(c.layer)) {
@@ -310,7 +312,7 @@ Decision decide(State& s, const CommonMetadata& cm, int64_t common_prefix_len, c
   d.num_decodes = check_order(c, cm);
   if (common_prefix_len < 0) fail_arg("common_prefix_len", ">= 0", common_prefix_len);
   if (tree) {
-    check_tree(s, cm, *tree, on_device);
+    check_tree(s, cm, *tree);
     d.mode = Mode::tree;
     return d;
   }
@@ -334,7 +336,7 @@ Decision decide(State& s, const CommonMetadata& cm, int64_t common_prefix_len, c
   prefix = prefix / c.block_size * c.block_size;
   const std::span<const int32_t> qlens(s.query_lens.data(), size_t(cm.num_reqs));
   if (!use_cascade(prefix, qlens, c.layer, c.dcp_world_size, c.device)) return d;
-  if (!on_device) check_shared_prefix(cm.block_table, cm.num_reqs, prefix / c.block_size);
+  check_shared_prefix(cm.block_table, cm.num_reqs, prefix / c.block_size);
   d.mode = Mode::cascade;
   d.prefix_len = prefix;
   return d;
@@ -393,7 +395,7 @@ const AttentionMetadata& MetadataBuilder::build(const CommonMetadata& common, in
                                                 const DraftTree* tree) {
   State& s = *state_;
   const bool on_device = check_common(s.config, common);
-  const Decision d = decide(s, common, common_prefix_len, tree, on_device);
+  const Decision d = decide(s, common, common_prefix_len, tree);
   store_inputs(s, common, common_prefix_len, tree, on_device);
   s.decision = d;
   recompose(s);
@@ -413,7 +415,7 @@ const AttentionMetadata& MetadataBuilder::update_block_table(const TensorRef& bl
              to_string(block_table.device));
   if (block_table.size(0) != old.size(0) || block_table.size(1) != old.size(1))
     fail_arg("block_table", cat("shape ", old.shape_str(), " (that of the built metadata)"), block_table.shape_str());
-  if (s.decision.mode == Mode::cascade && !s.in.on_device)
+  if (s.decision.mode == Mode::cascade)
     check_shared_prefix(block_table, s.in.num_reqs, s.decision.prefix_len / s.config.block_size);
   s.in.block_table = block_table;
   s.in.tree_slots_from_table = s.decision.mode == Mode::tree;
@@ -452,7 +454,7 @@ const AttentionMetadata& MetadataBuilder::advance_decode_step() {
   cm.causal = in.causal;
   Decision d;
   try {
-    d = decide(s, cm, in.common_prefix_len, nullptr, false);
+    d = decide(s, cm, in.common_prefix_len, nullptr);
   } catch (...) {
     for (int32_t& len : std::span(in.seq_lens.data(), size_t(in.num_reqs))) --len;
     throw;

@@ -519,6 +519,27 @@ TEST(GpuLayer, AdvanceDecodeStep) {
   }
 }
 
+// advance_decode_step after a build that took the cascade: the decision is made again on the
+// advanced step, against the engine's block table on the device (never read on the host).
+TEST(GpuLayer, AdvanceDecodeStepWithCascade) {
+  Scenario sc;
+  sc.spec = make_spec(8, 2, 128);
+  sc.prefix = 2048;  // 128 shared blocks; 24 decodes: the cost model takes the cascade
+  for (int r = 0; r < 24; ++r) {
+    sc.q_lens.push_back(1);
+    sc.seq_lens.push_back(int32_t(sc.prefix) + 5 + 7 * r + 1);
+  }
+  const StepFn step = [sc](be::MetadataBuilder& mb, const be::CommonMetadata& cm) -> const be::AttentionMetadata& {
+    std::vector<int32_t> before = sc.seq_lens;
+    for (int32_t& len : before) --len;
+    be::CommonMetadata prev = cm;
+    prev.seq_lens = before;
+    mb.build(prev, sc.prefix + 7);
+    return mb.advance_decode_step();
+  };
+  compare(sc, step, [](const be::AttentionMetadata& md) { EXPECT_TRUE(md.cascade.enabled); });
+}
+
 TEST(GpuLayer, MixedDevicesAreRejected) {
   auto rng = fstest::make_rng(fstest::test_salt());
   const Scenario sc = mixed_batch(make_spec(8, 2, 128));
