@@ -23,13 +23,6 @@ using detail::CacheWriteProblem;
 using detail::StoreKind;
 
 constexpr int kGroup = 8;              // elements per lane and access on the vector path
-constexpr int64_t kMaxGrid = 1 << 20;  // blocks per launch; the kernels loop past it
-
-cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
-
-int64_t grid_for(int64_t work, int64_t per_block) {
-  return std::min((work + per_block - 1) / per_block, kMaxGrid);
-}
 
 // ---- Rows moved by one warp (lane = 0..31)
 

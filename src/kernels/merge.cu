@@ -18,7 +18,6 @@ namespace {
 
 constexpr int kRowWarps = 4;           // warps per block, one row each
 constexpr int kGroup = 8;              // elements per lane and access on the vector path
-constexpr int64_t kMaxGrid = 1 << 20;  // blocks per launch; the kernel loops past it
 
 
 // fp32 [T, H] (token-major view of either layout).
@@ -119,7 +118,7 @@ void merge_states(const detail::MergeProblem& pr, void* stream) {
   m.b_lse = lse_of(pr.b_lse);
   if (pr.out_lse) m.out_lse = lse_of(*pr.out_lse);
   if (pr.output_scale) m.output_scale = static_cast<const float*>(pr.output_scale->data);
-  const int64_t blocks = std::min((rows + kRowWarps - 1) / kRowWarps, kMaxGrid);
+  const int64_t blocks = grid_for(rows, kRowWarps);
   merge_states_kernel<<<unsigned(blocks), kRowWarps * kWarp, 0, static_cast<cudaStream_t>(stream)>>>(m);
   FS_CUDA_CHECK_LAUNCH();
 }

@@ -12,6 +12,7 @@
 #include "common/softmax_state.hpp"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/token_rows.cuh"
+#include "kernels/common/warp_reduce.cuh"
 #include "kernels/common/warp_copy.cuh"
 #include "kernels/common/numeric.cuh"
 
@@ -19,23 +20,11 @@ namespace flashserve::kernels {
 
 namespace {
 
-constexpr unsigned kFull = 0xffffffffu;
 constexpr int kRowWarps = 8;            // warps per block, one row at a time each
 constexpr int kGroup = 8;               // elements per lane and access on the vector path
-constexpr int64_t kMaxGrid = 1 << 20;   // blocks per launch; the kernels loop past it
 constexpr int64_t kDiffMaxGrid = 2048;  // differential_combine: each block computes λ once
 constexpr int64_t kCopyMaxGrid = 4096;  // gather_cache rows; warps stop at the gathered total
 constexpr int kScanThreads = 1024;      // gather_cache offsets: one block
-
-cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
-
-int64_t grid_for(int64_t rows, int64_t cap) { return std::min((rows + kRowWarps - 1) / kRowWarps, cap); }
-
-__device__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = kWarp / 2; o > 0; o /= 2) x = __fadd_rn(x, __shfl_xor_sync(kFull, x, o));
-  return x;
-}
 
 // An fp32 vector [n] with a stride in elements.
 struct F32Vec {
@@ -235,7 +224,7 @@ __device__ int64_t block_scan(int64_t x, int64_t& total) {
   const int lane = int(threadIdx.x) % kWarp, warp = int(threadIdx.x) / kWarp;
 #pragma unroll
   for (int o = 1; o < kWarp; o *= 2) {
-    const int64_t y = __shfl_up_sync(kFull, x, o);
+    const int64_t y = __shfl_up_sync(kFullMask, x, o);
     if (lane >= o) x += y;
   }
   if (lane == kWarp - 1) warp_sums[warp] = x;
@@ -244,7 +233,7 @@ __device__ int64_t block_scan(int64_t x, int64_t& total) {
     int64_t s = warp_sums[lane];
 #pragma unroll
     for (int o = 1; o < kWarp; o *= 2) {
-      const int64_t y = __shfl_up_sync(kFull, s, o);
+      const int64_t y = __shfl_up_sync(kFullMask, s, o);
       if (lane >= o) s += y;
     }
     warp_sums[lane] = s;
@@ -326,7 +315,7 @@ void differential_combine(const detail::DifferentialProblem& pr, void* stream) {
   a.weight = vec_of(pr.weight);
   a.lambda_init = pr.lambda_init;
   a.eps = pr.eps;
-  const int64_t blocks = grid_for(rows, kDiffMaxGrid);
+  const int64_t blocks = grid_for(rows, kRowWarps, kDiffMaxGrid);
   differential_combine_kernel<<<unsigned(blocks), kRowWarps * kWarp, 0, as_stream(stream)>>>(a);
   FS_CUDA_CHECK_LAUNCH();
 }
@@ -355,7 +344,7 @@ void lse_correct(const detail::LseCorrectProblem& pr, void* stream) {
     a.g_head = pr.lse_out->stride[0];
     a.g_token = pr.lse_out->stride[1];
   }
-  lse_correct_kernel<<<unsigned(grid_for(rows, kMaxGrid)), kRowWarps * kWarp, 0, as_stream(stream)>>>(a);
+  lse_correct_kernel<<<unsigned(grid_for(rows, kRowWarps, kMaxGrid)), kRowWarps * kWarp, 0, as_stream(stream)>>>(a);
   FS_CUDA_CHECK_LAUNCH();
 }
 
@@ -389,7 +378,7 @@ void gather_cache(const detail::GatherCacheProblem& pr, void* stream) {
   gather_offsets_kernel<<<1, kScanThreads, 0, as_stream(stream)>>>(a);
   FS_CUDA_CHECK_LAUNCH();
   if (a.batch == 0 || a.dst_rows == 0 || a.row_bytes == 0) return;
-  gather_rows_kernel<<<unsigned(grid_for(a.dst_rows, kCopyMaxGrid)), kRowWarps * kWarp, 0, as_stream(stream)>>>(a);
+  gather_rows_kernel<<<unsigned(grid_for(a.dst_rows, kRowWarps, kCopyMaxGrid)), kRowWarps * kWarp, 0, as_stream(stream)>>>(a);
   FS_CUDA_CHECK_LAUNCH();
 }
 

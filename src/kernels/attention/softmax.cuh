@@ -5,10 +5,10 @@
 
 #include "common/softmax_state.hpp"
 #include "kernels/attention/load.cuh"
+#include "kernels/common/warp_reduce.cuh"
 
 namespace flashserve::kernels {
 
-inline constexpr unsigned kFullMask = 0xffffffffu;
 
 // max that lets a NaN win from either side (a NaN score must poison its row, as on the CPU).
 FS_DEV float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
@@ -16,12 +16,6 @@ FS_DEV float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
 FS_DEV float warp_max_nan(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x = nan_max(x, __shfl_xor_sync(kFullMask, x, o));
-  return x;
-}
-
-FS_DEV float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(kFullMask, x, o);
   return x;
 }
 

@@ -1,7 +1,10 @@
-// A [T, H, width] tensor seen as rows (token t, head h), the last dim contiguous. Shared by the
-// row-wise kernels (merge, variant ops).
+// A [T, H, width] tensor seen as rows (token t, head h), the last dim contiguous, and the launch
+// arithmetic of the row-wise kernels (cache ops, merge, variant ops), which loop past the grid.
 #pragma once
 
+#include <cuda_runtime.h>
+
+#include <algorithm>
 #include <cstdint>
 
 #include "flashserve/tensor.hpp"
@@ -9,6 +12,14 @@
 namespace flashserve::kernels {
 
 inline constexpr int kWarp = 32;
+inline constexpr int64_t kMaxGrid = 1 << 20;  // blocks per launch; the kernels loop past it
+
+inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+// Blocks for `work` items at `per_block` a block, at most `cap`.
+inline int64_t grid_for(int64_t work, int64_t per_block, int64_t cap = kMaxGrid) {
+  return std::min((work + per_block - 1) / per_block, cap);
+}
 
 struct TokenRows {
   char* data;
