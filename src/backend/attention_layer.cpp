@@ -15,7 +15,6 @@ using namespace layer;
 
 namespace {
 
-int64_t head_size_v(const LayerSpec& s) { return s.head_size_v > 0 ? s.head_size_v : s.head_size; }
 bool is_encoder(const LayerSpec& s) { return s.type == AttnType::encoder || s.type == AttnType::encoder_only; }
 
 // The forward's workspace: partial states of merged passes (cascade, tree), the int8 query,

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "backend/builder_state.hpp"
+#include "backend/layer_ops.hpp"
 #include "flashserve/backend_variants.hpp"
 #include "planner/local_batches.hpp"
 
@@ -29,7 +30,7 @@ Plan part_plan(const BuilderConfig& c, const PartMetadata& p, int64_t page_size,
   s.num_heads = call_heads(c);
   s.num_kv_heads = c.layer.num_kv_heads;
   s.head_dim = c.layer.head_size;
-  s.head_dim_v = c.layer.head_size_v > 0 ? c.layer.head_size_v : c.layer.head_size;
+  s.head_dim_v = layer::head_size_v(c.layer);
   s.total_q = p.num_tokens;
   s.page_size = page_size;
   s.causal = p.causal;

@@ -25,7 +25,6 @@ using namespace layer;
 
 namespace {
 
-int64_t head_size_v(const LayerSpec& s) { return s.head_size_v > 0 ? s.head_size_v : s.head_size; }
 
 struct DcpBuffers {
   TensorRef q_all;      // [W, T, H_local, D]

@@ -129,6 +129,9 @@ int64_t split_partial_rows(const BuilderConfig& config, int64_t H, const DeviceP
 // plans only; the CPU reference needs none).
 size_t split_kv_bound(const BuilderConfig& config, int64_t H, int64_t Dv);
 
+// The value head size of a layer: head_size_v, or head_size when it is 0.
+inline int64_t head_size_v(const LayerSpec& s) { return s.head_size_v > 0 ? s.head_size_v : s.head_size; }
+
 // Rejects CUDA tensors for the host-side steps of the variants (NotImplemented naming `what`).
 void require_host(const TensorRef& t, std::string_view what);
 

@@ -490,8 +490,8 @@ size_t MetadataBuilder::max_workspace_bytes() const {
   }
   // Any part's call: at most max_num_splits splits of every token's heads, and never more
   // partial rows than a plan on the device holds (max_split_rows).
-  const int64_t dv = c.layer.head_size_v > 0 ? c.layer.head_size_v : c.layer.head_size;
-  return split_workspace(layer::split_partial_rows(c, builder::call_heads(c), dev), dv).total_bytes;
+  return split_workspace(layer::split_partial_rows(c, builder::call_heads(c), dev), layer::head_size_v(c.layer))
+      .total_bytes;
 }
 
 }  // namespace flashserve::backend
