@@ -1,26 +1,12 @@
 // The metadata builder's device buffers, upload and local block-table gather
 // (metadata_upload.hpp).
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/device_guard.cuh"
 #include "kernels/metadata_upload.hpp"
 
 namespace flashserve::kernels {
 
 namespace {
-
-// Sets the current device for its lifetime, then restores the previous one.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    FS_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (device != previous_) FS_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { (void)cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 // Runs f with `device` current, then restores the previous one; never throws (releases).
 template <class F>

@@ -6,6 +6,7 @@
 #include "kernels/attention.hpp"
 #include "kernels/attention/launchers.hpp"
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/device_guard.cuh"
 #include "kernels/device_info.hpp"
 
 namespace flashserve::kernels {
@@ -87,27 +88,6 @@ void set_splits(AttnParams& a, const Plan& plan, const ExecContext& ctx) {
   a.o_partial = reinterpret_cast<float*>(base + o.offset);
   a.lse_partial = reinterpret_cast<float*>(base + l.offset);
 }
-
-// Makes `device` current for the launches, restoring the caller's device after.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    FS_CUDA_CHECK(cudaGetDevice(&prev_));
-    if (prev_ != device) {
-      FS_CUDA_CHECK(cudaSetDevice(device));
-      switched_ = true;
-    }
-  }
-  ~DeviceGuard() {
-    if (switched_) (void)cudaSetDevice(prev_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int prev_ = 0;
-  bool switched_ = false;
-};
 
 }  // namespace
 
