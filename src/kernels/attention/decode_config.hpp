@@ -29,6 +29,8 @@ constexpr int decode_warps(int d) { return d > 128 ? 2 : 4; }
 // 16-bit K/V run q.k and p.v on the tensor cores (mma.sync m16n8k16, decode_mma.cuh): one pass
 // covers 16 packed rows at the cost of one (the mma's M). fp8 K/V keep the fp32 CUDA-core path.
 constexpr bool decode_uses_mma(int kv_bytes) { return kv_bytes == 2; }
+// Bytes per stored K/V element: 2 (f16/bf16), 1 (fp8).
+constexpr int kv_bytes(DType t) { return (t == DType::f16 || t == DType::bf16) ? 2 : 1; }
 constexpr int decode_row_capacity(int kv_bytes, int d) {  // rows per pass (registers)
   return decode_uses_mma(kv_bytes) || d <= 128 ? 16 : 8;
 }

@@ -15,7 +15,7 @@ namespace {
 template <size_t I, int kRows>
 void launch_rows(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeConfig c = kDecodeConfigs[I];
-  constexpr size_t smem = decode_smem_bytes(decode::kv_bytes(c.kv), c.d, kRows);
+  constexpr size_t smem = decode_smem_bytes(kv_bytes(c.kv), c.d, kRows);
   constexpr auto kernel = &decode::decode_fwd<c.kv, c.d, kRows>;
   ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);  // 2 CTAs per SM need ~228 KB
   const dim3 grid(unsigned(p.batch), unsigned(p.num_kv_heads), unsigned(p.num_splits));
@@ -27,7 +27,7 @@ void launch_rows(const AttnParams& p, cudaStream_t stream) {
 // 16 on the tensor-core path; 4, 8 or the capacity on the CUDA-core path.
 template <size_t I>
 void launch_config(const AttnParams& p, cudaStream_t stream) {
-  constexpr int kVb = decode::kv_bytes(kDecodeConfigs[I].kv);
+  constexpr int kVb = kv_bytes(kDecodeConfigs[I].kv);
   constexpr int kCap = decode_row_capacity(kVb, kDecodeConfigs[I].d);
   if constexpr (decode_uses_mma(kVb)) launch_rows<I, 16>(p, stream);
   else if (p.rows_per_cta <= 4) launch_rows<I, 4>(p, stream);

@@ -1,6 +1,7 @@
 // The decode kernel: few query rows per KV head (decode, short speculative verify), KV streamed
-// once per KV head, fp32 math, the generic kernel's modifiers (masks.cuh, softmax.cuh,
-// epilogue.cuh).
+// once per KV head, the generic kernel's modifiers (masks.cuh, softmax.cuh, epilogue.cuh).
+// 16-bit K/V run q.k and p.v on the tensor cores (decode_mma.cuh); the CUDA-core scheme below
+// (fp32 math) serves fp8 K/V, and its v3/v4 figures are from when it served bf16 too.
 //
 // CTA = (sequence b, KV head g, split); grid (B, H_kv, num_splits). Its packed rows are the
 // sequence's q_len x group (query row, head) pairs of KV head g, taken kRows (4, 8 or 16: one
@@ -56,9 +57,9 @@ constexpr int kTile = kDecodeTileKeys;
 constexpr int kStages = kDecodeStages;
 constexpr int32_t kTokenSkip = 2;  // TokenLoc.state: not loaded (outside every row's keys); zeros
 
-constexpr int kv_bytes(DType t) { return (t == DType::f16 || t == DType::bf16) ? 2 : 1; }
 
-// ---- N stored K/V elements in shared memory as float (one vector load of N * bytes)
+// ---- N stored fp8 K/V elements in shared memory as float (one vector load of N bytes; the
+// CUDA-core path serves fp8 caches only)
 template <int kBytes> struct VecOf;
 template <> struct VecOf<2> { using type = uint16_t; };
 template <> struct VecOf<4> { using type = uint32_t; };
@@ -67,20 +68,15 @@ template <> struct VecOf<16> { using type = uint4; };
 
 template <DType kKv, int N>
 FS_DEV void smem_to_float(const unsigned char* src, float (&out)[N]) {
+  static_assert(!decode_uses_mma(kv_bytes(kKv)), "16-bit K/V take the tensor-core path (decode_mma.cuh)");
   constexpr int kB = N * kv_bytes(kKv);
   union {
     typename VecOf<kB>::type v;
     uint8_t b[kB];
-    uint16_t h[kB / 2];
   } u;
   u.v = *reinterpret_cast<const typename VecOf<kB>::type*>(src);
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    if constexpr (kKv == DType::bf16) out[i] = __uint_as_float(uint32_t(u.h[i]) << 16);
-    else if constexpr (kKv == DType::f16) out[i] = __half2float(__ushort_as_half(u.h[i]));
-    else if constexpr (kKv == DType::f8e4m3) out[i] = fp8_to_float(u.b[i], __NV_E4M3);
-    else out[i] = fp8_to_float(u.b[i], __NV_E5M2);
-  }
+  for (int i = 0; i < N; ++i) out[i] = fp8_to_float(u.b[i], kKv == DType::f8e4m3 ? __NV_E4M3 : __NV_E5M2);
 }
 
 // One packed row of the CTA's current row group (shared by all warps).

@@ -53,7 +53,7 @@ std::string try_decode(const detail::AttnProblem& pr, const DeviceProps& dev, At
     return "decode kernel: k/v base and strides multiples of 16 bytes";
   if (pr.batch > INT_MAX || pr.num_kv_heads > 65535)
     return detail::cat("decode kernel: B <= ", INT_MAX, " and H_kv <= 65535, got ", pr.batch, "/", pr.num_kv_heads);
-  const int kvb = is_fp8(pr.k.dtype) ? 1 : 2;
+  const int kvb = kv_bytes(pr.k.dtype);
   const int rows_per_cta = decode_rows_for(kvb, int(pr.head_dim), rows);
   const size_t smem = decode_smem_bytes(kvb, int(pr.head_dim), rows_per_cta);
   if (smem > max_smem_per_block(dev))
