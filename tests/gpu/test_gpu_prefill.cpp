@@ -13,7 +13,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -54,8 +53,7 @@ std::string selected_kernel(const fstest::AttentionCase& ac, const fs::Attention
 
 // The tensor-core prefill kernel the selection must pick for bf16 D = 128 on device 0.
 std::string expected_prefill_kernel() {
-  const char* disabled = std::getenv("FLASHSERVE_DISABLE_KERNELS");
-  const bool wgmma_off = disabled && std::string(disabled).find("prefill_wgmma") != std::string::npos;
+  const bool wgmma_off = fs::kernels::kernel_disabled(fs::kernels::AttnKernelId::prefill_wgmma);
   const fs::DeviceProps dev = fs::kernels::cuda_device_props(0);
   const bool hopper = FLASHSERVE_SM90A && dev.cc_major == 9 && dev.cc_minor == 0;
   return hopper && !wgmma_off ? "prefill_wgmma" : "prefill_mma";

@@ -64,20 +64,6 @@ bool rows_16b_aligned(const TensorRef& t) {
   return true;
 }
 
-// Whether FLASHSERVE_DISABLE_KERNELS (comma-separated kernel names) names `kernel`. The list
-// is parsed once into a bit per kernel: the selection runs on every forward call.
-bool kernel_disabled(AttnKernelId kernel) {
-  static const uint32_t mask = [] {
-    const char* env = std::getenv("FLASHSERVE_DISABLE_KERNELS");
-    const std::string list = "," + std::string(env ? env : "") + ",";
-    uint32_t m = 0;
-    for (AttnKernelId id : {AttnKernelId::prefill_mma, AttnKernelId::prefill_wgmma})  // the ones it can take out
-      if (list.find(std::string(",") + kernel_name(id) + ",") != std::string::npos) m |= 1u << unsigned(id);
-    return m;
-  }();
-  return (mask >> unsigned(kernel)) & 1u;
-}
-
 // The scope of both tensor-core prefill kernels (prefill_common.cuh): f16/bf16 q/k/v of one
 // dtype, out of that dtype (or fp32 with `f32_out`), D == Dv, causal / window / soft-cap,
 // contiguous or paged KV (any block size), any split count; no q_v, quantization, ALiBi,
@@ -154,6 +140,20 @@ std::string try_prefill_mma(const detail::AttnProblem& pr, const DeviceProps& de
 }
 
 }  // namespace
+
+// Whether FLASHSERVE_DISABLE_KERNELS (comma-separated kernel names) names `kernel`. The list
+// is parsed once into a bit per kernel: the selection runs on every forward call.
+bool kernel_disabled(AttnKernelId kernel) {
+  static const uint32_t mask = [] {
+    const char* env = std::getenv("FLASHSERVE_DISABLE_KERNELS");
+    const std::string list = "," + std::string(env ? env : "") + ",";
+    uint32_t m = 0;
+    for (AttnKernelId id : {AttnKernelId::prefill_mma, AttnKernelId::prefill_wgmma})  // the ones it can take out
+      if (list.find(std::string(",") + kernel_name(id) + ",") != std::string::npos) m |= 1u << unsigned(id);
+    return m;
+  }();
+  return (mask >> unsigned(kernel)) & 1u;
+}
 
 size_t generic_smem_bytes(int64_t d, int64_t dv, int64_t qv_dim) {
   const int64_t floats = kGenericPackedRows * (d + qv_dim) + kGenericTileKeys * (d + 1) + kGenericTileKeys * (dv + 1);

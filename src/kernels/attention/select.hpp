@@ -138,4 +138,7 @@ AttnKernelChoice select_attention_kernel(const detail::AttnProblem& pr, const De
 
 const char* kernel_name(AttnKernelId id);
 
+// Whether FLASHSERVE_DISABLE_KERNELS takes `kernel` out of the selection.
+bool kernel_disabled(AttnKernelId kernel);
+
 }  // namespace flashserve::kernels
