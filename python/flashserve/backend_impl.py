@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from . import _C
+from ._tensors import cuda_stream
 from .backend_types import (KV_CACHE_LAYOUTS, FlashServeMetadata, attn_type_name, cache_dtype_name,
                             check_positive, dtype_name)
 
@@ -145,7 +146,7 @@ class FlashServeImpl:
         if builder is not self._ws_builder:
             self._ws_bytes = c_layer.workspace_bytes(builder._c)
             self._ws_builder = builder
-        stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else None
+        stream = cuda_stream(q)
         c_layer.forward(md.handle, q, key, value, key_cache, value_cache, out,
                         builder.workspace(self._ws_bytes), k_scale=k_scale, v_scale=v_scale,
                         k_scale_cache=k_scale_cache, stream=stream)
