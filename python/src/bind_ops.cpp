@@ -25,9 +25,6 @@
 #include "flashserve/status.hpp"
 #include "flashserve/variants_ops.hpp"
 
-#if FLASHSERVE_WITH_CUDA
-#include "kernels/device_info.hpp"
-#endif
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -66,16 +63,6 @@ std::vector<int32_t> encode_plan(const Plan& plan, DeviceType device) {
   return w;
 }
 
-// The planner's view of a device; NotImplemented for CUDA in a CPU build.
-DeviceProps props_of(Device d) {
-  if (d.type == DeviceType::cpu) return DeviceProps::cpu();
-#if FLASHSERVE_WITH_CUDA
-  return kernels::cuda_device_props(d.index);
-#else
-  fail_not_implemented("CUDA devices (this build has no CUDA kernels: FLASHSERVE_WITH_CUDA=0)");
-#endif
-}
-
 // The Plan encoded in host words made by encode_plan, re-made for `dev` with its split count.
 Plan decode_plan(const TensorRef& t, const DeviceProps& dev) {
   constexpr const char* arg = "scheduler_metadata";
@@ -108,11 +95,10 @@ std::vector<int32_t> plan_for_shape(const std::string& device, int index, int64_
                                     int64_t max_seqlen_k, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                     int64_t head_dim_v, int64_t total_q, int64_t page_size, bool causal, bool local,
                                     int num_splits) {
-  if (device != "cpu" && device != "cuda") fail_arg("device", "cpu or cuda", device);
-  const Device d{device == "cuda" ? DeviceType::cuda : DeviceType::cpu, index};
+  const Device d = parse_device(device, index);
   ProblemShape s{batch, max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim, head_dim_v, total_q,
                  page_size, causal, local};
-  return encode_plan(make_plan(s, props_of(d), num_splits), d.type);
+  return encode_plan(make_plan(s, device_props(d), num_splits), d.type);
 }
 
 // ---------------------------------------------------------------- attention
@@ -125,12 +111,12 @@ nb::object run_attention(AttnMode mode, bool batched, const AttentionParams& p, 
                          nb::handle alloc_workspace, nb::handle stream) {
   if (mode == AttnMode::unsupported_reason || mode == AttnMode::kernel_name) {
     // A CPU build explains a CUDA problem with CPU props: the API then names the missing kernels.
-    const DeviceProps dev = FLASHSERVE_WITH_CUDA ? props_of(p.q.device) : DeviceProps::cpu();
+    const DeviceProps dev = FLASHSERVE_WITH_CUDA ? device_props(p.q.device) : DeviceProps::cpu();
     const std::string s = mode == AttnMode::kernel_name ? attention_kernel_name(p, batched, dev)
                                                          : attention_unsupported_reason(p, batched, dev);
     return nb::str(s.c_str());
   }
-  const DeviceProps dev = props_of(p.q.device);
+  const DeviceProps dev = device_props(p.q.device);
   std::optional<Plan> plan;
   if (!scheduler_metadata.is_none()) {
     plan = decode_plan(tensor_arg(scheduler_metadata, "scheduler_metadata"), dev);

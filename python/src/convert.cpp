@@ -15,6 +15,9 @@
 #include <string>
 
 #include "flashserve/status.hpp"
+#if FLASHSERVE_WITH_CUDA
+#include "kernels/device_info.hpp"
+#endif
 
 namespace nb = nanobind;
 
@@ -183,6 +186,20 @@ ExecContext stream_context(nb::handle stream) {
   ExecContext ctx;
   ctx.stream = stream_arg(stream);
   return ctx;
+}
+
+Device parse_device(const std::string& type, int index) {
+  if (type != "cpu" && type != "cuda") fail_arg("device", "a cpu or cuda device", type);
+  return Device{type == "cuda" ? DeviceType::cuda : DeviceType::cpu, index};
+}
+
+DeviceProps device_props(Device d) {
+  if (d.type == DeviceType::cpu) return DeviceProps::cpu();
+#if FLASHSERVE_WITH_CUDA
+  return kernels::cuda_device_props(d.index);
+#else
+  fail_not_implemented("CUDA devices (this build has no CUDA kernels: FLASHSERVE_WITH_CUDA=0)");
+#endif
 }
 
 }  // namespace flashserve::py

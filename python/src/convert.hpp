@@ -3,6 +3,8 @@
 // arguments and calls the C++ API (include/flashserve/*.hpp).
 #pragma once
 
+#include <string>
+
 #include <nanobind/nanobind.h>
 
 #include "flashserve/plan.hpp"
@@ -20,6 +22,12 @@ OptTensor opt_tensor_arg(nanobind::handle obj, const char* name);
 void* stream_arg(nanobind::handle stream);
 // An ExecContext on that stream (no workspace, no plan).
 ExecContext stream_context(nanobind::handle stream);
+
+// "cpu" or "cuda" and an index as a Device (ValueError naming `device` otherwise).
+Device parse_device(const std::string& type, int index);
+// The planner's view of a device (CUDA: queried once per device); NotImplemented for CUDA in
+// a CPU build.
+DeviceProps device_props(Device d);
 
 // Each binding file registers its functions on the extension module `flashserve._C`.
 void register_ops(nanobind::module_& m);      // python/src/bind_ops.cpp

@@ -14,31 +14,16 @@
 #include "flashserve/plan.hpp"
 #include "flashserve/status.hpp"
 
-#if FLASHSERVE_WITH_CUDA
-#include "kernels/device_info.hpp"
-#endif
-
 namespace nb = nanobind;
 
 namespace flashserve::py {
 
 namespace {
 
-// "cpu" or "cuda" + index -> the planner's DeviceProps (CUDA: queried once per device).
-DeviceProps device_props_of(const std::string& type, int index) {
-  if (type == "cpu") return DeviceProps::cpu();
-  if (type != "cuda") fail_arg("device", "a cpu or cuda device", type);
-#if FLASHSERVE_WITH_CUDA
-  return kernels::cuda_device_props(index);
-#else
-  fail_not_implemented("CUDA devices (this build has no CUDA kernels: FLASHSERVE_WITH_CUDA=0)");
-#endif
-}
-
 // Why flashserve cannot run on this device ("" when it can): the backend's capability check.
 std::string device_unsupported_reason(const std::string& type, int index) {
   try {
-    const DeviceProps dev = device_props_of(type, index);
+    const DeviceProps dev = device_props(parse_device(type, index));
     if (!backend::Capabilities::supports_compute_capability(dev))
       return detail::cat("compute capability ", dev.cc_major, ".", dev.cc_minor, " (flashserve needs sm80 or newer)");
   } catch (const NotImplemented& e) {
@@ -69,7 +54,7 @@ NB_MODULE(_C, m) {
   m.def(
       "device_info",
       [](const std::string& type, int index) {
-        const flashserve::DeviceProps d = device_props_of(type, index);
+        const flashserve::DeviceProps d = device_props(parse_device(type, index));
         return std::make_tuple(d.num_sms, d.cc_major, d.cc_minor);
       },
       nb::arg("type"), nb::arg("index") = 0,
