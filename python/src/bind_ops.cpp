@@ -103,30 +103,18 @@ std::vector<int32_t> plan_for_shape(const std::string& device, int index, int64_
 
 // ---------------------------------------------------------------- attention
 
-enum class AttnMode : int { run, validate, unsupported_reason, kernel_name, plan };
+enum class AttnMode : int { run, validate };
 
-// Runs (or validates, plans, explains) one call. The workspace comes from `alloc_workspace`
-// (a Python callable: bytes -> tensor on q's device), asked only when the plan needs one.
+// Runs (or only validates) one call. The workspace comes from `alloc_workspace` (a Python
+// callable: bytes -> tensor on q's device), asked only when the plan needs one.
 nb::object run_attention(AttnMode mode, bool batched, const AttentionParams& p, nb::handle scheduler_metadata,
                          nb::handle alloc_workspace, nb::handle stream) {
-  if (mode == AttnMode::unsupported_reason || mode == AttnMode::kernel_name) {
-    // A CPU build explains a CUDA problem with CPU props: the API then names the missing kernels.
-    const DeviceProps dev = FLASHSERVE_WITH_CUDA ? device_props(p.q.device) : DeviceProps::cpu();
-    const std::string s = mode == AttnMode::kernel_name ? attention_kernel_name(p, batched, dev)
-                                                         : attention_unsupported_reason(p, batched, dev);
-    return nb::str(s.c_str());
-  }
   const DeviceProps dev = device_props(p.q.device);
   std::optional<Plan> plan;
   if (!scheduler_metadata.is_none()) {
     plan = decode_plan(tensor_arg(scheduler_metadata, "scheduler_metadata"), dev);
-  } else if (mode == AttnMode::plan || (dev.device.type == DeviceType::cuda && p.num_splits != 1)) {
+  } else if (dev.device.type == DeviceType::cuda && p.num_splits != 1) {
     plan = batched ? plan_kvcache_attention(p, dev) : plan_varlen_attention(p, dev);
-  }
-  if (mode == AttnMode::plan) {
-    nb::list words;
-    for (int32_t w : encode_plan(*plan, dev.device.type)) words.append(w);
-    return words;
   }
   ExecContext ctx = stream_context(stream);
   ctx.validate_only = mode == AttnMode::validate;
@@ -160,7 +148,7 @@ nb::object attention(int mode, bool batched,
                      nb::handle q_scale, nb::handle k_scale_cache, nb::handle v_scale,
                      int cp_world_size, int cp_rank, nb::handle cp_tot_seqused_k,
                      int num_splits, nb::handle scheduler_metadata, nb::handle alloc_workspace, nb::handle stream) {
-  if (mode < int(AttnMode::run) || mode > int(AttnMode::plan)) fail_arg("mode", "0..4", mode);
+  if (mode != int(AttnMode::run) && mode != int(AttnMode::validate)) fail_arg("mode", "0 (run) or 1 (validate)", mode);
   AttentionParams p;
   p.q = tensor_arg(q, "q");
   p.q_v = opt_tensor_arg(q_v, "q_v");
@@ -207,7 +195,7 @@ void register_attention(nb::module_& m) {
         "cp_world_size"_a, "cp_rank"_a, "cp_tot_seqused_k"_a.none(), "num_splits"_a,
         "scheduler_metadata"_a.none(), "alloc_workspace"_a.none(), "stream"_a.none(),
         "varlen_attention / kvcache_attention (batched) over AttentionParams given field by field.\n"
-        "mode: 0 run, 1 validate only, 2 unsupported reason (str), 3 kernel name (str), 4 plan (int32 words).");
+        "mode: 0 run, 1 validate only.");
   m.attr("PLAN_WORDS") = int(kPlanWords);
   m.def("plan_for_shape", &plan_for_shape, "device"_a, "index"_a, "batch"_a, "max_seqlen_q"_a, "max_seqlen_k"_a,
         "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "head_dim_v"_a, "total_q"_a, "page_size"_a, "causal"_a,
