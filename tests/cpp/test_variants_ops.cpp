@@ -29,6 +29,7 @@ using fs::TensorRef;
 using fstest::HostTensor;
 using fstest::Mismatches;
 using fstest::padding_untouched;
+using fstest::padded_poisoned;
 using fstest::pick;
 using fstest::uniform_int;
 
@@ -46,17 +47,6 @@ double half_ulp(DType t) {
 
 // Spacing of float16's subnormals: the absolute rounding floor of a store (0 elsewhere here).
 double min_step(DType t) { return t == DType::f16 ? std::ldexp(1.0, -24) : 0.0; }
-
-// A poisoned view with padded strides over every dim but the last.
-HostTensor padded(DType t, std::initializer_list<int64_t> shape) {
-  std::vector<int64_t> s(shape), st(s.size(), 1);
-  for (int d = int(s.size()) - 2; d >= 0; --d) st[size_t(d)] = st[size_t(d) + 1] * s[size_t(d) + 1] + (d % 2 ? 3 : 1);
-  TensorRef v = TensorRef::contiguous(nullptr, t, shape);
-  for (size_t d = 0; d < s.size(); ++d) v.stride[d] = st[d];
-  HostTensor h = HostTensor::with_view(v, v.span_elements() + 2);
-  fstest::poison_storage(h);
-  return h;
-}
 
 std::string at_str(std::initializer_list<int64_t> idx, double got, double want) {
   std::ostringstream os;
@@ -81,7 +71,7 @@ void run_differential(const DiffCase& dc, std::mt19937_64& rng) {
   name << fs::dtype_name(dc.a1) << "," << fs::dtype_name(dc.a2) << "->" << fs::dtype_name(dc.out)
        << (dc.in_place ? " in place" : "") << " T=" << T << " H=" << H << " D=" << D;
   SCOPED_TRACE(name.str());
-  HostTensor a1 = padded(dc.a1, {T, H, D}), a2 = padded(dc.a2, {T, H, D});
+  HostTensor a1 = padded_poisoned(dc.a1, {T, H, D}), a2 = padded_poisoned(dc.a2, {T, H, D});
   fstest::fill_uniform(a1, rng, -3.0f, 3.0f);
   fstest::fill_uniform(a2, rng, -3.0f, 3.0f);
   for (int64_t t = 0; t < T; ++t)  // some all-zero pair rows: out must be exactly 0
@@ -116,7 +106,7 @@ void run_differential(const DiffCase& dc, std::mt19937_64& rng) {
         ref[size_t((t * H + 2 * h + c / D) * D + c % D)] = x[size_t(c)] * r * w.getd({c}) * (1.0 - lambda_init);
     }
 
-  HostTensor out = dc.in_place ? a1 : padded(dc.out, {T, H, D});
+  HostTensor out = dc.in_place ? a1 : padded_poisoned(dc.out, {T, H, D});
   fs::DifferentialCombineParams p;
   p.a1 = a1;
   p.a2 = a2;
@@ -165,8 +155,8 @@ struct LseCase {
 
 HostTensor lse_tensor(LseLayout layout, bool lead, int64_t W, int64_t H, int64_t T) {
   const bool hm = layout == LseLayout::head_major;
-  if (lead) return hm ? padded(DType::f32, {W, H, T}) : padded(DType::f32, {W, T, H});
-  return hm ? padded(DType::f32, {H, T}) : padded(DType::f32, {T, H});
+  if (lead) return hm ? padded_poisoned(DType::f32, {W, H, T}) : padded_poisoned(DType::f32, {W, T, H});
+  return hm ? padded_poisoned(DType::f32, {H, T}) : padded_poisoned(DType::f32, {T, H});
 }
 float* lse_at(const HostTensor& l, LseLayout layout, int64_t r, int64_t h, int64_t t) {
   const bool hm = layout == LseLayout::head_major;
@@ -183,7 +173,7 @@ void run_lse_correct(const LseCase& lc, std::mt19937_64& rng) {
        << (lc.slice_major ? " slice-major" : "") << (lc.with_lse_out ? " lse_out" : "") << " W=" << W
        << " rank=" << rank << " S=" << S << " H=" << H << " T=" << T << " Dv=" << Dv;
   SCOPED_TRACE(name.str());
-  HostTensor out = lc.slice_major ? padded(lc.out, {S, T, Hs, Dv}) : padded(lc.out, {T, H, Dv});
+  HostTensor out = lc.slice_major ? padded_poisoned(lc.out, {S, T, Hs, Dv}) : padded_poisoned(lc.out, {T, H, Dv});
   fstest::fill_uniform(out, rng, -4.0f, 4.0f);
   auto get = [&](int64_t h, int64_t t, int64_t c) {
     return lc.slice_major ? out.getd({h / Hs, t, h % Hs, c}) : out.getd({t, h, c});
@@ -264,13 +254,13 @@ TEST(VariantsOps, LseCorrectMatchesFp64) {
 TEST(VariantsOps, LseCorrectedRanksSumToTheMergedState) {
   auto rng = fstest::make_rng(fstest::test_salt());
   const int64_t W = 4, T = 7, H = 3, Dv = 16;
-  HostTensor all = padded(DType::f32, {W, H, T});
+  HostTensor all = padded_poisoned(DType::f32, {W, H, T});
   fstest::fill_uniform(all, rng, -5.0f, 5.0f);
   *static_cast<float*>(all.ref.at(1, 0, 0)) = -INFINITY;
   std::vector<HostTensor> outs;
   std::vector<double> sum(size_t(T * H * Dv), 0.0), want(size_t(T * H * Dv), 0.0);
   for (int64_t r = 0; r < W; ++r) {
-    outs.push_back(padded(DType::f32, {T, H, Dv}));
+    outs.push_back(padded_poisoned(DType::f32, {T, H, Dv}));
     fstest::fill_uniform(outs.back(), rng, -2.0f, 2.0f);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t h = 0; h < H; ++h) {
@@ -313,7 +303,7 @@ GatherSetup make_gather(std::mt19937_64& rng, DType dt, int64_t B, int64_t bs, i
   }
   g.max_blocks += uniform_int(rng, 0, 2);
   g.nb = need + 3;
-  g.cache = padded(dt, {g.nb, bs, width});
+  g.cache = padded_poisoned(dt, {g.nb, bs, width});
   fstest::fill_uniform(g.cache, rng, dt == DType::u8 ? 0.0f : -3.0f, dt == DType::u8 ? 255.0f : 3.0f);
   std::vector<int32_t> ids(size_t(g.nb));
   std::iota(ids.begin(), ids.end(), 0);
@@ -328,8 +318,8 @@ GatherSetup make_gather(std::mt19937_64& rng, DType dt, int64_t B, int64_t bs, i
     *static_cast<int32_t*>(g.seqused_k.ref.at(b)) = int32_t(g.seqused[size_t(b)]);
     *static_cast<int32_t*>(g.cu_q.ref.at(b + 1)) = *static_cast<int32_t*>(g.cu_q.ref.at(b)) + int32_t(g.q_lens[size_t(b)]);
   }
-  g.dst = padded(dt, {dst_rows, width});
-  g.cu_dst = padded(DType::i32, {B + 1});
+  g.dst = padded_poisoned(dt, {dst_rows, width});
+  g.cu_dst = padded_poisoned(DType::i32, {B + 1});
   return g;
 }
 
@@ -358,7 +348,7 @@ void run_gather(std::mt19937_64& rng, DType dt) {
     total += hi[size_t(b)] - lo[size_t(b)];
   }
   const int64_t spare = uniform_int(rng, 0, 2);
-  g.dst = padded(dt, {total + spare, width});
+  g.dst = padded_poisoned(dt, {total + spare, width});
 
   fs::GatherCacheParams p;
   p.cache = g.cache;
@@ -403,15 +393,15 @@ TEST(VariantsOps, GatherCacheMatchesNaive) {
 struct OpSet {
   std::mt19937_64 rng = fstest::make_rng(0x0e5);
   // differential_combine: T = 3, H = 4, D = 8
-  HostTensor a1 = padded(DType::bf16, {3, 4, 8}), a2 = padded(DType::bf16, {3, 4, 8});
+  HostTensor a1 = padded_poisoned(DType::bf16, {3, 4, 8}), a2 = padded_poisoned(DType::bf16, {3, 4, 8});
   HostTensor q1 = HostTensor::zeros(DType::f32, {8}), k1 = HostTensor::zeros(DType::f32, {8});
   HostTensor q2 = HostTensor::zeros(DType::f32, {8}), k2 = HostTensor::zeros(DType::f32, {8});
   HostTensor w = HostTensor::zeros(DType::f32, {16});
-  HostTensor d_out = padded(DType::bf16, {3, 4, 8});
+  HostTensor d_out = padded_poisoned(DType::bf16, {3, 4, 8});
   fs::DifferentialCombineParams dp;
   // lse_correct: W = 2 ranks, slice-major out [2, T = 3, 2, 16], lse_all [2, H = 4, 3]
-  HostTensor l_out = padded(DType::f32, {2, 3, 2, 16}), l_all = padded(DType::f32, {2, 4, 3});
-  HostTensor l_glob = padded(DType::f32, {4, 3});
+  HostTensor l_out = padded_poisoned(DType::f32, {2, 3, 2, 16}), l_all = padded_poisoned(DType::f32, {2, 4, 3});
+  HostTensor l_glob = padded_poisoned(DType::f32, {4, 3});
   fs::LseCorrectParams lp;
   // gather_cache: 3 requests over a [12, 4, 576] bf16 cache
   GatherSetup g;

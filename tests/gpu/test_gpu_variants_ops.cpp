@@ -34,20 +34,10 @@ using fs::TensorRef;
 using fsgpu::DeviceTensor;
 using fstest::HostTensor;
 using fstest::Mismatches;
+using fstest::padded_poisoned;
 using fstest::pick;
 using fstest::seed_note;
 using fstest::uniform_int;
-
-// A view with padded strides over every dim but the last, its whole storage poisoned.
-HostTensor padded(DType t, std::initializer_list<int64_t> shape) {
-  std::vector<int64_t> s(shape), st(s.size(), 1);
-  for (int d = int(s.size()) - 2; d >= 0; --d) st[size_t(d)] = st[size_t(d) + 1] * s[size_t(d) + 1] + (d % 2 ? 3 : 1);
-  TensorRef v = TensorRef::contiguous(nullptr, t, shape);
-  for (size_t d = 0; d < s.size(); ++d) v.stride[d] = st[d];
-  HostTensor h = HostTensor::with_view(v, v.span_elements() + 2);
-  fstest::poison_storage(h);
-  return h;
-}
 
 // One step of `fmt` at magnitude |x| (an upper bound), plus its smallest subnormal.
 double step_of(DType fmt, double x) {
@@ -103,8 +93,8 @@ struct DiffRun {
 
   DiffRun(DType t1, DType t2, DType to, bool in_place_, std::mt19937_64& rng)
       : T(uniform_int(rng, 0, 40)), P(uniform_int(rng, 1, 8)), D(pick<int64_t>(rng, {1, 3, 8, 40, 64, 72, 128, 256, 264})),
-        in_place(in_place_), a1(padded(t1, {T, 2 * P, D})), a2(padded(t2, {T, 2 * P, D})),
-        out(in_place ? a1 : padded(to, {T, 2 * P, D})), w(HostTensor::zeros(DType::f32, {2 * D})) {
+        in_place(in_place_), a1(padded_poisoned(t1, {T, 2 * P, D})), a2(padded_poisoned(t2, {T, 2 * P, D})),
+        out(in_place ? a1 : padded_poisoned(to, {T, 2 * P, D})), w(HostTensor::zeros(DType::f32, {2 * D})) {
     fstest::fill_uniform(a1, rng, -3.0f, 3.0f);
     fstest::fill_uniform(a2, rng, -3.0f, 3.0f);
     for (int64_t t = 0; t < T; ++t)  // some all-zero pair rows
@@ -206,9 +196,9 @@ struct LseRun {
       : dtype(dt), layout(l), slice_major(sm), with_lse_out(with_lo), W(uniform_int(rng, 1, 8)),
         rank(uniform_int(rng, 0, W - 1)), S(sm ? uniform_int(rng, 1, 4) : 1), Hs(uniform_int(rng, 1, 8)),
         T(uniform_int(rng, 0, 64)), Dv(pick<int64_t>(rng, {1, 8, 40, 64, 100, 128, 512})),
-        out(sm ? padded(dt, {S, T, Hs, Dv}) : padded(dt, {T, S * Hs, Dv})),
-        all(l == LseLayout::head_major ? padded(DType::f32, {W, S * Hs, T}) : padded(DType::f32, {W, T, S * Hs})),
-        lo(l == LseLayout::head_major ? padded(DType::f32, {S * Hs, T}) : padded(DType::f32, {T, S * Hs})) {
+        out(sm ? padded_poisoned(dt, {S, T, Hs, Dv}) : padded_poisoned(dt, {T, S * Hs, Dv})),
+        all(l == LseLayout::head_major ? padded_poisoned(DType::f32, {W, S * Hs, T}) : padded_poisoned(DType::f32, {W, T, S * Hs})),
+        lo(l == LseLayout::head_major ? padded_poisoned(DType::f32, {S * Hs, T}) : padded_poisoned(DType::f32, {T, S * Hs})) {
     fstest::fill_uniform(out, rng, -4.0f, 4.0f);
     std::uniform_real_distribution<float> d(-8.0f, 8.0f);
     for (int64_t h = 0; h < S * Hs; ++h)
@@ -305,7 +295,7 @@ struct GatherRun {
       case 2: begin = uniform_int(rng, 0, max_len / 2), end = begin + uniform_int(rng, 0, max_len / 2); break;
       default: begin = max_len + 1, end = 2 * max_len + 2; break;  // past every context
     }
-    cache = padded(dt, {nb, bs, width});
+    cache = padded_poisoned(dt, {nb, bs, width});
     fstest::fill_uniform(cache, rng, dt == DType::u8 ? 0.0f : -3.0f, dt == DType::u8 ? 255.0f : 3.0f);
     std::vector<int32_t> ids(static_cast<size_t>(nb));
     std::iota(ids.begin(), ids.end(), 0);
@@ -323,8 +313,8 @@ struct GatherRun {
       const int64_t lo = std::min(begin, ctx);
       total += std::max(lo, std::min(end, ctx)) - lo;
     }
-    dst = padded(dt, {total + uniform_int(rng, 0, 3), width});
-    cu_dst = padded(DType::i32, {B + 1});
+    dst = padded_poisoned(dt, {total + uniform_int(rng, 0, 3), width});
+    cu_dst = padded_poisoned(DType::i32, {B + 1});
     upload();
   }
   // Inputs mirrored, outputs poisoned (the host tensors were poisoned when made).
@@ -414,8 +404,8 @@ TEST(GpuVariantsOps, GatherCacheSkipsTokensPastTheTableRow) {
   for (int64_t b = 0; b < r.B; ++b) *static_cast<int32_t*>(r.seqused_k.ref.at(b)) = int32_t(40 + 10 * b);
   *static_cast<int32_t*>(r.seqused_k.ref.at(0)) = -5;            // context 0
   *static_cast<int32_t*>(r.cu_q.ref.at(3)) = -30;                 // request 2: q_len < 0, context past seqused
-  r.dst = padded(r.dst.ref.dtype, {4000, r.width});
-  r.cu_dst = padded(DType::i32, {r.B + 1});
+  r.dst = padded_poisoned(r.dst.ref.dtype, {4000, r.width});
+  r.cu_dst = padded_poisoned(DType::i32, {r.B + 1});
   r.upload();
   fs::GatherCacheParams p = r.params(true);
   p.block_table = r.dtable.ref.slice(1, 0, cols);

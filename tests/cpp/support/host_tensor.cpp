@@ -93,6 +93,15 @@ void poison(const TensorRef& t) {
 }
 
 void poison_storage(const HostTensor& t) { std::memset(t.bytes->data(), 0xFF, t.bytes->size()); }
+HostTensor padded_poisoned(DType dtype, std::initializer_list<int64_t> shape) {
+  std::vector<int64_t> s(shape), st(s.size(), 1);
+  for (int d = int(s.size()) - 2; d >= 0; --d) st[size_t(d)] = st[size_t(d) + 1] * s[size_t(d) + 1] + (d % 2 ? 3 : 1);
+  TensorRef v = TensorRef::contiguous(nullptr, dtype, shape);
+  for (size_t d = 0; d < s.size(); ++d) v.stride[d] = st[d];
+  HostTensor h = HostTensor::with_view(v, v.span_elements() + 2);
+  poison_storage(h);
+  return h;
+}
 std::vector<unsigned char> snapshot(const HostTensor& t) { return *t.bytes; }
 bool same_bytes(const HostTensor& t, const std::vector<unsigned char>& snap) { return *t.bytes == snap; }
 

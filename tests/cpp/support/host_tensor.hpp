@@ -66,6 +66,9 @@ void fill_uniform(const TensorRef& t, std::mt19937_64& rng, float lo, float hi);
 void poison(const TensorRef& t);
 // Poison the whole storage of a HostTensor (also bytes outside the view).
 void poison_storage(const HostTensor& t);
+// A view with padded strides over every dim but the last (rows 1 or 3 elements apart beyond
+// their extent), its whole storage poisoned.
+HostTensor padded_poisoned(DType dtype, std::initializer_list<int64_t> shape);
 // Copy of the raw bytes of the whole storage, for "left untouched" checks.
 std::vector<unsigned char> snapshot(const HostTensor& t);
 bool same_bytes(const HostTensor& t, const std::vector<unsigned char>& snap);
