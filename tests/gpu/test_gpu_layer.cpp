@@ -282,6 +282,8 @@ struct GpuRun {
   ~GpuRun() { cudaStreamDestroy(stream); }
 
   be::BuilderConfig config() const { return config_of(sc, fs::kernels::cuda_device_props(0), stream); }
+  // The step's common metadata over the device table and slots.
+  be::CommonMetadata common() const { return common_of(sc, b, table.ref, slots.ref); }
 
   void forward(const be::AttentionMetadata& md) {
     const be::AttentionLayer layer(sc.spec);
@@ -331,7 +333,7 @@ void compare(const Scenario& sc, const StepFn& step, Check check) {
 
   GpuRun g(sc, b);
   be::MetadataBuilder mb(g.config());
-  const be::AttentionMetadata& md = step(mb, common_of(sc, b, g.table.ref, g.slots.ref));
+  const be::AttentionMetadata& md = step(mb, g.common());
   check(md);
   ASSERT_EQ(cudaStreamSynchronize(g.stream), cudaSuccess);
   for (const auto& [d, h, name] : {std::tuple{&md.decode, &host_md.decode, "decode"},
@@ -417,7 +419,7 @@ TEST(GpuLayer, Cascade) {
     if (variant == 1) dsc.spec.sinks = dsinks.ref;
     GpuRun g(dsc, b);
     be::MetadataBuilder mb(g.config());
-    const be::AttentionMetadata& md = mb.build(common_of(dsc, b, g.table.ref, g.slots.ref), sc.prefix + 7);
+    const be::AttentionMetadata& md = mb.build(g.common(), sc.prefix + 7);
     ASSERT_TRUE(md.cascade.enabled);
     EXPECT_EQ(md.cascade.common_prefix_len, sc.prefix);
     expect_same_part(md.cascade.prefix, host_md.cascade.prefix, "cascade prefix");
@@ -448,7 +450,7 @@ TEST(GpuLayer, RebuildKeepsDevicePointers) {
   const Batch b = make_batch(sc, rng);
   GpuRun g(sc, b);
   be::MetadataBuilder mb(g.config());
-  const be::CommonMetadata cm = common_of(sc, b, g.table.ref, g.slots.ref);
+  const be::CommonMetadata cm = g.common();
   const be::AttentionMetadata first = mb.build(cm);
   Scenario dec = sc;  // a decode-only step of the first three requests
   dec.q_lens = {1, 1, 1};
@@ -512,7 +514,7 @@ TEST(GpuLayer, AdvanceDecodeStep) {
     hc.dcp_rank = dc.dcp_rank = 1;
     be::MetadataBuilder host(hc), dev(dc);
     const be::AttentionMetadata& hm = step(host, common_of(sc, b, b.table, b.slots));
-    const be::AttentionMetadata& dm = step(dev, common_of(sc, b, g.table.ref, g.slots.ref));
+    const be::AttentionMetadata& dm = step(dev, g.common());
     ASSERT_EQ(cudaStreamSynchronize(g.stream), cudaSuccess);
     expect_same_part(dm.decode, hm.decode, "decode");
     EXPECT_EQ(download_i64(dm.slot_mapping), host_i64(hm.slot_mapping));
@@ -546,7 +548,7 @@ TEST(GpuLayer, MixedDevicesAreRejected) {
   const Batch b = make_batch(sc, rng);
   GpuRun g(sc, b);
   be::MetadataBuilder mb(g.config());
-  be::CommonMetadata mixed = common_of(sc, b, g.table.ref, g.slots.ref);
+  be::CommonMetadata mixed = g.common();
   mixed.slot_mapping = b.slots.ref;  // host slots beside a device table
   EXPECT_THROW(mb.build(mixed), fs::Error);
 }
