@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import flashserve
 from torch_reference import gather_paged
 
 
@@ -29,7 +30,8 @@ def _base_seed() -> int:
 
 
 BASE_SEED = _base_seed()
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# CUDA where both torch and the package have it (a CPU-only build on a GPU machine tests the CPU).
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and flashserve.WITH_CUDA else [])
 HALF_DTYPES = [torch.float16, torch.bfloat16]
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
