@@ -12,6 +12,7 @@ import numpy as np
 from ._tensors import PLAN_WORDS, cuda_stream, device_of, is_torch, schedule, torch, workspace_allocator
 
 _RUN = 0
+VALIDATE = 1  # mode=VALIDATE: check every argument as the call would, run nothing
 
 
 def varlen_fwd(q: Any, k: Any, v: Any, out: Any, cu_seqlens_q: Any, max_seqlen_q: int, max_seqlen_k: int,
@@ -23,11 +24,12 @@ def varlen_fwd(q: Any, k: Any, v: Any, out: Any, cu_seqlens_q: Any, max_seqlen_q
                q_descale: Optional[Any] = None, k_descale: Optional[Any] = None,
                v_descale: Optional[Any] = None, num_splits: int = 0,
                scheduler_metadata: Optional[Any] = None, cp_world_size: int = 1, cp_rank: int = 0,
-               cp_tot_seqused_k: Optional[Any] = None, chunk_size: int = 0) -> None:
+               cp_tot_seqused_k: Optional[Any] = None, chunk_size: int = 0, *, mode: int = _RUN) -> None:
     """Varlen attention into out (and softmax_lse [H, total_q] when given). softmax_scale 0:
-    the default scale; chunk_size > 0: chunked local attention."""
+    the default scale; chunk_size > 0: chunked local attention. mode=VALIDATE (not part of the
+    op's schema): check the arguments only."""
     plan, num_splits = schedule(scheduler_metadata, num_splits)
-    _C.attention(_RUN, False, q, q_v, out, softmax_lse, k, v, False,
+    _C.attention(mode, False, q, q_v, out, softmax_lse, k, v, False,
                  cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, None, max_seqlen_q, max_seqlen_k,
                  softmax_scale, softcap, alibi_slopes, False, causal, window_left, window_right, chunk_size,
                  s_aux, q_descale, k_descale, v_descale, None, None, None,
@@ -44,10 +46,10 @@ def kvcache_fwd(q: Any, k_cache: Any, v_cache: Any, out: Any, softmax_lse: Optio
                 v_descale: Optional[Any] = None, num_splits: int = 0,
                 scheduler_metadata: Optional[Any] = None, cp_world_size: int = 1, cp_rank: int = 0,
                 cp_tot_seqused_k: Optional[Any] = None, q_v: Optional[Any] = None,
-                chunk_size: int = 0) -> None:
+                chunk_size: int = 0, *, mode: int = _RUN) -> None:
     """Batched attention over a KV cache into out (and softmax_lse [B, H, sq] when given)."""
     plan, num_splits = schedule(scheduler_metadata, num_splits)
-    _C.attention(_RUN, True, q, q_v, out, softmax_lse, k_cache, v_cache, False,
+    _C.attention(mode, True, q, q_v, out, softmax_lse, k_cache, v_cache, False,
                  None, None, cache_seqlens, block_table, cache_batch_idx, 0, 0,
                  softmax_scale, softcap, alibi_slopes, False, causal, window_left, window_right, chunk_size,
                  s_aux, q_descale, k_descale, v_descale, None, None, None,
