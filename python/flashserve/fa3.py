@@ -226,8 +226,6 @@ def flash_attn_with_kvcache(
     if cache_leftpad is not None:
         k_attn, v_attn, table, seqused = _leftpad_view(k_cache, v_cache, cache_leftpad, rows, seqused, batch, device)
         batch_idx = None
-    if seqused is not None and seqused.dtype != torch.int32:
-        seqused = seqused.int()
     if varlen and table is None:  # a contiguous cache is paged with one page of S_cache per row
         table = (rows if rows is not None else torch.arange(batch, dtype=torch.int32, device=device)).int()[:, None]
         batch_idx = None
