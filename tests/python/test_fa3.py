@@ -147,6 +147,75 @@ def test_flash_attn_func_qv(case: Case, device: str) -> None:
     case.done()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_flash_attn_func_fp8(case: Case, device: str) -> None:
+    """fp8 (e4m3) q, k, v with descales [B, H_kv]: bf16 out."""
+    for i in range(n_cases(device, 2, 6)):
+        heads, heads_kv, d = heads_dims(case)
+        batch, sq = case.rng.randint(1, 3), case.rng.randint(1, 6)
+        sk = sq + case.rng.randint(0, 30)
+        case.desc = f"case {i}: B={batch} sq={sq} sk={sk} H={heads}/{heads_kv} D={d}"
+        q = case.randn(batch, sq, heads, d, device=device, scale=2.0).to(E4M3)
+        k, v = (case.randn(batch, sk, heads_kv, d, device=device, scale=2.0).to(E4M3) for _ in range(2))
+        q_ds, k_ds, v_ds = (fp8_descale(case, batch, heads_kv, device, case.rng.random() < 0.5) for _ in range(3))
+        res = case.call(fa3.flash_attn_func, q, k, v, causal=True, q_descale=q_ds, k_descale=k_ds, v_descale=v_ds)
+        if res is None:
+            continue
+        assert res.dtype == torch.bfloat16
+        keys = [k[b].float() * k_ds[b][None, :, None] for b in range(batch)]
+        values = [v[b].float() * v_ds[b][None, :, None] for b in range(batch)]
+        ref_o, _ = batched_ref(q, keys, values, q_descale=q_ds, scale=d ** -0.5, causal=True)
+        check_out(case, "out", res, ref_o, sk)
+    case.done()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_speed_only_keywords(case: Case, device: str) -> None:
+    """pack_gqa, deterministic and ver (3 or 4) change nothing: bit-equal results from each
+    function; get_scheduler_metadata ignores the keywords that do not change flashserve's
+    schedule (qkv_dtype, cu_seqlens_k_new, cache_leftpad, max_seqlen_k_new, has_softcap,
+    pack_gqa)."""
+    q = case.randn(2, 3, 4, 64, dtype=torch.bfloat16, device=device)
+    k, v = (case.randn(2, 9, 2, 64, dtype=torch.bfloat16, device=device) for _ in range(2))
+    base = fa3.flash_attn_func(q, k, v, causal=True)
+    for kw in (dict(pack_gqa=True), dict(pack_gqa=False), dict(deterministic=True)):
+        check_bits(case, f"flash_attn_func {kw}", fa3.flash_attn_func(q, k, v, causal=True, **kw), base)
+    cu_q, cu_k = cu_seqlens([3, 3], device), cu_seqlens([9, 9], device)
+    args = (q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, 3, 9)
+    base = fa3.flash_attn_varlen_func(*args, causal=True)
+    for kw in (dict(pack_gqa=True), dict(deterministic=True), dict(ver=4), dict(ver=3)):
+        check_bits(case, f"flash_attn_varlen_func {kw}", fa3.flash_attn_varlen_func(*args, causal=True, **kw), base)
+    seqlens = torch.tensor([9, 9], dtype=torch.int32, device=device)
+    base = fa3.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True)
+    for kw in (dict(pack_gqa=True), dict(ver=4)):
+        check_bits(case, f"flash_attn_with_kvcache {kw}",
+                   fa3.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, causal=True, **kw), base)
+    md = fa3.get_scheduler_metadata(2, 3, 9, 4, 2, 64, seqlens, causal=True)
+    same = fa3.get_scheduler_metadata(2, 3, 9, 4, 2, 64, seqlens, qkv_dtype=torch.float16, causal=True,
+                                      cu_seqlens_k_new=cu_k, cache_leftpad=seqlens * 0, max_seqlen_k_new=3,
+                                      has_softcap=True, pack_gqa=True)
+    assert torch.equal(md.cpu(), same.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_varlen_qv(case: Case, device: str) -> None:
+    """flash_attn_varlen_func with qv (D = 64, Dv = 512) over contiguous KV."""
+    q_lens, k_lens, heads = [2, 1], [7, 12], 4
+    q = case.randn(sum(q_lens), heads, 64, dtype=torch.bfloat16, device=device)
+    qv = case.randn(sum(q_lens), heads, 512, dtype=torch.bfloat16, device=device, scale=0.3)
+    k = case.randn(sum(k_lens), 1, 64, dtype=torch.bfloat16, device=device)
+    v = case.randn(sum(k_lens), 1, 512, dtype=torch.bfloat16, device=device, scale=0.3)
+    res = case.call(fa3.flash_attn_varlen_func, q, k, v, cu_seqlens(q_lens, device), cu_seqlens(k_lens, device),
+                    2, 12, qv=qv, causal=True, return_softmax_lse=True)
+    if res is not None:
+        keys = [k[a:b] for a, b in per_seq(k_lens)]
+        values = [v[a:b] for a, b in per_seq(k_lens)]
+        ref_o, ref_l = varlen_ref(q, q_lens, keys, values, q_v=qv, scale=576 ** -0.5, causal=True)
+        check_out(case, "out", res[0], ref_o)
+        check_lse(case, "lse", res[1], ref_l)
+    case.done()
+
+
 # ---------------------------------------------------------------- flash_attn_varlen_func
 
 @pytest.mark.parametrize("device", DEVICES)
