@@ -336,14 +336,15 @@ class KvCase:
 
 
 def rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-               interleaved: bool) -> torch.Tensor:
-    """x [n, H, D] float rotated on its first 2 * cos.shape[1] channels at positions pos [n]."""
+               interleaved: bool, compute=torch.float64) -> torch.Tensor:
+    """x [n, H, D] rotated on its first 2 * cos.shape[1] channels at positions pos [n], in
+    `compute` precision."""
     rd = 2 * cos.shape[1]
     inside = (pos < cos.shape[0])[:, None, None]
     idx = pos.clamp(max=cos.shape[0] - 1)
-    c = torch.where(inside, cos[idx].double()[:, None, :], 1.0)
-    s = torch.where(inside, sin[idx].double()[:, None, :], 0.0)
-    x = x.double()
+    c = torch.where(inside, cos[idx].to(compute)[:, None, :], 1.0)
+    s = torch.where(inside, sin[idx].to(compute)[:, None, :], 0.0)
+    x = x.to(compute)
     head = x[..., :rd]
     if interleaved:
         x1, x2 = head[..., 0::2], head[..., 1::2]
@@ -516,12 +517,13 @@ def test_kvcache_append_fp8(case: Case, device: str) -> None:
         assert out.dtype == torch.bfloat16
         for b in range(batch):
             got = kc.gather(kc.k_cache, b, lens[b], lens[b] + 1)
-            exp = rotate_ref(k[b].float(), cos, sin, torch.tensor([lens[b]], device=device), True)
-            check_bits(case, f"k_cache row of sequence {b}", got.to(E4M3), exp.float().to(E4M3))
+            # fp32 rotation (as the call computes it), rounded to the cache's fp8: bit-exact
+            exp = rotate_ref(k[b].float(), cos, sin, torch.tensor([lens[b]], device=device), True, torch.float32)
+            check_bits(case, f"k_cache row of sequence {b}", got.to(E4M3), exp.to(E4M3))
         keys = [kc.gather(kc.k_cache, b, 0, lens[b] + 1) * k_ds[b].float()[None, :, None] for b in range(batch)]
         values = [kc.gather(kc.v_cache, b, 0, lens[b] + 1) * v_ds[b].float()[None, :, None] for b in range(batch)]
-        q_rot = torch.stack([rotate_ref(q[b].float(), cos, sin, torch.tensor([lens[b]], device=device), True)
-                             .float().to(E4M3) for b in range(batch)])
+        q_rot = torch.stack([rotate_ref(q[b].float(), cos, sin, torch.tensor([lens[b]], device=device), True,
+                                        torch.float32).to(E4M3) for b in range(batch)])
         ref_o, _ = batched_ref(q_rot, keys, values, q_descale=q_ds, scale=d ** -0.5, causal=True)
         check_out(case, "out", out, ref_o, max(lens))
     case.done()
