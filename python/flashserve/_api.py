@@ -155,11 +155,11 @@ def get_scheduler_metadata(
 ) -> Any:
     """The plan of a later call with these shapes, as an int32 1-D tensor on cache_seqlens'
     device (opaque; engines copy it into a persistent buffer). Its length is PLAN_WORDS + the
-    plan's split count: calls with a torch tensor take the split count from the length and
+    plan's split count: calls with a CUDA tensor take the split count from the length and
     plan their own shape with it (the contents are not read: no synchronization, CUDA-graph
     capture and inference tensors work, and so does a copy into a slice of another buffer);
-    calls with a numpy array decode the whole plan and raise ValueError naming
-    scheduler_metadata when it was made for another shape. The call's shape: varlen
+    calls with host metadata (numpy, CPU torch) decode the whole plan and raise ValueError
+    naming scheduler_metadata when it was made for another shape. The call's shape: varlen
     (cu_seqlens_q given) total_q = cu_seqlens_q[-1] (read on the host: a CUDA cu_seqlens_q
     synchronizes); flash_attn_with_kvcache: total_q = batch_size * max_seqlen_q and
     max_seqlen_k the cache's capacity (block_table.shape[1] * page_size, or S_cache)."""
