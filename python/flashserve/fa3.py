@@ -14,7 +14,10 @@ capture. Forward only: inputs that require grad are read without recording a gra
 
 Keywords that change nothing in flashserve's result are accepted: pack_gqa (the planner packs
 GQA heads itself), deterministic (the forward is deterministic), ver 3 or 4 (one
-implementation), and cu_seqlens_k_new without k/v (ignored, as FA3 does). Not implemented
+implementation); as in FA3, cu_seqlens_k_new without k/v, rotary_seqlens and
+rotary_interleaved without rotary tensors, and max_seqlen_q with a batched q have no effect.
+flash_attn_with_kvcache(return_softmax_lse=True) returns (out, softmax_lse); FA3 appends its
+split accumulators, which callers unpack as `out, lse, *rest`. Not implemented
 (NotImplementedError naming the keyword): seqused_q, sm_margin != 0, cache_leftpad with
 page_table. Errors name FA3's arguments (page_table, sinks, qv, attention_chunk, ...).
 """
