@@ -765,12 +765,13 @@ def test_opcheck_new_arguments(case: Case, device: str) -> None:
     k = case.randn(2, 12, 1, 64, dtype=torch.bfloat16, device=device)
     v = case.randn(2, 12, 1, 512, dtype=torch.bfloat16, device=device)
     out = torch.empty(2, 1, 4, 512, dtype=torch.bfloat16, device=device)
+    args = (q, k, v, out, None, seqlens, None, None, 0.0, True, -1, -1, 0.0, None, None, None, None, None, 1, None,
+            1, 0, None, qv, 4)
     try:
-        torch.library.opcheck(torch.ops.flashserve.kvcache_fwd.default,
-                              (q, k, v, out, None, seqlens, None, None, 0.0, True, -1, -1, 0.0, None, None, None,
-                               None, None, 1, None, 1, 0, None, qv, 4), test_utils=tests)
+        torch.ops.flashserve.kvcache_fwd.default(*args)
     except NotImplementedError as e:
         pytest.skip(f"not implemented on this device: {e}")
+    torch.library.opcheck(torch.ops.flashserve.kvcache_fwd.default, args, test_utils=tests)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs CUDA")
