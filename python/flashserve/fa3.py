@@ -388,7 +388,7 @@ def _leftpad_view(k_cache: Any, v_cache: Any, leftpad: Any, rows: Any, seqused: 
                   device: Any) -> tuple:
     """A contiguous cache [B_cache, S, H_kv, D] as a paged one of page size 1 whose page table
     starts each sequence at its cache_leftpad: (k, v, table [B, S], lengths)."""
-    b_cache, length = k_cache.shape[0], k_cache.shape[1]
+    length = k_cache.shape[1]
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.stride(0) != length * c.stride(1):
             raise _not_implemented("cache_leftpad", f"a tensor with a {name} whose rows are not evenly strided")
@@ -400,7 +400,6 @@ def _leftpad_view(k_cache: Any, v_cache: Any, leftpad: Any, rows: Any, seqused: 
     table = (row[:, None] * length + (pad[:, None] + j[None, :]).clamp(max=length - 1)).int()
     k_tok = k_cache.flatten(0, 1).unsqueeze(1)
     v_tok = v_cache.flatten(0, 1).unsqueeze(1)
-    del b_cache
     return k_tok, v_tok, table, (seqused.long() - pad).clamp(min=0).int()
 
 

@@ -275,7 +275,8 @@ def test_varlen_fp8(case: Case, device: str) -> None:
         q = case.randn(sum(q_lens), heads, d, device=device, scale=2.0).to(E4M3)
         q_ds, k_ds, v_ds = (fp8_descale(case, batch, heads_kv, device, case.rng.random() < 0.5) for _ in range(3))
         res = case.call(fa3.flash_attn_varlen_func, q, paged.k_cache, paged.v_cache, cu_seqlens(q_lens, device),
-                        None, max(q_lens), max(k_lens), seqused_k=torch.tensor(k_lens, dtype=torch.int32, device=device),
+                        None, max(q_lens), max(k_lens),
+                        seqused_k=torch.tensor(k_lens, dtype=torch.int32, device=device),
                         page_table=paged.block_table, causal=True, q_descale=q_ds, k_descale=k_ds, v_descale=v_ds)
         if res is None:
             continue
@@ -693,7 +694,7 @@ def every_entry(q, k_cache, v_cache, page_table, seqlens, k_new, v_new, cos, sin
 
 
 def entry_inputs(case: Case, device: str):
-    batch, heads, heads_kv, d, page = 3, 4, 2, 64, 16
+    batch, heads, heads_kv, d = 3, 4, 2, 64
     kc = KvCase(case, device, torch.bfloat16, batch, heads_kv, d, True, [9, 30, 1], 1, False, False)
     kc.page_table = kc.page_table.contiguous()
     q = case.randn(batch, 1, heads, d, dtype=torch.bfloat16, device=device)
@@ -702,7 +703,6 @@ def entry_inputs(case: Case, device: str):
     seqlens = torch.tensor([9, 30, 1], dtype=torch.int32, device=device)
     md = fa3.get_scheduler_metadata(batch, 1, kc.capacity, heads, heads_kv, d, seqlens, page_size=kc.k_cache.shape[1],
                                     causal=True, num_splits=1)
-    del page
     return kc, dict(q=q, page_table=kc.page_table, seqlens=seqlens, k_new=k_new, v_new=v_new, cos=cos, sin=sin,
                     cu_q=cu_seqlens([1] * batch, device), md=md)
 

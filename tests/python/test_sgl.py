@@ -178,7 +178,8 @@ def test_mla_absorbed_decode(case: Case, device: str) -> None:
         c_kv = kv_cache[:, :, :512]
         k_rope_cache = k_rope.view(-1, page, 1, 64)
         c_kv_cache = c_kv.view(-1, page, 1, 512)
-        page_table = torch.tensor(case.perm(num_pages)[: batch * width], dtype=torch.int32).view(batch, width).to(device)
+        ids = torch.tensor(case.perm(num_pages)[: batch * width], dtype=torch.int32)
+        page_table = ids.view(batch, width).to(device)
         q_all = case.randn(sum(q_lens), heads, 576, dtype=torch.bfloat16, device=device, scale=0.5)
         q_nope, q_rope = q_all[:, :, :512], q_all[:, :, 512:]
         scaling = 576 ** -0.5
