@@ -16,10 +16,9 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
-import numpy as np
-
-from . import _C, _dispatch
-from ._tensors import attach_plan, empty, float32_of, int32_of, is_torch, not_a_tensor, renamed, torch
+from . import _C, _calls, _dispatch
+from ._tensors import device_of as _device_of
+from ._tensors import empty, float32_of, int32_of, is_torch, not_a_tensor, renamed, torch
 
 DEFAULT_FA_VERSION = 2
 _FA_VERSIONS = (2, 3)
@@ -147,29 +146,6 @@ def flash_attn_with_kvcache(
     return (out, lse) if return_softmax_lse else out
 
 
-def _device_of(x: Any) -> tuple:
-    """("cpu" | "cuda", index) of a tensor, an array, a torch.device, a string ("cuda:1"), a
-    CUDA index, or None (the current CUDA device, or the CPU without one)."""
-    if x is None:
-        if torch is not None and torch.cuda.is_available():
-            return "cuda", torch.cuda.current_device()
-        return "cpu", 0
-    if isinstance(x, int):
-        return "cuda", x
-    if isinstance(x, np.ndarray):
-        return "cpu", 0
-    device = x.device if is_torch(x) else x
-    kind, index = getattr(device, "type", None), getattr(device, "index", None)
-    if kind is None:
-        kind, _, number = str(device).partition(":")
-        if number and not number.isdigit():
-            raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:<index>', got {device!r}")
-        index = int(number) if number else None
-    if kind == "cuda" and index is None:
-        index = torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else 0
-    return kind, index or 0
-
-
 def get_scheduler_metadata(
     batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
     cache_seqlens, qkv_dtype=_BF16, headdim_v=None, cu_seqlens_q=None,
@@ -178,8 +154,12 @@ def get_scheduler_metadata(
     sm_margin=0,
 ) -> Any:
     """The plan of a later call with these shapes, as an int32 1-D tensor on cache_seqlens'
-    device (opaque; copy it into a persistent buffer if needed). A call given a plan made for
-    another shape raises ValueError naming scheduler_metadata. The call's shape: varlen
+    device (opaque; engines copy it into a persistent buffer). Its length is PLAN_WORDS + the
+    plan's split count: calls with a CUDA tensor take the split count from the length and
+    plan their own shape with it (the contents are not read: no synchronization, CUDA-graph
+    capture and inference tensors work, and so does a copy into a slice of another buffer);
+    calls with host metadata (numpy, CPU torch) decode the whole plan and raise ValueError
+    naming scheduler_metadata when it was made for another shape. The call's shape: varlen
     (cu_seqlens_q given) total_q = cu_seqlens_q[-1] (read on the host: a CUDA cu_seqlens_q
     synchronizes); flash_attn_with_kvcache: total_q = batch_size * max_seqlen_q and
     max_seqlen_k the cache's capacity (block_table.shape[1] * page_size, or S_cache)."""
@@ -188,6 +168,15 @@ def get_scheduler_metadata(
             raise _not_implemented(keyword, "a tensor")
     if max_seqlen_k_new != 0:
         raise _not_implemented("max_seqlen_k_new", max_seqlen_k_new)
+    return scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                              cache_seqlens, headdim_v, cu_seqlens_q, page_size, causal, window_size, 0,
+                              num_splits, sm_margin)
+
+
+def scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                       cache_seqlens, headdim_v, cu_seqlens_q, page_size, causal, window_size,
+                       attention_chunk, num_splits, sm_margin) -> Any:
+    """get_scheduler_metadata's checks and call, shared with flashserve.fa3's."""
     if sm_margin != 0:
         raise _not_implemented("sm_margin", sm_margin)
     if cache_seqlens is None:
@@ -195,20 +184,11 @@ def get_scheduler_metadata(
     if num_heads_kv < 1 or num_heads_q % num_heads_kv != 0:
         raise ValueError(f"num_heads_kv: expected a divisor of num_heads_q={num_heads_q}, got {num_heads_kv}")
     left, right = _window(window_size)
-    total_q = batch_size * max_seqlen_q if cu_seqlens_q is None else int(cu_seqlens_q[-1])
-    kind, index = _device_of(cache_seqlens)
-    words = _C.plan_for_shape(kind, index, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv,
-                              headdim, headdim if headdim_v is None else headdim_v, total_q,
-                              0 if page_size is None else page_size, bool(causal), (left, right) != (-1, -1),
-                              num_splits)
-    if not is_torch(cache_seqlens):
-        return np.asarray(words, dtype=np.int32)
-    host = torch.tensor(words, dtype=torch.int32)
-    if kind == "cpu":
-        return host
-    metadata = host.to(cache_seqlens.device)
-    attach_plan(metadata, host)
-    return metadata
+    local = (left, right) != (-1, -1) or attention_chunk > 0
+    call = _dispatch.call("scheduler_metadata") if is_torch(cache_seqlens) else _calls.scheduler_metadata
+    return call(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                headdim if headdim_v is None else headdim_v, cache_seqlens, cu_seqlens_q,
+                0 if page_size is None else page_size, bool(causal), local, num_splits)
 
 
 def fa_version_unsupported_reason(fa_version: int, device: Union[None, int, str, Any] = None) -> Optional[str]:

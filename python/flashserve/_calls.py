@@ -7,9 +7,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from . import _C
-from ._tensors import cuda_stream, host_plan, workspace_allocator
+import numpy as np
+
+from ._tensors import PLAN_WORDS, cuda_stream, device_of, is_torch, schedule, torch, workspace_allocator
 
 _RUN = 0
+VALIDATE = 1  # mode=VALIDATE: check every argument as the call would, run nothing
 
 
 def varlen_fwd(q: Any, k: Any, v: Any, out: Any, cu_seqlens_q: Any, max_seqlen_q: int, max_seqlen_k: int,
@@ -21,15 +24,17 @@ def varlen_fwd(q: Any, k: Any, v: Any, out: Any, cu_seqlens_q: Any, max_seqlen_q
                q_descale: Optional[Any] = None, k_descale: Optional[Any] = None,
                v_descale: Optional[Any] = None, num_splits: int = 0,
                scheduler_metadata: Optional[Any] = None, cp_world_size: int = 1, cp_rank: int = 0,
-               cp_tot_seqused_k: Optional[Any] = None) -> None:
+               cp_tot_seqused_k: Optional[Any] = None, chunk_size: int = 0, *, mode: int = _RUN) -> None:
     """Varlen attention into out (and softmax_lse [H, total_q] when given). softmax_scale 0:
-    the default scale."""
-    _C.attention(_RUN, False, q, q_v, out, softmax_lse, k, v, False,
+    the default scale; chunk_size > 0: chunked local attention. mode=VALIDATE (not part of the
+    op's schema): check the arguments only."""
+    plan, num_splits = schedule(scheduler_metadata, num_splits)
+    _C.attention(mode, False, q, q_v, out, softmax_lse, k, v, False,
                  cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, None, max_seqlen_q, max_seqlen_k,
-                 softmax_scale, softcap, alibi_slopes, False, causal, window_left, window_right, 0, s_aux,
-                 q_descale, k_descale, v_descale, None, None, None,
+                 softmax_scale, softcap, alibi_slopes, False, causal, window_left, window_right, chunk_size,
+                 s_aux, q_descale, k_descale, v_descale, None, None, None,
                  cp_world_size, cp_rank, cp_tot_seqused_k,
-                 num_splits, host_plan(scheduler_metadata), workspace_allocator(q), cuda_stream(q))
+                 num_splits, plan, workspace_allocator(q), cuda_stream(q))
 
 
 def kvcache_fwd(q: Any, k_cache: Any, v_cache: Any, out: Any, softmax_lse: Optional[Any] = None,
@@ -40,14 +45,16 @@ def kvcache_fwd(q: Any, k_cache: Any, v_cache: Any, out: Any, softmax_lse: Optio
                 q_descale: Optional[Any] = None, k_descale: Optional[Any] = None,
                 v_descale: Optional[Any] = None, num_splits: int = 0,
                 scheduler_metadata: Optional[Any] = None, cp_world_size: int = 1, cp_rank: int = 0,
-                cp_tot_seqused_k: Optional[Any] = None) -> None:
+                cp_tot_seqused_k: Optional[Any] = None, q_v: Optional[Any] = None,
+                chunk_size: int = 0, *, mode: int = _RUN) -> None:
     """Batched attention over a KV cache into out (and softmax_lse [B, H, sq] when given)."""
-    _C.attention(_RUN, True, q, None, out, softmax_lse, k_cache, v_cache, False,
+    plan, num_splits = schedule(scheduler_metadata, num_splits)
+    _C.attention(mode, True, q, q_v, out, softmax_lse, k_cache, v_cache, False,
                  None, None, cache_seqlens, block_table, cache_batch_idx, 0, 0,
-                 softmax_scale, softcap, alibi_slopes, False, causal, window_left, window_right, 0, s_aux,
-                 q_descale, k_descale, v_descale, None, None, None,
+                 softmax_scale, softcap, alibi_slopes, False, causal, window_left, window_right, chunk_size,
+                 s_aux, q_descale, k_descale, v_descale, None, None, None,
                  cp_world_size, cp_rank, cp_tot_seqused_k,
-                 num_splits, host_plan(scheduler_metadata), workspace_allocator(q), cuda_stream(q))
+                 num_splits, plan, workspace_allocator(q), cuda_stream(q))
 
 
 def merge_attn_states(output: Any, output_lse: Optional[Any], prefix_output: Any, prefix_lse: Any,
@@ -68,3 +75,30 @@ def reshape_and_cache_flash(key: Any, value: Any, key_cache: Any, value_cache: A
     """key/value rows into their slots of the paged caches (any strides, last dim contiguous)."""
     _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
                          None, False, cuda_stream(key_cache))
+
+
+def scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,
+                       num_heads_kv: int, headdim: int, headdim_v: int, cache_seqlens: Any,
+                       cu_seqlens_q: Optional[Any], page_size: int, causal: bool, local: bool,
+                       num_splits: int) -> Any:
+    """The plan of a call with this shape as int32 words on cache_seqlens' device, padded to
+    PLAN_WORDS + its split count (the length carries the split count: _tensors.schedule)."""
+    total_q = batch_size * max_seqlen_q if cu_seqlens_q is None else int(cu_seqlens_q[-1])
+    kind, index = device_of(cache_seqlens)
+    words = plan_words(kind, index, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
+                       headdim_v, total_q, page_size, causal, local, num_splits)
+    if not is_torch(cache_seqlens):
+        return np.asarray(words, dtype=np.int32)
+    return torch.tensor(words, dtype=torch.int32).to(cache_seqlens.device)
+
+
+def plan_words(kind: str, index: int, batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,
+               num_heads_kv: int, headdim: int, headdim_v: int, total_q: int, page_size: int, causal: bool,
+               local: bool, num_splits: int) -> list:
+    """_C.plan_for_shape's words followed by one zero word per split."""
+    words = _C.plan_for_shape(kind, index, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv,
+                              headdim, headdim_v, total_q, page_size, causal, local, num_splits)
+    return list(words) + [0] * words[_NUM_SPLITS_WORD]
+
+
+_NUM_SPLITS_WORD = 2  # python/src/bind_ops.cpp: kNumSplits

@@ -1,8 +1,9 @@
 """Torch custom ops under the namespace `flashserve`, registered on import (torch required).
 
-Each op writes its outputs in place (`Tensor!` in the schema) and returns nothing, so
-torch.compile and CUDA graph capture see an opaque, correctly aliased call; the fake
-implementations do nothing (the outputs exist already, with their shapes). None of the ops
+Each attention, cache and merge op writes its outputs in place (`Tensor!` in the schema) and
+returns nothing, so torch.compile and CUDA graph capture see an opaque, correctly aliased call;
+their fake implementations do nothing (the outputs exist already, with their shapes).
+`scheduler_metadata` returns a new tensor (get_scheduler_metadata's). None of the ops
 has a backward: autograd raises if gradients are requested through them.
 
 The drop-ins call these ops when torch.compile traces them; in eager mode they call the same
@@ -16,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from . import _calls
+from ._tensors import MAX_SPLITS, PLAN_WORDS, device_of
 
 _SCORE_AND_EXEC = (
     "float softmax_scale=0.0, bool causal=False, int window_left=-1, int window_right=-1, "
@@ -38,11 +40,15 @@ SCHEMAS = {
         "(Tensor q, Tensor k, Tensor v, Tensor! out, Tensor cu_seqlens_q, int max_seqlen_q, "
         "int max_seqlen_k, Tensor!? softmax_lse=None, Tensor? cu_seqlens_k=None, "
         "Tensor? seqused_k=None, Tensor? block_table=None, Tensor? q_v=None, "
-        + _SCORE_AND_EXEC + ") -> ()"),
+        + _SCORE_AND_EXEC + ", int chunk_size=0) -> ()"),
     "kvcache_fwd": (
         "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor! out, Tensor!? softmax_lse=None, "
         "Tensor? cache_seqlens=None, Tensor? cache_batch_idx=None, Tensor? block_table=None, "
-        + _SCORE_AND_EXEC + ") -> ()"),
+        + _SCORE_AND_EXEC + ", Tensor? q_v=None, int chunk_size=0) -> ()"),
+    "scheduler_metadata": (
+        "(int batch_size, int max_seqlen_q, int max_seqlen_k, int num_heads_q, int num_heads_kv, "
+        "int headdim, int headdim_v, Tensor cache_seqlens, Tensor? cu_seqlens_q, int page_size, "
+        "bool causal, bool local, int num_splits) -> Tensor"),
 }
 
 _MUTATES = {
@@ -51,6 +57,7 @@ _MUTATES = {
     "merge_state_v2": ("v_merged", "s_merged"),
     "varlen_fwd": ("out", "softmax_lse"),
     "kvcache_fwd": ("out", "softmax_lse"),
+    "scheduler_metadata": (),
 }
 
 
@@ -59,10 +66,25 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def _register(name: str, impl: Callable[..., None]) -> Any:
+def _metadata_fake(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, headdim_v,
+                   cache_seqlens, cu_seqlens_q, page_size, causal, local, num_splits) -> torch.Tensor:
+    """scheduler_metadata's output: PLAN_WORDS + the split count words (the split count does
+    not depend on total_q, which the fake cannot read); a data-dependent length when the
+    shape is symbolic."""
+    try:
+        kind, index = device_of(cache_seqlens)
+        length = len(_calls.plan_words(kind, index, int(batch_size), int(max_seqlen_q), int(max_seqlen_k),
+                                       int(num_heads_q), int(num_heads_kv), int(headdim), int(headdim_v), 0,
+                                       int(page_size), bool(causal), bool(local), int(num_splits)))
+    except (TypeError, RuntimeError, ValueError):
+        length = torch.library.get_ctx().new_dynamic_size(min=PLAN_WORDS + 1, max=PLAN_WORDS + MAX_SPLITS)
+    return cache_seqlens.new_empty((length,), dtype=torch.int32)
+
+
+def _register(name: str, impl: Callable[..., Any], fake: Callable[..., Any] = _nothing) -> Any:
     op = torch.library.custom_op(f"flashserve::{name}", impl, mutates_args=_MUTATES[name],
                                  schema=SCHEMAS[name])
-    op.register_fake(_nothing)
+    op.register_fake(fake)
     return getattr(torch.ops.flashserve, name).default
 
 
@@ -71,3 +93,4 @@ merge_attn_states = _register("merge_attn_states", _calls.merge_attn_states)
 merge_state_v2 = _register("merge_state_v2", _calls.merge_state_v2)
 varlen_fwd = _register("varlen_fwd", _calls.varlen_fwd)
 kvcache_fwd = _register("kvcache_fwd", _calls.kvcache_fwd)
+scheduler_metadata = _register("scheduler_metadata", _calls.scheduler_metadata, _metadata_fake)

@@ -1,6 +1,6 @@
 """Tensor plumbing shared by the drop-ins: which library a tensor belongs to, allocation with
 that library on the tensor's device, the current CUDA stream, the attention workspace
-allocator, host copies of scheduler metadata, and errors renamed to the caller's argument
+allocator, the schedule that scheduler metadata carries, and errors renamed to the caller's argument
 names. Everything per call is a few attribute reads; what can be cached is."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import numpy as np
+
+from . import _C
 
 try:
     import torch
@@ -71,27 +73,54 @@ def workspace_allocator(x: Any) -> Optional[Callable[[int], Any]]:
     return alloc
 
 
-def host_plan(metadata: Any) -> Any:
-    """Scheduler metadata the extension can read: host arrays as given; a CUDA tensor through
-    the host copy made when it was created (get_scheduler_metadata) or at its first use since
-    its last write. During CUDA graph capture a copy cannot be made (it would synchronize):
-    None is returned and the call plans from its own shape and num_splits, which is what
-    get_scheduler_metadata computed for the same shape (engines pass both the same values)."""
+PLAN_WORDS: int = _C.PLAN_WORDS  # int32 words of an encoded plan
+MAX_SPLITS = 128  # the C++ API's kMaxSplits
+
+
+def schedule(metadata: Any, num_splits: int) -> tuple:
+    """(plan, num_splits) for the extension from a call's scheduler_metadata.
+
+    Host metadata (numpy, CPU torch) goes to the extension as it is: it decodes the plan and
+    rejects one made for another shape. A CUDA tensor's contents are never read (that would
+    synchronize the stream, and cannot be done during CUDA graph capture): the plan's split
+    count travels in the tensor's length, PLAN_WORDS + num_splits (get_scheduler_metadata), so
+    it survives an engine copying the metadata into a slice of its persistent buffer, and no
+    attribute or version counter of the tensor is used (inference tensors have none). The call
+    then plans its own shape with that split count: a stale schedule changes at most the split
+    count, never the result beyond rounding."""
     if metadata is None or not isinstance(metadata, _TorchTensor) or not metadata.is_cuda:
-        return metadata
-    cached = getattr(metadata, "_flashserve_plan", None)
-    if cached is not None and cached[0] == metadata._version:
-        return cached[1]
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    words = metadata.cpu()
-    attach_plan(metadata, words)
-    return words
+        return metadata, num_splits
+    if metadata.dim() != 1 or metadata.dtype != torch.int32:
+        raise ValueError(f"scheduler_metadata: expected an int32 1-D tensor from get_scheduler_metadata, "
+                         f"got {metadata.dtype} {list(metadata.shape)}")
+    splits = int(metadata.shape[0]) - PLAN_WORDS
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"scheduler_metadata: expected a tensor of {PLAN_WORDS + 1}..{PLAN_WORDS + MAX_SPLITS} "
+                         f"words from get_scheduler_metadata, got {int(metadata.shape[0])}")
+    return None, splits
 
 
-def attach_plan(metadata: Any, words: Any) -> None:
-    """Remembers the host copy of a CUDA metadata tensor, valid until the tensor is written."""
-    metadata._flashserve_plan = (metadata._version, words)
+def device_of(x: Any) -> tuple:
+    """("cpu" | "cuda", index) of a tensor, an array, a torch.device, a string ("cuda:1"), a
+    CUDA index, or None (the current CUDA device, or the CPU without one)."""
+    if x is None:
+        if torch is not None and torch.cuda.is_available():
+            return "cuda", torch.cuda.current_device()
+        return "cpu", 0
+    if isinstance(x, int):
+        return "cuda", x
+    if isinstance(x, np.ndarray):
+        return "cpu", 0
+    device = x.device if is_torch(x) else x
+    kind, index = getattr(device, "type", None), getattr(device, "index", None)
+    if kind is None:
+        kind, _, number = str(device).partition(":")
+        if number and not number.isdigit():
+            raise ValueError(f"device: expected 'cpu', 'cuda' or 'cuda:<index>', got {device!r}")
+        index = int(number) if number else None
+    if kind == "cuda" and index is None:
+        index = torch.cuda.current_device() if torch is not None and torch.cuda.is_available() else 0
+    return kind, index or 0
 
 
 def not_a_tensor(**named: Any) -> ValueError:

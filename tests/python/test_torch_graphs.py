@@ -257,3 +257,39 @@ def test_graph_decode_replay(case: Case, device: str, api: str, num_splits: int,
             out.fill_(float("nan"))
             call()
             check_bits(case, "replayed vs eager", replayed, out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inference_mode_decode_step(case: Case, device: str) -> None:
+    """The top-level drop-ins under torch.inference_mode (a decode step calling each, and
+    get_scheduler_metadata whose result is copied into a slice of a persistent buffer and
+    passed back) equal the same calls outside it, bit for bit, caches included."""
+    batch, cap = 4, 100
+    lens, slots, kv = decode_batch(case, device, batch, cap, dtype=torch.float16)
+    q = case.randn(batch, 8, 128, dtype=torch.float16, device=device)
+    k_new, v_new = (case.randn(batch, 2, 128, dtype=torch.float16, device=device) for _ in range(2))
+    seqused = torch.tensor([n + 1 for n in lens], dtype=torch.int32, device=device)
+    args = dict(q=q, k_new=k_new, v_new=v_new, slot_mapping=torch.tensor(slots, device=device),
+                cu_q=cu_seqlens([1] * batch, device), scale=torch.tensor(1.0, device=device),
+                seqused_k=seqused, block_table=kv.block_table, max_seqlen_k=cap)
+    case.desc = f"lens={lens} slots={slots}"
+    caches = [(kv.k_cache.clone(), kv.v_cache.clone()) for _ in range(2)]
+    eager = decode_step(k_cache=caches[0][0], v_cache=caches[0][1], **args)
+    width = kv.block_table.shape[1] * kv.k_cache.shape[1]
+    md_args = (batch, 1, width, 8, 2, 128, seqused)
+    md_kw = dict(qkv_dtype=torch.float16, page_size=kv.k_cache.shape[1], causal=True)
+    kw = dict(cache_seqlens=seqused, block_table=kv.block_table, causal=True)
+    plain = flashserve.flash_attn_with_kvcache(q[:, None], caches[0][0], caches[0][1],
+                                               scheduler_metadata=flashserve.get_scheduler_metadata(*md_args, **md_kw),
+                                               **kw)
+    with torch.inference_mode():
+        got = decode_step(k_cache=caches[1][0], v_cache=caches[1][1], **args)
+        md = flashserve.get_scheduler_metadata(*md_args, **md_kw)
+        buffer = torch.zeros(256, dtype=torch.int32, device=device)
+        buffer[:md.shape[0]] = md
+        planned = flashserve.flash_attn_with_kvcache(q[:, None], caches[1][0], caches[1][1],
+                                                     scheduler_metadata=buffer[:md.shape[0]], **kw)
+    for i, (a, b) in enumerate(zip(got, eager)):
+        check_bits(case, f"inference_mode result {i}", a, b)
+    check_bits(case, "key_cache", caches[1][0], caches[0][0])
+    check_bits(case, "with scheduler metadata", planned, plain)

@@ -20,10 +20,13 @@ FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                   causal: bool = False, window: tuple[int, int] = (-1, -1),
                   softcap: float = 0.0, alibi: torch.Tensor | None = None,
-                  sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  sink: torch.Tensor | None = None, chunk: int = 0,
+                  q_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """SPEC.md §2 for one sequence: q [sq, H, D], k [sk, H_kv, D], v [sk, H_kv, Dv].
 
-    alibi: slopes [H]; sink: logits [H]. Returns out [sq, H, Dv] and lse [H, sq], float32.
+    alibi: slopes [H]; sink: logits [H]; chunk > 0: chunked local attention (j and i' in the
+    same chunk); q_v [sq, H, Dv]: adds q_v·v_j to the score. Returns out [sq, H, Dv] and lse
+    [H, sq], float32.
     """
     sq, heads, _ = q.shape
     sk, heads_kv, dv = v.shape
@@ -31,7 +34,10 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     qd = q.double()
     kd = k.double().repeat_interleave(group, dim=1)
     vd = v.double().repeat_interleave(group, dim=1)
-    s = torch.einsum("qhd,khd->hqk", qd, kd) * scale
+    s = torch.einsum("qhd,khd->hqk", qd, kd)
+    if q_v is not None:
+        s = s + torch.einsum("qhd,khd->hqk", q_v.double(), vd)
+    s = s * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     pos = torch.arange(sq, device=q.device) + (sk - sq)  # bottom-right aligned i'
@@ -47,6 +53,9 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         visible &= j[None, :] >= pos[:, None] - left
     if right >= 0:
         visible &= j[None, :] <= pos[:, None] + right
+    if chunk > 0:
+        visible &= torch.div(j[None, :], chunk, rounding_mode="floor") == torch.div(
+            pos[:, None], chunk, rounding_mode="floor")
     s = s.masked_fill(~visible[None], -math.inf)
     if sink is not None:  # one extra logit per head with a zero value row
         sink_col = sink.double()[:, None, None].expand(heads, sq, 1)
@@ -88,7 +97,8 @@ def per_seq(lens: list[int]) -> list[tuple[int, int]]:
 
 def varlen_ref(q: torch.Tensor, q_lens: list[int], keys: list[torch.Tensor],
                values: list[torch.Tensor], *, q_descale: torch.Tensor | None = None,
-               alibi: torch.Tensor | None = None, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+               alibi: torch.Tensor | None = None, q_v: torch.Tensor | None = None,
+               **kw) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention: q [total_q, H, D]; keys/values per sequence (float, decoded).
 
     q_descale: [B, H_kv] for fp8 q; alibi: [H] or [B, H]. Returns out [total_q, H, Dv] and
@@ -99,19 +109,22 @@ def varlen_ref(q: torch.Tensor, q_lens: list[int], keys: list[torch.Tensor],
     for b, (lo, hi) in enumerate(per_seq(q_lens)):
         qb = decode_q(q[lo:hi], q_descale[b] if q_descale is not None else None)
         slopes = alibi[b] if alibi is not None and alibi.dim() == 2 else alibi
-        out[lo:hi], lse[:, lo:hi] = attention_ref(qb, keys[b], values[b], alibi=slopes, **kw)
+        qv = q_v[lo:hi] if q_v is not None else None
+        out[lo:hi], lse[:, lo:hi] = attention_ref(qb, keys[b], values[b], alibi=slopes, q_v=qv, **kw)
     return out, lse
 
 
 def batched_ref(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], *,
                 q_descale: torch.Tensor | None = None, alibi: torch.Tensor | None = None,
-                **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batched attention: q [B, sq, H, D]. Returns out [B, sq, H, Dv], lse [B, H, sq]."""
+                q_v: torch.Tensor | None = None, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batched attention: q [B, sq, H, D] (q_v [B, sq, H, Dv]). Returns out [B, sq, H, Dv],
+    lse [B, H, sq]."""
     outs, lses = [], []
     for b in range(q.shape[0]):
         qb = decode_q(q[b], q_descale[b] if q_descale is not None else None)
         slopes = alibi[b] if alibi is not None and alibi.dim() == 2 else alibi
-        o, l = attention_ref(qb, keys[b], values[b], alibi=slopes, **kw)
+        o, l = attention_ref(qb, keys[b], values[b], alibi=slopes,
+                             q_v=q_v[b] if q_v is not None else None, **kw)
         outs.append(o)
         lses.append(l)
     return torch.stack(outs), torch.stack(lses)
