@@ -228,7 +228,7 @@ struct Demo {
   }
 };
 
-void print_header(const Options& o, const Setup& s, const Workload& w, const Runtime& rt) {
+void print_header(const Options& o, const Setup& s, const Workload& w) {
   const ModelConfig& m = s.model;
   std::printf("serve_demo%s%s: %zu requests (%d shared-prefix groups of %d), %lld prompt + %lld output tokens;"
               " %d layers, H=%lld H_kv=%lld D=%lld %s, KV cache %s, %d blocks of %d tokens, budget %lld tokens/step,"
@@ -251,7 +251,7 @@ int run(const Options& o) {
   std::printf("device: %s (timing: %s)\n", rt->name().c_str(), rt->is_cuda() ? "cudaEvents" : "wall clock");
   const Setup s = setup_of(o, *rt);
   const Workload w = make_workload(s.workload);
-  print_header(o, s, w, *rt);
+  print_header(o, s, w);
   const ModelConfig& mc = s.model;
   Demo demo{o, BlockAllocator(mc.num_blocks, mc.block_size), Engine(mc, *rt), {}, {}};
   demo.start = std::chrono::steady_clock::now();
