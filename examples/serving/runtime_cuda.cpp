@@ -1,4 +1,4 @@
-// The CUDA runtime (runtime.hpp): device 0, one non-blocking stream, memory from cudaMalloc
+// The CUDA runtime (runtime.hpp): device 0, one stream, memory from cudaMalloc
 // (zeroed once), async uploads on the stream, cudaEvent marks. Every CUDA call is checked.
 #include <cuda_runtime.h>
 
@@ -26,7 +26,7 @@ class CudaRuntime final : public Runtime {
     SERVING_CUDA_CHECK(cudaGetDeviceProperties(&p, 0));
     name_ = std::string("cuda:0 ") + p.name;
     props_ = {flashserve::Device{flashserve::DeviceType::cuda, 0}, p.multiProcessorCount, p.major, p.minor};
-    SERVING_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    SERVING_CUDA_CHECK(cudaStreamCreate(&stream_));  // ordered after the default stream (the zeroing memsets)
     for (cudaEvent_t& e : events_) SERVING_CUDA_CHECK(cudaEventCreate(&e));
   }
   ~CudaRuntime() override {
