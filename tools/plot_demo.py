@@ -3,9 +3,12 @@
 
     tools/plot_demo.py build/demo/serve_demo.json [out.png]
 
-Top: tokens per step, split into decode and prefill tokens. Middle: attention time per step,
+Top: tokens per step, split into decode and prefill tokens. Second: attention time per step,
 coloured by the path the backend took (decode, prefill, mixed, cascade, verify, tree); rings
-mark verified steps (red: the verification failed). Bottom: running and waiting requests, and free KV blocks.
+mark verified steps (red: the verification failed). On CUDA runs, third: the fraction of the
+roofline ceiling each step reached (max(bytes / bandwidth, FLOPs / compute) over its attention
+time, the ceilings from the run's config), with the per-path totals in the legend. Bottom:
+running and waiting requests, and free KV blocks.
 The PNG goes next to the JSON (same name, .png) unless given. Exit status 3: no matplotlib.
 """
 import json
@@ -20,6 +23,27 @@ PATH_COLORS = {
     "verify": "tab:purple",
     "tree": "tab:brown",
 }
+
+
+def draw_ceiling(ax, steps, cfg, paths):
+    """Per-step % of the roofline ceiling, by path; the legend has each path's totals."""
+    bw = float(cfg.get("bw_ceiling_gbs", 4200)) * 1e9
+    peak = float(cfg.get("tflops_ceiling", 760)) * 1e12
+    for path, color in PATH_COLORS.items():
+        pts = [(s["step"], 100 * max(s["bytes"] / bw, s["flops"] / peak) / (s["attention_ms"] * 1e-3))
+               for s in steps if s["path"] == path and s["attention_ms"] > 0]
+        if not pts:
+            continue
+        p = paths.get(path, {})
+        label = path
+        if p.get("ceiling_fraction") is not None:
+            label += (f": {100 * p['ceiling_fraction']:.0f}% ({p['bound']}; {p['gbs']:.0f} GB/s,"
+                      f" {p['tflops']:.0f} TFLOP/s)")
+        ax.scatter(*zip(*pts), s=10, color=color, label=label)
+    ax.set_ylabel("% of roofline ceiling")
+    ax.set_ylim(bottom=0)
+    ax.legend(loc="upper right", fontsize=7, ncol=2,
+              title=f"ceilings {bw / 1e9:.0f} GB/s, {peak / 1e12:.0f} TFLOP/s", title_fontsize=7)
 
 
 def main(argv):
@@ -44,8 +68,11 @@ def main(argv):
     x = [s["step"] for s in steps]
     cfg = data.get("config", {})
 
-    fig, (ax_tok, ax_ms, ax_req) = plt.subplots(3, 1, figsize=(11, 9), sharex=True,
-                                                gridspec_kw={"height_ratios": [2, 2, 1.3]})
+    cuda = cfg.get("device") == "cuda" and all("bytes" in s for s in steps)
+    ratios = [2, 2, 2, 1.3] if cuda else [2, 2, 1.3]
+    fig, axes = plt.subplots(len(ratios), 1, figsize=(11, 3 * len(ratios)), sharex=True,
+                             gridspec_kw={"height_ratios": ratios})
+    ax_tok, ax_ms, ax_req = axes[0], axes[1], axes[-1]
     dec = [s["decode_tokens"] for s in steps]
     pre = [s["prefill_tokens"] for s in steps]
     ax_tok.bar(x, dec, width=1.0, color="tab:blue", label="decode tokens")
@@ -65,6 +92,8 @@ def main(argv):
             ax_ms.scatter(*zip(*pts), s=10, color=color, label=f"{path} ({len(pts)})", zorder=2)
     ax_ms.set_ylabel("attention ms / step")
     ax_ms.legend(loc="upper right", fontsize=8, ncol=4)
+    if cuda:
+        draw_ceiling(axes[2], steps, cfg, data.get("paths", {}))
 
     ax_req.plot(x, [s["running"] for s in steps], color="tab:green", label="running")
     ax_req.plot(x, [s["waiting"] for s in steps], color="tab:gray", label="waiting")
@@ -79,9 +108,10 @@ def main(argv):
 
     totals = data.get("totals", {})
     verdict = "PASS" if totals.get("verification_passed", True) else "FAIL"
-    fig.suptitle(f"flashserve serving demo: {cfg.get('layers', '?')} layers, H={cfg.get('num_heads', '?')} "
-                 f"H_kv={cfg.get('num_kv_heads', '?')} D={cfg.get('head_size', '?')} {cfg.get('dtype', '')}, "
-                 f"device {cfg.get('device', '?')}, {totals.get('finished', '?')} requests, verification {verdict}",
+    preset = cfg.get("preset", "none")
+    fig.suptitle(f"flashserve serving demo{'' if preset == 'none' else ' (' + preset + ')'}: {cfg.get('layers', '?')} layers, H={cfg.get('num_heads', '?')} "
+                 f"H_kv={cfg.get('num_kv_heads', '?')} D={cfg.get('head_size', '?')} {cfg.get('dtype', '')} "
+                 f"(cache {cfg.get('kv_cache_dtype', 'auto')}), device {cfg.get('device_name', cfg.get('device', '?'))}, {totals.get('finished', '?')} requests, verification {verdict}",
                  fontsize=10)
     fig.tight_layout()
     dst.parent.mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,7 @@
 // a pure function of (seed, operand, layer, token identity, position). A verification can
 // regenerate any token's K/V without reading the cache. Tokens of a group's shared system
 // prompt have the group as identity, so every member computes (and shares) the same K/V.
+// The values come from activation_hash.hpp, which the CUDA fill (qkv_fill.hpp) shares.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,12 @@ struct TokenOwner {
   uint64_t identity(int64_t pos) const;
 };
 
+// One query row of a step as the activation generators see it.
+struct TokenRow {
+  uint64_t identity = 0;  // TokenOwner::identity(pos)
+  int64_t pos = 0;
+};
+
 class Activations {
  public:
   Activations(uint64_t seed, int64_t num_heads, int64_t num_kv_heads, int64_t head_size, flashserve::DType dtype);
@@ -32,7 +39,11 @@ class Activations {
   // operand of the token at `pos` of `owner` in layer `layer`. q entries are uniform in
   // [-2, 2), k and v in [-1, 1), rounded to the dtype.
   void fill(Operand op, const TokenOwner& owner, int64_t pos, int layer, const flashserve::TensorRef& dst,
-            int64_t row) const;
+            int64_t row) const {
+    fill(op, TokenRow{owner.identity(pos), pos}, layer, dst, row);
+  }
+  void fill(Operand op, const TokenRow& token, int layer, const flashserve::TensorRef& dst, int64_t row) const;
+  uint64_t seed() const { return seed_; }
 
  private:
   uint64_t seed_;

@@ -1,11 +1,10 @@
 // The serving demo: continuous batching over a paged KV cache, every attention call through
-// the backend layer (MetadataBuilder::build per step, AttentionLayer::forward per layer).
-// Prints a line per step and a summary, verifies a sample of steps against a direct
-// computation (exit 1 on a mismatch), writes per-step JSON and a PNG plot of it.
-//
-//   serve_demo [--seed N] [--requests N] [--rate R] [--groups N] [--steps N] [--layers N] [--dtype bf16|f32]
-//              [--head-size D] [--budget T] [--blocks N] [--device auto|cpu|cuda] [--out FILE.json]
-//              [--verify-every N] [--print-every N] [--inject-fault STEP] [--no-plot]
+// the backend layer (MetadataBuilder::build per step, AttentionLayer::forward per layer), on
+// the CPU reference or on a CUDA device (KV cache, activations and metadata in device memory,
+// attention timed with cudaEvents). Prints step and progress lines and a per-path summary
+// (tokens/s, GB/s, TFLOP/s, fraction of the roofline ceiling), verifies a sample of steps
+// against a direct CPU computation (exit 1 on a mismatch or a leaked KV block), writes
+// per-step JSON and a PNG plot of it. Options: options.hpp (serve_demo --help).
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -15,9 +14,12 @@
 
 #include <sys/wait.h>
 
+#include "cost.hpp"
 #include "engine.hpp"
 #include "flashserve/status.hpp"
+#include "options.hpp"
 #include "report.hpp"
+#include "runtime.hpp"
 #include "scheduler.hpp"
 #include "verify.hpp"
 
@@ -29,103 +31,6 @@ namespace {
 
 using namespace serving;
 namespace fs = flashserve;
-
-struct Options {
-  uint64_t seed = 1;
-  int requests = 160, groups = 3;
-  double rate = 1.2;  // independent arrivals per step
-  int64_t max_steps = 0;  // 0: until every request finishes
-  int layers = 3;
-  std::string dtype = "bf16";
-  int64_t head_size = 128, budget = 512;
-  int32_t blocks = 640;  // tight enough that the scheduler preempts now and then
-  std::string device = "auto";
-  std::string out = "build/demo/serve_demo.json";
-  int verify_every = 10, print_every = 1;
-  int64_t verify_max = 8;
-  int64_t fault_step = -1;
-  bool plot = true;
-};
-
-const char* kUsage =
-    "usage: serve_demo [--seed N] [--requests N] [--rate R] [--groups N] [--steps N] [--layers N] [--dtype bf16|f32]\n"
-    "                  [--head-size D] [--budget TOKENS] [--blocks N] [--device auto|cpu|cuda]\n"
-    "                  [--out FILE.json] [--verify-every N] [--print-every N] [--inject-fault STEP] [--no-plot]\n";
-
-Options parse(int argc, char** argv) {
-  Options o;
-  std::map<std::string, std::string> kv;
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    if (a == "-h" || a == "--help") {
-      std::fputs(kUsage, stdout);
-      std::exit(0);
-    }
-    if (a == "--no-plot") {
-      o.plot = false;
-      continue;
-    }
-    std::string val;
-    if (const size_t eq = a.find('='); eq != std::string::npos) {
-      val = a.substr(eq + 1);
-      a = a.substr(0, eq);
-    } else if (i + 1 < argc) {
-      val = argv[++i];
-    } else {
-      throw std::invalid_argument(a + ": expected a value");
-    }
-    kv[a] = val;
-  }
-  const auto take = [&](const char* k, auto& field) {
-    auto it = kv.find(k);
-    if (it == kv.end()) return;
-    if constexpr (std::is_same_v<std::decay_t<decltype(field)>, std::string>) field = it->second;
-    else if constexpr (std::is_floating_point_v<std::decay_t<decltype(field)>>) field = std::stod(it->second);
-    else field = decltype(field + 0)(std::stoll(it->second));
-    kv.erase(it);
-  };
-  take("--seed", o.seed);
-  take("--requests", o.requests);
-  take("--groups", o.groups);
-  take("--rate", o.rate);
-  take("--steps", o.max_steps);
-  take("--layers", o.layers);
-  take("--dtype", o.dtype);
-  take("--head-size", o.head_size);
-  take("--budget", o.budget);
-  take("--blocks", o.blocks);
-  take("--device", o.device);
-  take("--out", o.out);
-  take("--verify-every", o.verify_every);
-  take("--print-every", o.print_every);
-  take("--inject-fault", o.fault_step);
-  if (!kv.empty()) throw std::invalid_argument(kv.begin()->first + ": unknown option");
-  if (o.dtype != "bf16" && o.dtype != "f32") throw std::invalid_argument("--dtype: expected bf16 or f32, got " + o.dtype);
-  if (o.device != "auto" && o.device != "cpu" && o.device != "cuda")
-    throw std::invalid_argument("--device: expected auto, cpu or cuda, got " + o.device);
-  return o;
-}
-
-// The device the demo runs on. The backend runs on the CPU reference today; CUDA tensors are
-// rejected by the library until the kernels land, so asking for CUDA says so.
-void select_device(const Options& o) {
-  if (o.device == "cuda")
-    throw fs::NotImplemented(FLASHSERVE_WITH_CUDA
-                                 ? "--device cuda: the CUDA attention kernels are not implemented yet (use --device cpu)"
-                                 : "--device cuda: this build has no CUDA (configure the cuda preset), and the CUDA "
-                                   "attention kernels are not implemented yet (use --device cpu)");
-  std::printf("device: cpu (reference backend%s)\n",
-              FLASHSERVE_WITH_CUDA ? "; CUDA kernels not implemented yet, so no GPU is used" : "");
-}
-
-ConfigList describe(const Options& o, const ModelConfig& m, const SchedulerConfig& s) {
-  return {{"seed", std::to_string(o.seed)}, {"device", "cpu"}, {"layers", std::to_string(m.num_layers)},
-          {"num_heads", std::to_string(m.num_heads)}, {"num_kv_heads", std::to_string(m.num_kv_heads)},
-          {"head_size", std::to_string(m.head_size)}, {"dtype", o.dtype}, {"block_size", std::to_string(m.block_size)},
-          {"num_blocks", std::to_string(m.num_blocks)}, {"token_budget", std::to_string(s.token_budget)},
-          {"max_running", std::to_string(s.max_running)}, {"requests", std::to_string(o.requests)},
-          {"groups", std::to_string(o.groups)}, {"arrival_rate", std::to_string(o.rate)}, {"spec_tokens", std::to_string(s.spec_tokens)}};
-}
 
 // tools/plot_demo.py with the first interpreter that has matplotlib (exit status 3: none).
 void plot(const std::string& json) {
@@ -149,40 +54,77 @@ struct Setup {
   SchedulerConfig scheduler;
 };
 
-Setup setup_of(const Options& o) {
-  Setup s;
-  s.workload.seed = o.seed;
-  s.workload.num_requests = o.requests;
-  s.workload.num_groups = o.groups;
-  s.workload.arrival_rate = o.rate;
-  ModelConfig& m = s.model;
+// KV pool blocks: --blocks, or --kv-gb (default 80 on CUDA, 2 on the host) capped by the free
+// memory less a reserve for everything else the engine allocates.
+int32_t pool_blocks(const Options& o, const ModelConfig& m, const Runtime& rt) {
+  if (o.kv_gb == 0) return o.blocks;
+  const double want = (o.kv_gb > 0 ? o.kv_gb : rt.is_cuda() ? 80 : 2) * 1e9;
+  const double out_bytes = double(m.num_layers * m.max_num_tokens * m.num_heads * m.head_size * 2);
+  const double free = double(rt.free_bytes()), usable = free - out_bytes - 8e9;
+  const double bytes = std::min(want, usable);
+  const int64_t blocks = std::min<int64_t>(int64_t(bytes / double(m.block_bytes_all_layers())), INT32_MAX);
+  std::printf("KV pool: %lld blocks of %d tokens, %.1f GB (%.0f GB asked, %.1f GB free)\n", (long long)blocks, m.block_size,
+              double(blocks) * double(m.block_bytes_all_layers()) / 1e9, want / 1e9, free / 1e9);
+  return int32_t(std::max<int64_t>(blocks, 0));
+}
+
+ModelConfig model_of(const Options& o, const Runtime& rt) {
+  ModelConfig m;
   m.seed = o.seed;
   m.num_layers = o.layers;
+  m.num_heads = o.num_heads;
+  m.num_kv_heads = o.num_kv_heads;
   m.head_size = o.head_size;
   m.dtype = o.dtype == "f32" ? fs::DType::f32 : fs::DType::bf16;
-  m.num_blocks = o.blocks;
+  m.kv_cache_dtype = fs::parse_kv_cache_dtype(o.kv_dtype, "--kv-dtype");
   m.max_num_tokens = o.budget;
-  const WorkloadConfig& w = s.workload;
+  m.max_num_reqs = std::min<int64_t>(o.max_running, o.budget);
+  const WorkloadConfig& w = o.workload;
   m.max_blocks_per_req = (w.prompt_max + w.group_prefix + w.output_max + 2 * kTreeDrafts) / m.block_size + 2;
+  m.num_blocks = pool_blocks(o, m, rt);
+  return m;
+}
+
+Setup setup_of(const Options& o, const Runtime& rt) {
+  if (o.layers < 1 || o.workload.num_requests < 0 || o.workload.num_groups < 0 || o.workload.arrival_rate <= 0)
+    throw std::invalid_argument("--layers >= 1, --requests >= 0, --groups >= 0 and --rate > 0 expected");
+  if (o.budget < 1 + kTreeDrafts) throw std::invalid_argument("--budget: expected >= 5 tokens, got " + std::to_string(o.budget));
+  Setup s;
+  s.workload = o.workload;
+  s.model = model_of(o, rt);
   s.scheduler.seed = o.seed;
   s.scheduler.token_budget = o.budget;
-  s.scheduler.max_running = m.max_num_reqs = std::min<int64_t>(64, o.budget);
-  s.scheduler.spec_tokens = m.spec_tokens;
+  s.scheduler.max_running = s.model.max_num_reqs;
+  s.scheduler.spec_tokens = s.model.spec_tokens;
   // The longest request must fit the pool beside the admission reserve, or it would wait forever.
-  const int64_t need = m.max_blocks_per_req + int64_t(s.scheduler.watermark * o.blocks) + 1;
-  if (o.blocks < need)
-    throw std::invalid_argument("--blocks: expected >= " + std::to_string(need) +
-                                " (the longest request's blocks plus the admission reserve), got " +
-                                std::to_string(o.blocks));
-  if (o.budget < 1 + kTreeDrafts) throw std::invalid_argument("--budget: expected >= 5 tokens, got " + std::to_string(o.budget));
-  if (o.layers < 1 || o.requests < 0 || o.groups < 0 || o.rate <= 0)
-    throw std::invalid_argument("--layers >= 1, --requests >= 0, --groups >= 0 and --rate > 0 expected");
+  const ModelConfig& m = s.model;
+  const int64_t need = m.max_blocks_per_req + int64_t(s.scheduler.watermark * m.num_blocks) + 1;
+  if (m.num_blocks < need)
+    throw std::invalid_argument("KV pool: expected >= " + std::to_string(need) +
+                                " blocks (the longest request's blocks plus the admission reserve), got " +
+                                std::to_string(m.num_blocks) + " (raise --blocks or --kv-gb, or lower --layers)");
   return s;
+}
+
+ConfigList describe(const Options& o, const Setup& s, const Runtime& rt) {
+  const ModelConfig& m = s.model;
+  return {{"preset", o.preset}, {"seed", std::to_string(o.seed)}, {"device", rt.is_cuda() ? "cuda" : "cpu"},
+          {"device_name", rt.name()}, {"timing", rt.is_cuda() ? "cuda_events" : "host_clock"},
+          {"layers", std::to_string(m.num_layers)}, {"num_heads", std::to_string(m.num_heads)},
+          {"num_kv_heads", std::to_string(m.num_kv_heads)}, {"head_size", std::to_string(m.head_size)},
+          {"dtype", o.dtype}, {"kv_cache_dtype", std::string(fs::kv_cache_dtype_name(m.kv_cache_dtype))},
+          {"block_size", std::to_string(m.block_size)}, {"num_blocks", std::to_string(m.num_blocks)},
+          {"token_budget", std::to_string(s.scheduler.token_budget)}, {"max_running", std::to_string(s.scheduler.max_running)},
+          {"requests", std::to_string(s.workload.num_requests)}, {"groups", std::to_string(s.workload.num_groups)},
+          {"arrival_rate", std::to_string(s.workload.arrival_rate)}, {"spec_tokens", std::to_string(s.scheduler.spec_tokens)},
+          {"bw_ceiling_gbs", std::to_string(o.bw_ceiling_gbs)}, {"tflops_ceiling", std::to_string(o.tflops_ceiling)}};
 }
 
 double ms_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
+
+bool special_path(const std::string& p) { return p == "cascade" || p == "verify" || p == "tree"; }
 
 // The serving loop's state: the pool, the model side, the rows so far.
 struct Demo {
@@ -190,6 +132,8 @@ struct Demo {
   BlockAllocator alloc;
   Engine engine;
   std::vector<StepRow> rows;
+  std::map<std::string, int> verified_by_path;  // special paths verified beyond every N-th step
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
   bool fault_done = false;
   bool passed = true;
 
@@ -204,6 +148,16 @@ struct Demo {
     return false;
   }
 
+  // Every verify_every-th step; cascade / verify / tree steps up to verify_per_path each.
+  bool sampled(const std::string& path) {
+    if (opt.verify_every > 0 && int64_t(rows.size()) % opt.verify_every == 0) return true;
+    if (!special_path(path)) return false;
+    int& n = verified_by_path[path];
+    if (opt.verify_per_path >= 0 && n >= opt.verify_per_path) return false;
+    ++n;
+    return true;
+  }
+
   // Runs a scheduled step through the engine, verifies it when sampled, commits it.
   StepRow serve(const StepPlan& plan, Scheduler& sched) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -212,12 +166,13 @@ struct Demo {
     r.kind = step_kind_name(plan.kind);
     const bool fault = maybe_inject_fault(plan);
     r.stats = engine.run(plan);
-    const std::string& path = r.stats.path;
-    r.verified = fault || (opt.verify_every > 0 && int64_t(rows.size()) % opt.verify_every == 0) ||
-                 path == "cascade" || path == "verify" || path == "tree";
+    r.cost = step_cost(engine, r.stats.cascade_prefix);
+    r.verified = sampled(r.stats.path) || fault;
     if (r.verified) {
       const auto v0 = std::chrono::steady_clock::now();
-      r.verify = verify_step(engine, fault ? INT64_MAX : opt.verify_max);
+      VerifyLimits lim{opt.verify_max, opt.verify_layers, opt.verify_rows};
+      if (fault) lim.max_requests = INT64_MAX;
+      r.verify = verify_step(engine, lim);
       r.verify_ms = ms_since(v0);
     }
     const StepOutcome out = sched.commit(plan);
@@ -234,17 +189,18 @@ struct Demo {
     return r;
   }
 
-  // Progress: every print_every-th step, every cascade / tree step, every failure.
-  void report(const StepRow& r) {
+  // Lines: every print_every-th step and every failure; progress every progress_every-th.
+  void report(const StepRow& r, int64_t requests) {
     const bool failed = r.verified && !r.verify.passed();
     if (failed) {
       passed = false;
       std::printf("verification FAILED at step %lld: %s (%lld of %lld rows)\n", (long long)r.step,
                   r.verify.first_failure.c_str(), (long long)r.verify.bad_rows, (long long)r.verify.rows);
     }
-    if (failed || r.stats.path == "cascade" || r.stats.path == "tree" ||
-        rows.size() % size_t(std::max(1, opt.print_every)) == 0)
-      print_step(stdout, r);
+    const size_t n = rows.size();
+    if (failed || (opt.print_every > 0 && n % size_t(opt.print_every) == 0)) print_step(stdout, r);
+    if (opt.progress_every > 0 && n % size_t(opt.progress_every) == 0)
+      print_progress(stdout, rows, requests, ms_since(start) / 1e3);
     std::fflush(stdout);
   }
 
@@ -262,8 +218,8 @@ struct Demo {
       }
       stalled = 0;
       StepRow r = serve(plan, sched);
-      report(r);
       rows.push_back(std::move(r));
+      report(rows.back(), int64_t(w.requests.size()));
     }
     t.completed = sched.done();
     t.finished = sched.num_finished();
@@ -272,20 +228,35 @@ struct Demo {
   }
 };
 
+void print_header(const Options& o, const Setup& s, const Workload& w) {
+  const ModelConfig& m = s.model;
+  std::printf("serve_demo%s%s: %zu requests (%d shared-prefix groups of %d), %lld prompt + %lld output tokens;"
+              " %d layers, H=%lld H_kv=%lld D=%lld %s, KV cache %s, %d blocks of %d tokens, budget %lld tokens/step,"
+              " up to %lld running\n",
+              o.preset == "none" ? "" : " --preset ", o.preset == "none" ? "" : o.preset.c_str(), w.requests.size(),
+              s.workload.num_groups, s.workload.group_size, (long long)w.total_prompt_tokens(),
+              (long long)w.total_output_tokens(), m.num_layers, (long long)m.num_heads, (long long)m.num_kv_heads,
+              (long long)m.head_size, o.dtype.c_str(), std::string(fs::kv_cache_dtype_name(m.kv_cache_dtype)).c_str(),
+              m.num_blocks, m.block_size, (long long)o.budget, (long long)s.scheduler.max_running);
+  if (o.verify_per_path >= 0 || o.verify_layers < m.num_layers || o.verify_rows != INT64_MAX)
+    std::printf("verification (bounded, the CPU reference of long contexts is slow): every %dth step and up to %d steps"
+                " of each cascade/verify/tree path; the first %d layer(s), up to %lld requests per step, their last %lld"
+                " query rows\n",
+                o.verify_every, o.verify_per_path, std::min(o.verify_layers, m.num_layers), (long long)o.verify_max,
+                (long long)o.verify_rows);
+}
+
 int run(const Options& o) {
-  const Setup s = setup_of(o);
-  select_device(o);
+  const std::unique_ptr<Runtime> rt = make_runtime(o.device, 3 * o.layers);
+  std::printf("device: %s (timing: %s)\n", rt->name().c_str(), rt->is_cuda() ? "cudaEvents" : "wall clock");
+  const Setup s = setup_of(o, *rt);
   const Workload w = make_workload(s.workload);
+  print_header(o, s, w);
   const ModelConfig& mc = s.model;
-  std::printf("serve_demo: %zu requests (%d shared-prefix groups of %d), %lld prompt + %lld output tokens;"
-              " %d layers, H=%lld H_kv=%lld D=%lld %s, %d blocks of %d tokens, budget %lld tokens/step\n",
-              w.requests.size(), s.workload.num_groups, s.workload.group_size, (long long)w.total_prompt_tokens(),
-              (long long)w.total_output_tokens(), mc.num_layers, (long long)mc.num_heads, (long long)mc.num_kv_heads,
-              (long long)mc.head_size, o.dtype.c_str(), mc.num_blocks, mc.block_size, (long long)o.budget);
-  Demo demo{o, BlockAllocator(mc.num_blocks, mc.block_size), Engine(mc), {}};
-  const auto t0 = std::chrono::steady_clock::now();
+  Demo demo{o, BlockAllocator(mc.num_blocks, mc.block_size), Engine(mc, *rt), {}, {}};
+  demo.start = std::chrono::steady_clock::now();
   RunTotals t = demo.serve_all(w, s.scheduler);
-  t.wall_s = ms_since(t0) / 1e3;
+  t.wall_s = ms_since(demo.start) / 1e3;
   t.verification_passed = demo.passed;
   t.requests = int64_t(w.requests.size());
   t.groups = w.num_groups;
@@ -294,11 +265,12 @@ int run(const Options& o) {
   t.output_tokens = w.total_output_tokens();
   t.free_blocks = demo.alloc.num_free();
   t.num_blocks = demo.alloc.num_blocks();
-  print_summary(stdout, demo.rows, t, mc.dtype);
+  const ReportContext ctx{mc.dtype, rt->is_cuda(), Ceilings{o.bw_ceiling_gbs * 1e9, o.tflops_ceiling * 1e12}};
+  print_summary(stdout, demo.rows, t, ctx);
 
   const std::filesystem::path json(o.out);
   if (json.has_parent_path()) std::filesystem::create_directories(json.parent_path());
-  write_json(o.out, describe(o, mc, s.scheduler), demo.rows, t);
+  write_json(o.out, describe(o, s, *rt), demo.rows, t, ctx);
   std::printf("json: %s\n", o.out.c_str());
   if (o.plot) plot(o.out);
   const bool leak = t.completed && t.free_blocks != t.num_blocks;
@@ -311,7 +283,7 @@ int run(const Options& o) {
 
 int main(int argc, char** argv) {
   try {
-    return run(parse(argc, argv));
+    return run(parse_options(argc, argv));
   } catch (const fs::NotImplemented& e) {
     std::fprintf(stderr, "serve_demo: NotImplemented: %s\n", e.what());
     return 2;
