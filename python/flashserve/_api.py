@@ -179,10 +179,10 @@ def get_scheduler_metadata(
 ) -> Any:
     """The plan of a later call with these shapes, as an int32 1-D tensor on cache_seqlens'
     device (opaque; copy it into a persistent buffer if needed). A call given a plan made for
-    another shape raises ValueError naming scheduler_metadata. The call's shape: varlen
-    (cu_seqlens_q given) total_q = cu_seqlens_q[-1] (read on the host: a CUDA cu_seqlens_q
-    synchronizes); flash_attn_with_kvcache: total_q = batch_size * max_seqlen_q and
-    max_seqlen_k the cache's capacity (block_table.shape[1] * page_size, or S_cache)."""
+    another shape raises ValueError naming scheduler_metadata; the rows of q are not part of
+    the shape (a batch planned, then padded for a CUDA graph, keeps its plan), and no tensor is
+    read (cu_seqlens_q may be a CUDA tensor: nothing synchronizes). flash_attn_with_kvcache's
+    shape: max_seqlen_k is the cache's capacity (block_table.shape[1] * page_size, or S_cache)."""
     for keyword, value in (("cu_seqlens_k_new", cu_seqlens_k_new), ("cache_leftpad", cache_leftpad)):
         if value is not None:
             raise _not_implemented(keyword, "a tensor")
@@ -195,7 +195,7 @@ def get_scheduler_metadata(
     if num_heads_kv < 1 or num_heads_q % num_heads_kv != 0:
         raise ValueError(f"num_heads_kv: expected a divisor of num_heads_q={num_heads_q}, got {num_heads_kv}")
     left, right = _window(window_size)
-    total_q = batch_size * max_seqlen_q if cu_seqlens_q is None else int(cu_seqlens_q[-1])
+    total_q = batch_size * max_seqlen_q  # a bound on the rows; the call re-sizes for its own
     kind, index = _device_of(cache_seqlens)
     words = _C.plan_for_shape(kind, index, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv,
                               headdim, headdim if headdim_v is None else headdim_v, total_q,

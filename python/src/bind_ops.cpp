@@ -112,7 +112,9 @@ nb::object run_attention(AttnMode mode, bool batched, const AttentionParams& p, 
   const DeviceProps dev = device_props(p.q.device);
   std::optional<Plan> plan;
   if (!scheduler_metadata.is_none()) {
-    plan = decode_plan(tensor_arg(scheduler_metadata, "scheduler_metadata"), dev);
+    // The plan the call runs with: the decoded one, re-sized when q has more (padding) rows.
+    const Plan given = decode_plan(tensor_arg(scheduler_metadata, "scheduler_metadata"), dev);
+    plan = batched ? plan_kvcache_attention(p, dev, given) : plan_varlen_attention(p, dev, given);
   } else if (dev.device.type == DeviceType::cuda && p.num_splits != 1) {
     plan = batched ? plan_kvcache_attention(p, dev) : plan_varlen_attention(p, dev);
   }
