@@ -247,7 +247,7 @@ void copy_blocks_op(const std::vector<nb::handle>& caches, nb::handle block_mapp
   std::vector<TensorRef> refs;
   refs.reserve(caches.size());
   for (size_t i = 0; i < caches.size(); ++i)
-    refs.push_back(tensor_arg(caches[i], i == 0 ? "caches[0]" : "caches"));
+    refs.push_back(tensor_arg(caches[i], ("caches[" + std::to_string(i) + "]").c_str()));
   const TensorRef mapping = tensor_arg(block_mapping, "block_mapping");
   ExecContext ctx = stream_context(stream);
   nb::gil_scoped_release nogil;
