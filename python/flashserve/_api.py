@@ -206,8 +206,22 @@ def get_scheduler_metadata(
     host = torch.tensor(words, dtype=torch.int32)
     if kind == "cpu":
         return host
-    metadata = host.to(cache_seqlens.device)
+    metadata = _on_device(host, words, cache_seqlens.device)
     attach_plan(metadata, host)
+    return metadata
+
+
+def _on_device(host: Any, words: Sequence[int], device: Any) -> Any:
+    """The int32 words on a CUDA device. Inside CUDA graph capture a host-to-device copy cannot
+    run (from pageable memory it synchronizes; the graph would replay a freed host buffer), so
+    the words are written by fills, whose values the graph keeps: a captured
+    get_scheduler_metadata replays the same plan."""
+    if not torch.cuda.is_current_stream_capturing():
+        return host.to(device)
+    metadata = torch.zeros(len(words), dtype=torch.int32, device=device)
+    for i, word in enumerate(words):
+        if word:
+            metadata[i].fill_(word)
     return metadata
 
 
