@@ -158,15 +158,17 @@ bool torch_fp8_fallback(nb::handle obj, const char* name, TensorRef& out) {
 
 std::string python_type_name(nb::handle obj) { return text(nb::handle(obj.type()).attr("__name__")); }
 
-// The DLPack capsule of a CUDA tensor, exported without stream synchronization, or an invalid
-// object for anything else (host arrays: numpy's __dlpack__ takes no stream) or on failure
-// (the caller then tries the generic import). torch 2.8 and 2.9 read __dlpack__() without a
+// The DLPack capsule of a CUDA tensor (`cuda` set), exported without stream synchronization;
+// an invalid object for anything else (host arrays: numpy's __dlpack__ takes no stream) or on
+// failure (e.g. a dtype this torch cannot export: the caller then tries the fp8 fallback, never
+// the synchronizing __dlpack__()). torch 2.8 and 2.9 read __dlpack__() without a
 // stream, which nanobind's import calls, as "synchronize with the legacy default stream": an
 // event recorded on the current stream and the default stream made to wait on it, per tensor
 // and call, and inside CUDA graph capture an error ("operation not permitted when stream is
 // capturing"). stream=-1 asks for no synchronization (every torch with DLPack accepts it):
 // flashserve runs on the caller's current stream, where the tensors are already ordered.
-nb::object cuda_capsule_no_sync(nb::handle obj) {
+nb::object cuda_capsule_no_sync(nb::handle obj, bool& cuda) {
+  cuda = false;
   PyObject* dev = PyObject_CallMethod(obj.ptr(), "__dlpack_device__", nullptr);
   if (!dev) {
     PyErr_Clear();
@@ -177,6 +179,7 @@ nb::object cuda_capsule_no_sync(nb::handle obj) {
   if (PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2) type = PyLong_AsLong(PyTuple_GET_ITEM(dev, 0));
   if (type == -1 && PyErr_Occurred()) PyErr_Clear();
   if (type != kDLCUDA && type != kDLCUDAManaged) return {};
+  cuda = true;
   PyObject* method = PyObject_GetAttrString(obj.ptr(), "__dlpack__");
   if (!method) {
     PyErr_Clear();
@@ -189,7 +192,7 @@ nb::object cuda_capsule_no_sync(nb::handle obj) {
   PyObject* capsule = empty ? PyObject_Call(method, empty, kwargs.ptr()) : nullptr;
   Py_XDECREF(empty);
   if (!capsule) {
-    PyErr_Clear();  // e.g. a dtype this torch cannot export: the generic path decides
+    PyErr_Clear();
     return {};
   }
   return nb::steal(capsule);
@@ -205,9 +208,10 @@ TensorRef tensor_arg(nb::handle obj, const char* name) {
     PyErr_Clear();  // e.g. a dtype this torch cannot export: try the generic path
   }
   nb::ndarray<nb::ro> arr;
-  if (const nb::object capsule = cuda_capsule_no_sync(obj); capsule.is_valid() && nb::try_cast(capsule, arr, false))
+  bool cuda = false;
+  const nb::object capsule = cuda_capsule_no_sync(obj, cuda);
+  if (cuda ? capsule.is_valid() && nb::try_cast(capsule, arr, false) : nb::try_cast(obj, arr, false))
     return from_ndarray(arr, name);
-  if (nb::try_cast(obj, arr, false)) return from_ndarray(arr, name);
   TensorRef fp8;
   if (torch_fp8_fallback(obj, name, fp8)) return fp8;
   fail_arg(name, "a torch tensor or numpy array (DLPack)", python_type_name(obj));

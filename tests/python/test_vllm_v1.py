@@ -348,14 +348,16 @@ def test_cuda_tensors_exported_without_stream_sync(rng) -> None:
     legacy default stream: an error inside CUDA-graph capture) is asked for stream=-1 (no
     synchronization). Checked with a tensor that claims a CUDA device and exports host memory."""
     class ClaimsCuda:
-        def __init__(self, t: torch.Tensor) -> None:
-            self.t, self.streams = t, []
+        def __init__(self, t: torch.Tensor, exportable: bool = True) -> None:
+            self.t, self.exportable, self.streams = t, exportable, []
 
         def __dlpack_device__(self):
             return (2, 0)  # kDLCUDA
 
         def __dlpack__(self, *, stream=None, **kwargs):
             self.streams.append(stream)
+            if not self.exportable:  # e.g. an fp8 tensor of a torch whose DLPack lacks fp8
+                raise BufferError("cannot export")
             return self.t.__dlpack__()
 
     x = ClaimsCuda(randn(rng, 3, 2, 16, dtype=torch.float32, device="cpu"))
@@ -364,3 +366,8 @@ def test_cuda_tensors_exported_without_stream_sync(rng) -> None:
     flashserve._C.quantize_int8(x, out, scale, None)
     assert x.streams == [-1], f"__dlpack__ called with streams {x.streams}, expected [-1]"
     assert (scale > 0).all()
+    # One that fails to export is never asked again without a stream (that would synchronize).
+    y = ClaimsCuda(x.t, exportable=False)
+    with pytest.raises(ValueError, match="^x: expected a torch tensor"):
+        flashserve._C.quantize_int8(y, out, scale, None)
+    assert y.streams == [-1], f"__dlpack__ called with streams {y.streams}, expected [-1]"
