@@ -371,3 +371,36 @@ def test_cuda_tensors_exported_without_stream_sync(rng) -> None:
     with pytest.raises(ValueError, match="^x: expected a torch tensor"):
         flashserve._C.quantize_int8(y, out, scale, None)
     assert y.streams == [-1], f"__dlpack__ called with streams {y.streams}, expected [-1]"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_still_rejected(rng, device: str) -> None:
+    """What stays invalid: a 16-bit operand's descale of the wrong shape, dtype or device, and
+    cu_seqlens_q[-1] past the rows of q, each rejected naming the argument with out untouched."""
+    heads, heads_kv, d, bs = 4, 2, 64, 16
+    q = randn(rng, 6, heads, d, dtype=torch.bfloat16, device=device)
+    k_cache = randn(rng, 4, bs, heads_kv, d, dtype=torch.bfloat16, device=device)
+    v_cache = randn(rng, 4, bs, heads_kv, d, dtype=torch.bfloat16, device=device)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    seqused = torch.tensor([20, 7], dtype=torch.int32, device=device)
+    out = torch.full((6, heads, d), NAN, dtype=torch.bfloat16, device=device)
+    good = torch.ones((), device=device).expand(2, heads_kv)
+    base = dict(q=q, k=k_cache, v=v_cache, max_seqlen_q=3, max_seqlen_k=20,
+                cu_seqlens_q=torch.tensor([0, 3, 4], dtype=torch.int32, device=device), seqused_k=seqused,
+                block_table=table, causal=True, out=out, fa_version=3, q_descale=good, k_descale=good,
+                v_descale=good)
+    flashserve.flash_attn_varlen_func(**base)  # padded rows 4, 5 and descales for bf16: accepted
+    assert not torch.isnan(out[:4]).any() and torch.isnan(out[4:]).all()
+    bad = [("k_descale", dict(k_descale=torch.ones(2, heads, device=device))),
+           ("q_descale", dict(q_descale=torch.ones(2, heads_kv, dtype=torch.float16, device=device))),
+           ("v_descale", dict(v_descale=torch.ones(3, heads_kv, device=device))),
+           ("cu_seqlens_q", dict(cu_seqlens_q=torch.tensor([0, 3, 7], dtype=torch.int32, device=device)))]
+    if device == "cuda":
+        bad.append(("k_descale", dict(k_descale=torch.ones(2, heads_kv))))
+    for name, change in bad:
+        if name == "cu_seqlens_q" and device != "cpu":
+            continue  # device contents are not read on the host (the kernels clamp to q's rows)
+        out.fill_(NAN)
+        with pytest.raises(ValueError, match=f"^{name}: expected"):
+            flashserve.flash_attn_varlen_func(**{**base, **change})
+        assert torch.isnan(out).all(), f"out written by a call rejected for {name}"
