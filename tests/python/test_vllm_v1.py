@@ -270,8 +270,8 @@ def test_v1_decode_cuda_graph(rng, layout: str) -> None:
     value = torch.zeros_like(key)
     output = torch.full((cap_reqs, m.heads, m.d), NAN, dtype=dtype, device=device)
 
-    def step_inputs(live: int):
-        ctx = [int(rng.integers(0, cap_len)) for _ in range(live)]
+    def step_inputs(live: int, ctx: list[int] | None = None):
+        ctx = ctx or [int(rng.integers(0, cap_len)) for _ in range(live)]
         r.kv_cache.fill_(NAN)
         b, new_k, new_v = make_batch(rng, r, [1] * live, ctx, num_blocks)
         md = r.build(b.q_lens, b.seq_lens, b.tables, b.slots, cap_reqs, cap_reqs)
@@ -281,9 +281,10 @@ def test_v1_decode_cuda_graph(rng, layout: str) -> None:
         output.fill_(NAN)
         return b, md
 
-    # Capture as vLLM does: metadata of a full batch at the longest length, built eagerly.
-    b, md = step_inputs(cap_reqs)
-    md.max_seq_len = cap_len
+    # Capture as vLLM does: the metadata of a full batch, built eagerly; here every request at
+    # the longest length (replays with other lengths run the captured plan).
+    b, md = step_inputs(cap_reqs, [cap_len - 1] * cap_reqs)
+    assert md.max_seq_len == cap_len
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -304,25 +305,23 @@ def test_v1_decode_cuda_graph(rng, layout: str) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_get_scheduler_metadata_captured(rng) -> None:
-    """get_scheduler_metadata inside a capture (no host copy, no synchronization) replays the
-    plan it made at capture, and a varlen call captured with it replays the eager result."""
+    """get_scheduler_metadata inside a capture (no host read, copy or synchronization) makes the
+    same words as outside it, and the graph's replay writes them again."""
     device, dtype = "cuda", torch.bfloat16
     m = make_model(rng, device, dtype, "nhd")
-    lens = torch.tensor([m.block_size * 3, 5, 1], dtype=torch.int32, device=device)
+    max_k = m.block_size * 3
+    lens = torch.tensor([max_k, 5, 1], dtype=torch.int32, device=device)
     cu_q = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=device)
-    eager = flashserve.get_scheduler_metadata(3, 1, int(lens.max()), m.heads, m.heads_kv, m.d, lens,
-                                              cu_seqlens_q=cu_q, page_size=m.block_size, causal=True)
+    args = (3, 1, max_k, m.heads, m.heads_kv, m.d, lens)
+    kw = dict(cu_seqlens_q=cu_q, page_size=m.block_size, causal=True, num_splits=MAX_NUM_SPLITS_FOR_GRAPHS)
+    want = flashserve.get_scheduler_metadata(*args, **kw).cpu()
     graph, holder = torch.cuda.CUDAGraph(), {}
     with torch.cuda.graph(graph):
-        holder["md"] = flashserve.get_scheduler_metadata(3, 1, int(48), m.heads, m.heads_kv, m.d, lens,
-                                                         cu_seqlens_q=cu_q, page_size=m.block_size, causal=True)
+        holder["md"] = flashserve.get_scheduler_metadata(*args, **kw)
     holder["md"].zero_()
     graph.replay()
     torch.cuda.synchronize()
-    want = flashserve.get_scheduler_metadata(3, 1, 48, m.heads, m.heads_kv, m.d, lens, cu_seqlens_q=cu_q,
-                                             page_size=m.block_size, causal=True)
-    assert torch.equal(holder["md"].cpu(), want.cpu())
-    assert eager.shape == want.shape
+    assert torch.equal(holder["md"].cpu(), want)
 
 
 def test_get_scheduler_metadata_reads_no_tensor() -> None:
