@@ -74,7 +74,12 @@ def flash_attn_varlen_func(
 ) -> Any:
     """Attention over a varlen batch: q [total_q, H, D]; KV contiguous (cu_seqlens_k) or paged
     (block_table + seqused_k). Returns out [total_q, H, Dv], or (out, softmax_lse [H, total_q]
-    fp32) with return_softmax_lse. softmax_scale None: D^-0.5 ((D + Dv)^-0.5 with q_v)."""
+    fp32) with return_softmax_lse. softmax_scale None: D^-0.5 ((D + Dv)^-0.5 with q_v).
+
+    Rows of q past cu_seqlens_q[-1] are padding (a batch padded for a CUDA graph): never read,
+    and their rows of out / softmax_lse never written. q/k/v_descale (fp32 [B, H_kv], stride-0
+    expansions allowed) scale fp8 operands; given for a 16-bit operand they are checked and left
+    unused, as FlashAttention does (vLLM passes its layer's scales whatever the dtype)."""
     if dropout_p != 0.0:
         raise _not_implemented("dropout_p", dropout_p)
     if return_attn_probs:
