@@ -222,11 +222,25 @@ def check_step(what: str, r: Runner, b: Batch, query: torch.Tensor, output: torc
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["piecewise", "full_graph_buffers"])
-def test_v1_step(rng, device: str, layout: str, dtype, graphs: bool) -> None:
+@pytest.mark.parametrize("inference", [False, True], ids=["grad_mode", "inference_mode"])
+def test_v1_step(rng, device: str, layout: str, dtype, graphs: bool, inference: bool) -> None:
     """A mixed step (decodes, a chunked prefill with context, a fresh prefill) of vLLM's v1
     backend, padded as for a CUDA graph: q/key/value/out rows past cu_seqlens_q[-1] (NaN in q,
     key and value) and zero-length requests at the end; descales from the layer's scales
-    (not 1) for the 16-bit operands; the schedule planned for the unpadded batch."""
+    (not 1) for the 16-bit operands; the schedule planned for the unpadded batch. vLLM runs its
+    model under torch.inference_mode()."""
+    if not inference:
+        return v1_step(rng, device, layout, dtype, graphs)
+    try:
+        with torch.inference_mode():
+            v1_step(rng, device, layout, dtype, graphs)
+    except RuntimeError as e:
+        if "Inference tensors do not track version counter" in str(e):  # fixed on another branch
+            pytest.xfail(f"get_scheduler_metadata's plan attachment under inference mode: {e}")
+        raise
+
+
+def v1_step(rng, device: str, layout: str, dtype, graphs: bool) -> None:
     m = make_model(rng, device, dtype, layout)
     num_reqs = int(rng.integers(2, 7))
     q_lens = [1] * num_reqs
