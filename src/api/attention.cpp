@@ -15,11 +15,11 @@ namespace flashserve {
 
 namespace {
 
-// "batch=2 max_seqlen_q=7 max_seqlen_k=300 heads=8/2 head_dim=128/128 total_q=9 paged(16) causal"
+// "batch=2 max_seqlen_q=7 max_seqlen_k=300 heads=8/2 head_dim=128/128 paged(16) causal" (not
+// total_q: a plan serves any number of rows of q)
 std::string shape_summary(const ProblemShape& s) {
   return detail::cat("batch=", s.batch, " max_seqlen_q=", s.max_seqlen_q, " max_seqlen_k=", s.max_seqlen_k,
                      " heads=", s.num_heads, "/", s.num_kv_heads, " head_dim=", s.head_dim, "/", s.head_dim_v,
-                     " total_q=", s.total_q,
                      s.page_size ? detail::cat(" paged(", s.page_size, ")") : std::string(" contiguous"),
                      s.causal ? " causal" : "", s.local ? " local" : "");
 }
@@ -34,7 +34,7 @@ Plan resolve_plan(const Plan& plan, const ProblemShape& shape, const DeviceProps
   ProblemShape rows_as_call = plan.shape;
   rows_as_call.total_q = shape.total_q;
   if (!(rows_as_call == shape))
-    fail_arg("scheduler_metadata", "a plan made for " + shape_summary(shape) + " (any total_q)",
+    fail_arg("scheduler_metadata", "a plan made for " + shape_summary(shape),
              "one made for " + shape_summary(plan.shape));
   if (plan.num_splits < 1 || plan.num_splits > kMaxSplits)
     fail_arg("scheduler_metadata", detail::cat("num_splits in [1, ", kMaxSplits, "]"), plan.num_splits);

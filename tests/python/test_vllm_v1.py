@@ -417,3 +417,36 @@ def test_still_rejected(rng, device: str) -> None:
         with pytest.raises(ValueError, match=f"^{name}: expected"):
             flashserve.flash_attn_varlen_func(**{**base, **change})
         assert torch.isnan(out).all(), f"out written by a call rejected for {name}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_scheduler_metadata_fits_vllm_buffer(rng, device: str, max_batch: int) -> None:
+    """vLLM copies the metadata into a persistent buffer sized for FlashAttention-3's: 1 +
+    4 * round_up(max batch, 4) words (17 for up to 4 requests), and passes buffer[:n] to the
+    forward; the plan read back from there serves the call."""
+    m = make_model(rng, device, torch.bfloat16, "nhd")
+    buffer = torch.zeros(1 + -(-max_batch // 4) * 4 * 4, dtype=torch.int32, device=device)
+    lens = [int(rng.integers(1, 3 * m.block_size)) for _ in range(max_batch)]
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    cu_q = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+    md = flashserve.get_scheduler_metadata(max_batch, 1, max(lens), m.heads, m.heads_kv, m.d, seq_lens,
+                                           cu_seqlens_q=cu_q, page_size=m.block_size, causal=True,
+                                           num_splits=MAX_NUM_SPLITS_FOR_GRAPHS)
+    n = md.shape[0]
+    assert n <= buffer.shape[0], f"{n} words do not fit vLLM's buffer of {buffer.shape[0]}"
+    buffer[:n] = md
+    buffer[n:] = 0
+    blocks = -(-max(lens) // m.block_size)
+    k_cache = randn(rng, max_batch * blocks, m.block_size, m.heads_kv, m.d, dtype=torch.bfloat16, device=device)
+    v_cache = randn(rng, max_batch * blocks, m.block_size, m.heads_kv, m.d, dtype=torch.bfloat16, device=device)
+    table = torch.arange(max_batch * blocks, dtype=torch.int32, device=device).view(max_batch, blocks)
+    q = randn(rng, max_batch, m.heads, m.d, dtype=torch.bfloat16, device=device)
+    outs = []
+    for metadata in (None, buffer[:n]):
+        out = torch.full_like(q, NAN)
+        flashserve.flash_attn_varlen_func(q, k_cache, v_cache, 1, cu_q, max(lens), seqused_k=seq_lens,
+                                          block_table=table, causal=True, out=out, scheduler_metadata=metadata,
+                                          num_splits=MAX_NUM_SPLITS_FOR_GRAPHS, fa_version=3)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
