@@ -40,7 +40,10 @@ struct AttentionParams {
   KvLayout kv_layout = KvLayout::nhd;  // paged caches only
 
   // ---- batch description (int32)
-  OptTensor cu_seqlens_q;     // [B+1], varlen only; cu_seqlens_q[0] == 0, non-decreasing
+  OptTensor cu_seqlens_q;     // [B+1], varlen only; cu_seqlens_q[0] == 0, non-decreasing,
+                              // cu_seqlens_q[B] <= total_q: rows of q past it are padding (a
+                              // batch padded for a CUDA graph), never read; their out/lse rows
+                              // are never written
   OptTensor cu_seqlens_k;     // [B+1], varlen contiguous KV
   OptTensor seqused_k;        // [B]: KV length per sequence. Paged: seqused_k, or else the
                               // lengths of cu_seqlens_k (FA2's convention); contiguous: overrides
@@ -62,7 +65,8 @@ struct AttentionParams {
   OptTensor s_aux;              // [H] fp32/f16/bf16: sink logit per head
 
   // ---- quantized operands (SPEC.md §5). fp8 descales are optional (absent = 1.0, as in
-  // FlashAttention-3); given for a non-fp8 operand they are an error.
+  // FlashAttention-3). Given for a 16-bit or fp32 operand they are checked (fp32 [B, H_kv]) and
+  // left unused, as FlashAttention does; for an int8 operand they are an error.
   OptTensor q_descale;          // fp8 q: fp32 [B, H_kv] (stride-0 broadcasts allowed)
   OptTensor k_descale;          // fp8 k cache: fp32 [B, H_kv]
   OptTensor v_descale;          // fp8 v cache: fp32 [B, H_kv]
@@ -94,6 +98,14 @@ void kvcache_attention(const AttentionParams& p, const ExecContext& ctx = {});
 // selection and sizing that the call performs. Reads shapes only, never tensor contents.
 Plan plan_varlen_attention(const AttentionParams& p, const DeviceProps& dev);
 Plan plan_kvcache_attention(const AttentionParams& p, const DeviceProps& dev);
+
+// The plan a call given `given` (ExecContext::plan, e.g. from scheduler metadata) runs with:
+// `given` when made for the call's shape; made for the same shape with another number of rows
+// of q (total_q: a batch planned, then padded for a CUDA graph), `given`'s split count with a
+// workspace for the call's rows. Throws naming scheduler_metadata when made for another shape.
+// Size the call's workspace with this plan. Reads shapes only.
+Plan plan_varlen_attention(const AttentionParams& p, const DeviceProps& dev, const Plan& given);
+Plan plan_kvcache_attention(const AttentionParams& p, const DeviceProps& dev, const Plan& given);
 
 // Why this problem is unsupported on `dev` (empty when supported): the same checks the
 // call makes, as a string instead of an exception.

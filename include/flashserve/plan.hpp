@@ -96,7 +96,8 @@ struct ExecContext {
   void* stream = nullptr;       // cudaStream_t for cuda tensors; ignored on cpu
   void* workspace = nullptr;    // device memory of at least plan.workspace.total_bytes
   size_t workspace_bytes = 0;
-  const Plan* plan = nullptr;   // scheduler metadata; must match the call's shape
+  const Plan* plan = nullptr;   // scheduler metadata; made for the call's shape (up to total_q:
+                                // plan_varlen_attention(p, dev, given) is the plan that runs)
   bool validate_only = false;   // dry run: every check the call makes (CPU: contents too) and
                                 // its plan, then return with nothing written
 };

@@ -10,6 +10,7 @@ from . import _C
 from ._api import (DEFAULT_FA_VERSION, fa_version_unsupported_reason, flash_attn_varlen_func,
                    flash_attn_with_kvcache, get_scheduler_metadata, is_fa_version_supported)
 from ._cache_merge import merge_attn_states, merge_state_v2, reshape_and_cache_flash
+from ._cache_ops import advance_step, advance_step_flashattn, copy_blocks, swap_blocks
 from .backend import *  # noqa: F401,F403
 from .backend import __all__ as _backend_all
 
@@ -17,7 +18,7 @@ __version__ = "0.1.0"
 WITH_CUDA: bool = _C.with_cuda  # whether the extension was built with the CUDA kernels
 
 __all__ = [
-    "DEFAULT_FA_VERSION", "WITH_CUDA", "fa_version_unsupported_reason", "flash_attn_varlen_func",
+    "DEFAULT_FA_VERSION", "advance_step", "advance_step_flashattn", "copy_blocks", "swap_blocks", "WITH_CUDA", "fa_version_unsupported_reason", "flash_attn_varlen_func",
     "flash_attn_with_kvcache", "get_scheduler_metadata", "is_fa_version_supported",
     "merge_attn_states", "merge_state_v2", "reshape_and_cache_flash",
 ] + list(_backend_all)

@@ -73,7 +73,12 @@ def flash_attn_varlen_func(
 ) -> Any:
     """Attention over a varlen batch: q [total_q, H, D]; KV contiguous (cu_seqlens_k) or paged
     (block_table + seqused_k). Returns out [total_q, H, Dv], or (out, softmax_lse [H, total_q]
-    fp32) with return_softmax_lse. softmax_scale None: D^-0.5 ((D + Dv)^-0.5 with q_v)."""
+    fp32) with return_softmax_lse. softmax_scale None: D^-0.5 ((D + Dv)^-0.5 with q_v).
+
+    Rows of q past cu_seqlens_q[-1] are padding (a batch padded for a CUDA graph): never read,
+    and their rows of out / softmax_lse never written. q/k/v_descale (fp32 [B, H_kv], stride-0
+    expansions allowed) scale fp8 operands; given for a 16-bit operand they are checked and left
+    unused, as FlashAttention does (vLLM passes its layer's scales whatever the dtype)."""
     if dropout_p != 0.0:
         raise _not_implemented("dropout_p", dropout_p)
     if return_attn_probs:
@@ -159,10 +164,11 @@ def get_scheduler_metadata(
     plan their own shape with it (the contents are not read: no synchronization, CUDA-graph
     capture and inference tensors work, and so does a copy into a slice of another buffer);
     calls with host metadata (numpy, CPU torch) decode the whole plan and raise ValueError
-    naming scheduler_metadata when it was made for another shape. The call's shape: varlen
-    (cu_seqlens_q given) total_q = cu_seqlens_q[-1] (read on the host: a CUDA cu_seqlens_q
-    synchronizes); flash_attn_with_kvcache: total_q = batch_size * max_seqlen_q and
-    max_seqlen_k the cache's capacity (block_table.shape[1] * page_size, or S_cache)."""
+    naming scheduler_metadata when it was made for another shape. The rows of q are not part
+    of the shape (a batch planned, then padded for a CUDA graph, keeps its plan) and no tensor
+    is read (cu_seqlens_q may be a CUDA tensor: nothing synchronizes; inside CUDA-graph capture
+    the words are written by fills). flash_attn_with_kvcache's shape: max_seqlen_k is the
+    cache's capacity (block_table.shape[1] * page_size, or S_cache)."""
     for keyword, value in (("cu_seqlens_k_new", cu_seqlens_k_new), ("cache_leftpad", cache_leftpad)):
         if value is not None:
             raise _not_implemented(keyword, "a tensor")

@@ -9,7 +9,7 @@ from typing import Any, Optional
 from . import _C
 import numpy as np
 
-from ._tensors import PLAN_WORDS, cuda_stream, device_of, is_torch, schedule, torch, workspace_allocator
+from ._tensors import cuda_stream, device_of, is_torch, schedule, torch, workspace_allocator
 
 _RUN = 0
 VALIDATE = 1  # mode=VALIDATE: check every argument as the call would, run nothing
@@ -81,24 +81,37 @@ def scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, nu
                        num_heads_kv: int, headdim: int, headdim_v: int, cache_seqlens: Any,
                        cu_seqlens_q: Optional[Any], page_size: int, causal: bool, local: bool,
                        num_splits: int) -> Any:
-    """The plan of a call with this shape as int32 words on cache_seqlens' device, padded to
-    PLAN_WORDS + its split count (the length carries the split count: _tensors.schedule)."""
-    total_q = batch_size * max_seqlen_q if cu_seqlens_q is None else int(cu_seqlens_q[-1])
+    """The plan of a call with this shape as PLAN_WORDS int32 words on cache_seqlens' device
+    (host metadata is decoded by the call; CUDA metadata is not read: _tensors.schedule)."""
+    total_q = batch_size * max_seqlen_q  # a bound on the rows (not part of the plan's shape)
     kind, index = device_of(cache_seqlens)
     words = plan_words(kind, index, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
                        headdim_v, total_q, page_size, causal, local, num_splits)
     if not is_torch(cache_seqlens):
         return np.asarray(words, dtype=np.int32)
-    return torch.tensor(words, dtype=torch.int32).to(cache_seqlens.device)
+    return _on_device(words, cache_seqlens.device)
+
+
+def _on_device(words: list, device: Any) -> Any:
+    """The int32 words on the metadata's device. Inside CUDA-graph capture a host-to-device
+    copy cannot run (from pageable memory it synchronizes; the graph would replay a freed host
+    buffer), so the words are written by fills, whose values the graph keeps: a captured
+    get_scheduler_metadata replays the same plan."""
+    host = torch.tensor(words, dtype=torch.int32)
+    if host.device == torch.device(device) or not torch.cuda.is_current_stream_capturing():
+        return host.to(device)
+    metadata = torch.zeros(len(words), dtype=torch.int32, device=device)
+    for i, word in enumerate(words):
+        if word:
+            metadata[i].fill_(word)
+    return metadata
 
 
 def plan_words(kind: str, index: int, batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,
                num_heads_kv: int, headdim: int, headdim_v: int, total_q: int, page_size: int, causal: bool,
                local: bool, num_splits: int) -> list:
-    """_C.plan_for_shape's words followed by one zero word per split."""
-    words = _C.plan_for_shape(kind, index, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv,
-                              headdim, headdim_v, total_q, page_size, causal, local, num_splits)
-    return list(words) + [0] * words[_NUM_SPLITS_WORD]
+    """_C.plan_for_shape's PLAN_WORDS words (a fixed length: it fits the persistent buffers
+    engines size for FlashAttention-3's metadata, 1 + 4 * round_up(max_batch, 4) words)."""
+    return list(_C.plan_for_shape(kind, index, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv,
+                                  headdim, headdim_v, total_q, page_size, causal, local, num_splits))
 
-
-_NUM_SPLITS_WORD = 2  # python/src/bind_ops.cpp: kNumSplits

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from . import _calls
-from ._tensors import MAX_SPLITS, PLAN_WORDS, device_of
+from ._tensors import PLAN_WORDS
 
 _SCORE_AND_EXEC = (
     "float softmax_scale=0.0, bool causal=False, int window_left=-1, int window_right=-1, "
@@ -68,18 +68,8 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 
 def _metadata_fake(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, headdim_v,
                    cache_seqlens, cu_seqlens_q, page_size, causal, local, num_splits) -> torch.Tensor:
-    """scheduler_metadata's output: PLAN_WORDS + the split count words (the split count does
-    not depend on total_q, which the fake cannot read); a data-dependent length when the
-    shape is symbolic."""
-    try:
-        kind, index = device_of(cache_seqlens)
-        length = len(_calls.plan_words(kind, index, int(batch_size), int(max_seqlen_q), int(max_seqlen_k),
-                                       int(num_heads_q), int(num_heads_kv), int(headdim), int(headdim_v), 0,
-                                       int(page_size), bool(causal), bool(local), int(num_splits)))
-    except (TypeError, RuntimeError, ValueError):
-        length = torch.library.get_ctx().new_dynamic_size(min=PLAN_WORDS + 1, max=PLAN_WORDS + MAX_SPLITS)
-    return cache_seqlens.new_empty((length,), dtype=torch.int32)
-
+    """scheduler_metadata's output: PLAN_WORDS words, whatever the shape."""
+    return cache_seqlens.new_empty((PLAN_WORDS,), dtype=torch.int32)
 
 def _register(name: str, impl: Callable[..., Any], fake: Callable[..., Any] = _nothing) -> Any:
     op = torch.library.custom_op(f"flashserve::{name}", impl, mutates_args=_MUTATES[name],

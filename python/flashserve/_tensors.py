@@ -74,7 +74,6 @@ def workspace_allocator(x: Any) -> Optional[Callable[[int], Any]]:
 
 
 PLAN_WORDS: int = _C.PLAN_WORDS  # int32 words of an encoded plan
-MAX_SPLITS = 128  # the C++ API's kMaxSplits
 
 
 def schedule(metadata: Any, num_splits: int) -> tuple:
@@ -82,23 +81,19 @@ def schedule(metadata: Any, num_splits: int) -> tuple:
 
     Host metadata (numpy, CPU torch) goes to the extension as it is: it decodes the plan and
     rejects one made for another shape. A CUDA tensor's contents are never read (that would
-    synchronize the stream, and cannot be done during CUDA graph capture): the plan's split
-    count travels in the tensor's length, PLAN_WORDS + num_splits (get_scheduler_metadata), so
-    it survives an engine copying the metadata into a slice of its persistent buffer, and no
-    attribute or version counter of the tensor is used (inference tensors have none). The call
-    then plans its own shape with that split count: a stale schedule changes at most the split
-    count, never the result beyond rounding."""
+    synchronize the stream, and cannot be done during CUDA graph capture), and no attribute or
+    version counter of the tensor is used (inference tensors have none; an engine copies the
+    metadata into a slice of its persistent buffer): the call plans its own shape with the
+    call's num_splits, which is what get_scheduler_metadata computed for the same shape and
+    num_splits (the planner is a pure function of them). Engines pass the same num_splits to
+    both (vLLM's max_num_splits, SGLang's num_splits); a metadata made with a split bound and
+    a call without one plans with the heuristic: the same result up to rounding."""
     if metadata is None or not isinstance(metadata, _TorchTensor) or not metadata.is_cuda:
         return metadata, num_splits
-    if metadata.dim() != 1 or metadata.dtype != torch.int32:
-        raise ValueError(f"scheduler_metadata: expected an int32 1-D tensor from get_scheduler_metadata, "
-                         f"got {metadata.dtype} {list(metadata.shape)}")
-    splits = int(metadata.shape[0]) - PLAN_WORDS
-    if not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"scheduler_metadata: expected a tensor of {PLAN_WORDS + 1}..{PLAN_WORDS + MAX_SPLITS} "
-                         f"words from get_scheduler_metadata, got {int(metadata.shape[0])}")
-    return None, splits
-
+    if metadata.dim() != 1 or metadata.dtype != torch.int32 or int(metadata.shape[0]) < PLAN_WORDS:
+        raise ValueError(f"scheduler_metadata: expected an int32 1-D tensor of >= {PLAN_WORDS} words from "
+                         f"get_scheduler_metadata, got {metadata.dtype} {list(metadata.shape)}")
+    return None, num_splits
 
 def device_of(x: Any) -> tuple:
     """("cpu" | "cuda", index) of a tensor, an array, a torch.device, a string ("cuda:1"), a

@@ -3,15 +3,17 @@
 // allocates every output and the attention workspace; nothing is allocated here.
 //
 // Scheduler metadata: a Plan travels through Python as an int32 tensor of kPlanWords words
-// (header, split count and granularity, the ProblemShape it was made for). A call given one
-// rebuilds the typed Plan from it and hands it to the API, which rejects a plan made for
-// another shape; the words are never interpreted anywhere else.
+// (header, split count and granularity, the ProblemShape it was made for but its total_q). A
+// call given one rebuilds the typed Plan from it and hands it to the API, which rejects a plan
+// made for another shape and re-sizes it for the call's rows of q; the words are never
+// interpreted anywhere else.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <array>
+#include <climits>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -35,19 +37,25 @@ namespace {
 
 // ---------------------------------------------------------------- plans as int32 words
 
-constexpr int32_t kPlanMagic = 0x46535031;  // "FSP1"
+constexpr int32_t kPlanMagic = 0x46535032;  // "FSP2"
+// 13 words: the shape's fields as int32, without total_q (a call re-sizes the plan for its rows
+// of q: a batch planned, then padded for a CUDA graph). Engines copy the metadata into a
+// persistent buffer sized for FlashAttention-3's: vLLM's holds 1 + 4 * round_up(max batch, 4)
+// >= 17 words (older: max_num_seqs + 1).
 enum PlanWord : int {
   kMagic, kDeviceType, kNumSplits, kGranularity, kFlags,
-  kShape,                      // 9 int64 fields of ProblemShape, (low, high) word pairs
-  kPlanWords = kShape + 2 * 9,
+  kShape,                      // 8 fields of ProblemShape (shape_fields)
+  kPlanWords = kShape + 8,
 };
 
-std::array<int64_t, 9> shape_fields(const ProblemShape& s) {
-  return {s.batch, s.max_seqlen_q, s.max_seqlen_k, s.num_heads, s.num_kv_heads,
-          s.head_dim, s.head_dim_v, s.total_q, s.page_size};
+constexpr std::array<const char*, 8> kShapeFieldNames = {"batch", "max_seqlen_q", "max_seqlen_k", "num_heads",
+                                                         "num_kv_heads", "head_dim", "head_dim_v", "page_size"};
+std::array<int64_t*, 8> shape_fields(ProblemShape& s) {
+  return {&s.batch, &s.max_seqlen_q, &s.max_seqlen_k, &s.num_heads, &s.num_kv_heads,
+          &s.head_dim, &s.head_dim_v, &s.page_size};
 }
 
-std::vector<int32_t> encode_plan(const Plan& plan, DeviceType device) {
+std::vector<int32_t> encode_plan(Plan plan, DeviceType device) {
   std::vector<int32_t> w(kPlanWords, 0);
   w[kMagic] = kPlanMagic;
   w[kDeviceType] = int32_t(device);
@@ -56,9 +64,8 @@ std::vector<int32_t> encode_plan(const Plan& plan, DeviceType device) {
   w[kFlags] = int32_t(plan.shape.causal) | int32_t(plan.shape.local) << 1;
   const auto f = shape_fields(plan.shape);
   for (size_t i = 0; i < f.size(); ++i) {
-    const auto u = uint64_t(f[i]);
-    w[kShape + 2 * i] = int32_t(uint32_t(u));
-    w[kShape + 2 * i + 1] = int32_t(uint32_t(u >> 32));
+    if (*f[i] < 0 || *f[i] > INT32_MAX) fail_arg(kShapeFieldNames[i], "a value in [0, 2^31)", *f[i]);
+    w[kShape + i] = int32_t(*f[i]);
   }
   return w;
 }
@@ -74,11 +81,9 @@ Plan decode_plan(const TensorRef& t, const DeviceProps& dev) {
   if (word(kDeviceType) != int32_t(dev.device.type))
     fail_arg(arg, detail::cat("a plan made for a ", dev.device.type == DeviceType::cuda ? "cuda" : "cpu", " device"),
              "one made for another device type");
-  ProblemShape s;
-  std::array<int64_t*, 9> f = {&s.batch, &s.max_seqlen_q, &s.max_seqlen_k, &s.num_heads, &s.num_kv_heads,
-                               &s.head_dim, &s.head_dim_v, &s.total_q, &s.page_size};
-  for (size_t i = 0; i < f.size(); ++i)
-    *f[i] = int64_t(uint64_t(uint32_t(word(int(kShape + 2 * i)))) | uint64_t(uint32_t(word(int(kShape + 2 * i + 1)))) << 32);
+  ProblemShape s;  // total_q 0: the call's plan is re-sized for its rows (plan_varlen_attention)
+  const auto f = shape_fields(s);
+  for (size_t i = 0; i < f.size(); ++i) *f[i] = word(int(kShape + i));
   s.causal = word(kFlags) & 1;
   s.local = word(kFlags) & 2;
   const int splits = word(kNumSplits);
@@ -112,7 +117,9 @@ nb::object run_attention(AttnMode mode, bool batched, const AttentionParams& p, 
   const DeviceProps dev = device_props(p.q.device);
   std::optional<Plan> plan;
   if (!scheduler_metadata.is_none()) {
-    plan = decode_plan(tensor_arg(scheduler_metadata, "scheduler_metadata"), dev);
+    // The plan the call runs with: the decoded one, re-sized when q has more (padding) rows.
+    const Plan given = decode_plan(tensor_arg(scheduler_metadata, "scheduler_metadata"), dev);
+    plan = batched ? plan_kvcache_attention(p, dev, given) : plan_varlen_attention(p, dev, given);
   } else if (dev.device.type == DeviceType::cuda && p.num_splits != 1) {
     plan = batched ? plan_kvcache_attention(p, dev) : plan_varlen_attention(p, dev);
   }
@@ -245,7 +252,7 @@ void copy_blocks_op(const std::vector<nb::handle>& caches, nb::handle block_mapp
   std::vector<TensorRef> refs;
   refs.reserve(caches.size());
   for (size_t i = 0; i < caches.size(); ++i)
-    refs.push_back(tensor_arg(caches[i], i == 0 ? "caches[0]" : "caches"));
+    refs.push_back(tensor_arg(caches[i], ("caches[" + std::to_string(i) + "]").c_str()));
   const TensorRef mapping = tensor_arg(block_mapping, "block_mapping");
   ExecContext ctx = stream_context(stream);
   nb::gil_scoped_release nogil;

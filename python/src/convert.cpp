@@ -2,7 +2,9 @@
 //  - fast: a type exposing the DLPack C exchange API (`__dlpack_c_exchange_api__`, torch >=
 //    2.10) fills a DLTensor view in C, with no capsule and no Python call (~30 ns a tensor);
 //  - generic: nanobind's ndarray import (`__dlpack__` / the buffer protocol): numpy, older
-//    torch, any DLPack producer (FLASHSERVE_NO_DLPACK_C_API=1 forces it, for diagnosis).
+//    torch, any DLPack producer (FLASHSERVE_NO_DLPACK_C_API=1 forces it, for diagnosis); CUDA
+//    tensors are exported with `__dlpack__(stream=-1)` (no stream synchronization, so calls
+//    can be captured in CUDA graphs).
 // fp8 tensors from a torch that cannot export fp8 through DLPack travel as a uint8 view and
 // keep their dtype.
 #include "convert.hpp"
@@ -156,6 +158,46 @@ bool torch_fp8_fallback(nb::handle obj, const char* name, TensorRef& out) {
 
 std::string python_type_name(nb::handle obj) { return text(nb::handle(obj.type()).attr("__name__")); }
 
+// The DLPack capsule of a CUDA tensor (`cuda` set), exported without stream synchronization;
+// an invalid object for anything else (host arrays: numpy's __dlpack__ takes no stream) or on
+// failure (e.g. a dtype this torch cannot export: the caller then tries the fp8 fallback, never
+// the synchronizing __dlpack__()). torch 2.8 and 2.9 read __dlpack__() without a
+// stream, which nanobind's import calls, as "synchronize with the legacy default stream": an
+// event recorded on the current stream and the default stream made to wait on it, per tensor
+// and call, and inside CUDA graph capture an error ("operation not permitted when stream is
+// capturing"). stream=-1 asks for no synchronization (every torch with DLPack accepts it):
+// flashserve runs on the caller's current stream, where the tensors are already ordered.
+nb::object cuda_capsule_no_sync(nb::handle obj, bool& cuda) {
+  cuda = false;
+  PyObject* dev = PyObject_CallMethod(obj.ptr(), "__dlpack_device__", nullptr);
+  if (!dev) {
+    PyErr_Clear();
+    return {};
+  }
+  const nb::object device = nb::steal(dev);
+  long type = -1;
+  if (PyTuple_Check(dev) && PyTuple_GET_SIZE(dev) == 2) type = PyLong_AsLong(PyTuple_GET_ITEM(dev, 0));
+  if (type == -1 && PyErr_Occurred()) PyErr_Clear();
+  if (type != kDLCUDA && type != kDLCUDAManaged) return {};
+  cuda = true;
+  PyObject* method = PyObject_GetAttrString(obj.ptr(), "__dlpack__");
+  if (!method) {
+    PyErr_Clear();
+    return {};
+  }
+  const nb::object dlpack = nb::steal(method);
+  const nb::object kwargs = nb::dict();
+  kwargs["stream"] = -1;
+  PyObject* empty = PyTuple_New(0);
+  PyObject* capsule = empty ? PyObject_Call(method, empty, kwargs.ptr()) : nullptr;
+  Py_XDECREF(empty);
+  if (!capsule) {
+    PyErr_Clear();
+    return {};
+  }
+  return nb::steal(capsule);
+}
+
 }  // namespace
 
 TensorRef tensor_arg(nb::handle obj, const char* name) {
@@ -166,7 +208,10 @@ TensorRef tensor_arg(nb::handle obj, const char* name) {
     PyErr_Clear();  // e.g. a dtype this torch cannot export: try the generic path
   }
   nb::ndarray<nb::ro> arr;
-  if (nb::try_cast(obj, arr, false)) return from_ndarray(arr, name);
+  bool cuda = false;
+  const nb::object capsule = cuda_capsule_no_sync(obj, cuda);
+  if (cuda ? capsule.is_valid() && nb::try_cast(capsule, arr, false) : nb::try_cast(obj, arr, false))
+    return from_ndarray(arr, name);
   TensorRef fp8;
   if (torch_fp8_fallback(obj, name, fp8)) return fp8;
   fail_arg(name, "a torch tensor or numpy array (DLPack)", python_type_name(obj));

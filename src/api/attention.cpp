@@ -15,24 +15,33 @@ namespace flashserve {
 
 namespace {
 
-// "batch=2 max_seqlen_q=7 max_seqlen_k=300 heads=8/2 head_dim=128/128 total_q=9 paged(16) causal"
+// "batch=2 max_seqlen_q=7 max_seqlen_k=300 heads=8/2 head_dim=128/128 paged(16) causal" (not
+// total_q: a plan serves any number of rows of q)
 std::string shape_summary(const ProblemShape& s) {
   return detail::cat("batch=", s.batch, " max_seqlen_q=", s.max_seqlen_q, " max_seqlen_k=", s.max_seqlen_k,
                      " heads=", s.num_heads, "/", s.num_kv_heads, " head_dim=", s.head_dim, "/", s.head_dim_v,
-                     " total_q=", s.total_q,
                      s.page_size ? detail::cat(" paged(", s.page_size, ")") : std::string(" contiguous"),
                      s.causal ? " causal" : "", s.local ? " local" : "");
 }
 
-// The caller's plan (scheduler metadata) must be one made for this very shape.
-void check_plan(const Plan& plan, const ProblemShape& shape) {
-  if (!(plan.shape == shape))
+// The plan a call runs with, given the caller's (scheduler metadata): one made for this shape,
+// up to the rows of q. A plan does not depend on which rows are padding, and engines plan a
+// batch before padding it for a CUDA graph (vLLM: total_q = cu_seqlens_q[B] then, the padded
+// rows at the call), so a plan for another row count serves with its split count and a
+// workspace re-sized for the call's rows (make_plan with that count: the same split count
+// unless the workspace bound caps it, which changes rounding only).
+Plan resolve_plan(const Plan& plan, const ProblemShape& shape, const DeviceProps& dev) {
+  ProblemShape rows_as_call = plan.shape;
+  rows_as_call.total_q = shape.total_q;
+  if (!(rows_as_call == shape))
     fail_arg("scheduler_metadata", "a plan made for " + shape_summary(shape),
              "one made for " + shape_summary(plan.shape));
   if (plan.num_splits < 1 || plan.num_splits > kMaxSplits)
     fail_arg("scheduler_metadata", detail::cat("num_splits in [1, ", kMaxSplits, "]"), plan.num_splits);
   if (plan.split_granularity < 1)
     fail_arg("scheduler_metadata", "split_granularity >= 1", plan.split_granularity);
+  if (plan.shape.total_q == shape.total_q) return plan;
+  return make_plan(shape, dev, plan.num_splits);
 }
 
 #if FLASHSERVE_WITH_CUDA
@@ -61,7 +70,7 @@ void check_cuda_workspace(const Plan& plan, const ExecContext& ctx) {
 void run_cuda(const detail::AttnProblem& pr, const ProblemShape& shape, const ExecContext& ctx) {
   const DeviceProps dev = kernels::cuda_device_props(pr.q.device.index);
   require_cuda_kernel(pr, dev);
-  const Plan plan = ctx.plan ? *ctx.plan : make_plan(shape, dev, pr.params->num_splits);
+  const Plan plan = ctx.plan ? resolve_plan(*ctx.plan, shape, dev) : make_plan(shape, dev, pr.params->num_splits);
   check_cuda_workspace(plan, ctx);
   if (ctx.validate_only) return;
   kernels::attention(pr, plan, ctx);
@@ -75,7 +84,6 @@ void run_cuda(const detail::AttnProblem& pr, const ProblemShape& shape, const Ex
 void run_attention(const AttentionParams& p, bool batched, const ExecContext& ctx) {
   const detail::AttnProblem pr = detail::validate_attention(p, batched);
   const ProblemShape shape = detail::shape_of(pr);
-  if (ctx.plan) check_plan(*ctx.plan, shape);
   if (pr.q.device.type == DeviceType::cuda) {
 #if FLASHSERVE_WITH_CUDA
     run_cuda(pr, shape, ctx);
@@ -84,17 +92,19 @@ void run_attention(const AttentionParams& p, bool batched, const ExecContext& ct
     fail_cuda();
 #endif
   }
-  const Plan plan = ctx.plan ? *ctx.plan : make_plan(shape, DeviceProps::cpu(), p.num_splits);
+  const DeviceProps cpu = DeviceProps::cpu();
+  const Plan plan = ctx.plan ? resolve_plan(*ctx.plan, shape, cpu) : make_plan(shape, cpu, p.num_splits);
   if (ctx.validate_only) return;
   reference::attention(pr, plan);
 }
 
-Plan plan_attention(const AttentionParams& p, bool batched, const DeviceProps& dev) {
+Plan plan_attention(const AttentionParams& p, bool batched, const DeviceProps& dev, const Plan* given) {
   const detail::AttnProblem pr = detail::validate_attention(p, batched);
 #if FLASHSERVE_WITH_CUDA
   if (dev.device.type == DeviceType::cuda) require_cuda_kernel(pr, dev);
 #endif
-  return make_plan(detail::shape_of(pr), dev, p.num_splits);
+  const ProblemShape shape = detail::shape_of(pr);
+  return given ? resolve_plan(*given, shape, dev) : make_plan(shape, dev, p.num_splits);
 }
 
 }  // namespace
@@ -104,11 +114,19 @@ void varlen_attention(const AttentionParams& p, const ExecContext& ctx) { run_at
 void kvcache_attention(const AttentionParams& p, const ExecContext& ctx) { run_attention(p, true, ctx); }
 
 Plan plan_varlen_attention(const AttentionParams& p, const DeviceProps& dev) {
-  return plan_attention(p, false, dev);
+  return plan_attention(p, false, dev, nullptr);
 }
 
 Plan plan_kvcache_attention(const AttentionParams& p, const DeviceProps& dev) {
-  return plan_attention(p, true, dev);
+  return plan_attention(p, true, dev, nullptr);
+}
+
+Plan plan_varlen_attention(const AttentionParams& p, const DeviceProps& dev, const Plan& given) {
+  return plan_attention(p, false, dev, &given);
+}
+
+Plan plan_kvcache_attention(const AttentionParams& p, const DeviceProps& dev, const Plan& given) {
+  return plan_attention(p, true, dev, &given);
 }
 
 std::string attention_unsupported_reason(const AttentionParams& p, bool batched, const DeviceProps& dev) {

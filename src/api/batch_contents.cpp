@@ -43,8 +43,8 @@ ProblemShape shape_of(const AttnProblem& pr) {
 
 namespace {
 
-// cu_seqlens: starts at 0, non-decreasing, last entry within `limit` (== limit when exact).
-void check_cu_seqlens(const TensorRef& cu, const char* arg, int64_t limit, bool exact, const char* what) {
+// cu_seqlens: starts at 0, non-decreasing, last entry within `limit`.
+void check_cu_seqlens(const TensorRef& cu, const char* arg, int64_t limit, const char* what) {
   const int64_t n = cu.size(0);
   if (read_index(cu, 0) != 0) fail_arg(arg, cat(arg, "[0] == 0"), read_index(cu, 0));
   for (int64_t b = 1; b < n; ++b) {
@@ -52,8 +52,7 @@ void check_cu_seqlens(const TensorRef& cu, const char* arg, int64_t limit, bool 
     if (cur < prev) fail_arg(arg, "non-decreasing entries", cat(arg, "[", b, "]=", cur, " < ", arg, "[", b - 1, "]=", prev));
   }
   const int64_t last = read_index(cu, n - 1);
-  if (exact ? last != limit : last > limit)
-    fail_arg(arg, cat("last entry ", exact ? "== " : "<= ", limit, " (", what, ")"), last);
+  if (last > limit) fail_arg(arg, cat("last entry <= ", limit, " (", what, ")"), last);
 }
 
 void check_k_lengths(const AttnProblem& pr, const AttentionParams& p) {
@@ -94,14 +93,15 @@ void check_k_lengths(const AttnProblem& pr, const AttentionParams& p) {
 
 void check_batch_contents(AttnProblem& pr, const AttentionParams& p) {
   if (!pr.batched) {
-    check_cu_seqlens(*pr.cu_seqlens_q, "cu_seqlens_q", pr.total_q, true, "the rows of q");
+    // <= rather than ==: rows past cu_seqlens_q[B] are padding (a batch padded for a CUDA
+    // graph, as vLLM's model runner pads it), neither read nor written.
+    check_cu_seqlens(*pr.cu_seqlens_q, "cu_seqlens_q", pr.total_q, "the rows of q");
     for (int64_t b = 0; b < pr.batch; ++b)
       if (q_len(pr, b) > p.max_seqlen_q)
         fail_arg("max_seqlen_q", cat(">= ", q_len(pr, b), " (query length of sequence ", b, ")"), p.max_seqlen_q);
   }
   if (pr.cu_seqlens_k)
-    check_cu_seqlens(*pr.cu_seqlens_k, "cu_seqlens_k", pr.paged ? INT64_MAX : pr.k.size(1), false,
-                     "the rows of k");
+    check_cu_seqlens(*pr.cu_seqlens_k, "cu_seqlens_k", pr.paged ? INT64_MAX : pr.k.size(1), "the rows of k");
   check_k_lengths(pr, p);
   if (pr.cp_tot_seqused_k) {
     // Rank r holds global tokens r, r + W, ...: its local length follows from the global one.

@@ -108,11 +108,15 @@ void check_lse(AttnProblem& pr, const AttentionParams& p) {
   }
 }
 
-// A per-(batch, KV head) fp32 descale: [B, H_kv], stride-0 broadcasts allowed.
-void check_descale(const OptTensor& t, const char* arg, const AttnProblem& pr, bool fp8_operand,
+// A per-(batch, KV head) fp32 descale: [B, H_kv], stride-0 broadcasts allowed. Used for an
+// fp8 operand. For a 16-bit (or fp32) operand it is accepted and left unused, as FlashAttention
+// does (vLLM passes its layer's scales, expanded to [B, H_kv], whatever the dtype), after the
+// same checks; int8 operands take their own scales (q_scale, k_scale_cache, v_scale).
+void check_descale(const OptTensor& t, const char* arg, const AttnProblem& pr, DType operand,
                    Device dev, OptTensor& dst) {
   if (!t) return;
-  if (!fp8_operand) fail_arg(arg, "no descale for a non-fp8 operand", "a descale tensor");
+  if (operand == DType::i8)
+    fail_arg(arg, "no descale for an int8 operand (int8 scales: q_scale, k_scale_cache, v_scale)", "a descale tensor");
   check_rank(*t, arg, 2);
   check_dtype(*t, arg, {DType::f32});
   check_device(*t, arg, dev, "q");
@@ -120,7 +124,7 @@ void check_descale(const OptTensor& t, const char* arg, const AttnProblem& pr, b
   check_data(*t, arg);
   if (t->size(0) != pr.batch || t->size(1) != pr.num_kv_heads)
     fail_arg(arg, cat("[B, H_kv] = [", pr.batch, ", ", pr.num_kv_heads, "]"), t->shape_str());
-  dst = *t;
+  if (is_fp8(operand)) dst = *t;
 }
 
 void check_modifiers(AttnProblem& pr, const AttentionParams& p) {
@@ -188,9 +192,9 @@ void check_quantization(AttnProblem& pr, const AttentionParams& p) {
       if (is_fp8(qt)) fail_arg("k", "an fp8 cache with an fp8 q", dtype_name(kt));
     }
   }
-  check_descale(p.q_descale, "q_descale", pr, is_fp8(qt), dev, pr.q_descale);
-  check_descale(p.k_descale, "k_descale", pr, is_fp8(kt), dev, pr.k_descale);
-  check_descale(p.v_descale, "v_descale", pr, is_fp8(vt), dev, pr.v_descale);
+  check_descale(p.q_descale, "q_descale", pr, qt, dev, pr.q_descale);
+  check_descale(p.k_descale, "k_descale", pr, kt, dev, pr.k_descale);
+  check_descale(p.v_descale, "v_descale", pr, vt, dev, pr.v_descale);
 }
 
 }  // namespace

@@ -347,8 +347,14 @@ std::vector<BadInput> shape_cases() {
       bad("alibi_slopes_wrong_batch", VP, [](Fixture& f) { f.p.alibi_slopes = f.tensor(DType::f32, {kB + 1, kH}, 0.1f, 1.0f); }, {"alibi_slopes"}),
       bad("s_aux_wrong_length", VP, [](Fixture& f) { f.p.s_aux = f.tensor(DType::f32, {kH - 1}); }, {"s_aux"}),
       bad("q_v_width_differs_from_dv", MLA, [](Fixture& f) { f.p.q_v = f.reshaped(*f.p.q_v, with_dim(*f.p.q_v, -1, 256)); }, {"q_v"}, "[6, 4, 256]"),
-      // fp8 descales are optional (absent = 1.0, FlashAttention-3); one for a bf16 cache is not.
-      bad("descale_for_non_fp8_cache", VP, [](Fixture& f) { f.p.k_descale = f.tensor(DType::f32, {kB, kHkv}, 0.5f, 2.0f); }, {"k_descale"}),
+      // fp8 descales are optional (absent = 1.0, FlashAttention-3). For 16-bit operands they are
+      // unused (Descales.UnusedFor16BitOperands) but still checked as FlashAttention's would be;
+      // for int8 operands (which take q_scale / k_scale_cache / v_scale) they are an error.
+      bad("bf16_k_descale_wrong_shape", VP, [](Fixture& f) { f.p.k_descale = f.tensor(DType::f32, {kB, kH}, 0.5f, 2.0f); }, {"k_descale"}, "[3, 4]"),
+      bad("bf16_q_descale_f16", VP, [](Fixture& f) { f.p.q_descale = f.tensor(DType::f16, {kB, kHkv}, 0.5f, 2.0f); }, {"q_descale"}, "float16"),
+      bad("bf16_v_descale_rank_1", BP, [](Fixture& f) { f.p.v_descale = f.tensor(DType::f32, {kB}, 0.5f, 2.0f); }, {"v_descale"}),
+      bad("int8_k_descale", I8, [](Fixture& f) { f.p.k_descale = f.tensor(DType::f32, {kB, kHkv}, 0.5f, 2.0f); }, {"k_descale"}),
+      bad("int8_q_descale", I8, [](Fixture& f) { f.p.q_descale = f.tensor(DType::f32, {kB, kHkv}, 0.5f, 2.0f); }, {"q_descale"}),
       bad("fp8_k_descale_wrong_shape", FP8, [](Fixture& f) { f.p.k_descale = f.tensor(DType::f32, {kB, kH}, 0.5f, 2.0f); }, {"k_descale"}),
       bad("fp8_v_descale_wrong_batch", FP8, [](Fixture& f) { f.p.v_descale = f.tensor(DType::f32, {kB + 1, kHkv}, 0.5f, 2.0f); }, {"v_descale"}),
       bad("int8_q_without_q_scale", I8, [](Fixture& f) { f.p.q_scale.reset(); }, {"q_scale"}),
@@ -364,7 +370,7 @@ std::vector<BadInput> metadata_cases() {
   return {
       bad("cu_seqlens_q_not_starting_at_0", VP, [](Fixture& f) { set_int(*f.p.cu_seqlens_q, 0, 1); }, {"cu_seqlens_q"}),
       bad("cu_seqlens_q_decreasing", VP, [](Fixture& f) { set_int(*f.p.cu_seqlens_q, 2, 2); }, {"cu_seqlens_q"}),
-      bad("cu_seqlens_q_last_not_total_q", VP, [](Fixture& f) { set_int(*f.p.cu_seqlens_q, kB, kTotalQ - 1); }, {"cu_seqlens_q"}),
+      // cu_seqlens_q[B] < total_q is padding (PaddedRows.NeitherReadNorWritten); past q is not.
       bad("cu_seqlens_q_last_past_q", VC, [](Fixture& f) { set_int(*f.p.cu_seqlens_q, kB, kTotalQ + 1); }, {"cu_seqlens_q"}),
       // B+1 entries expected; which tensor is blamed depends on which one defines B.
       bad("cu_seqlens_q_length_b", VP, [](Fixture& f) { f.p.cu_seqlens_q = f.ints(DType::i32, {kB}, {0, 3, 6}); },
@@ -493,5 +499,110 @@ INSTANTIATE_TEST_SUITE_P(Attention, BadInputs, ::testing::ValuesIn(all_cases()),
                          [](const ::testing::TestParamInfo<BadInput>& i) { return i.param.name; });
 
 TEST(BadInputCases, AtLeast35Distinct) { EXPECT_GE(all_cases().size(), 35u); }
+
+// ---------------------------------------------------------------- accepted, left unused
+
+// The call's out and lse (copies of the bytes of their storage).
+struct Outputs {
+  std::vector<unsigned char> out, lse;
+};
+HostTensor owner_of(const Fixture& f, const void* data) {
+  for (const HostTensor& h : f.owned)
+    if (h.ref.data == data) return h;
+  ADD_FAILURE() << "no owner";
+  return f.owned.front();
+}
+Outputs run_outputs(const Fixture& f, const fs::ExecContext& ctx = {}) {
+  f.batched() ? fs::kvcache_attention(f.p, ctx) : fs::varlen_attention(f.p, ctx);
+  return {fstest::snapshot(owner_of(f, f.p.out.data)), fstest::snapshot(owner_of(f, f.p.lse->data))};
+}
+void repoison(const Fixture& f) {
+  fstest::poison_storage(owner_of(f, f.p.out.data));
+  fstest::poison_storage(owner_of(f, f.p.lse->data));
+}
+
+// vLLM passes its layer's q/k/v scales as descales ([B, H_kv] stride-0 expansions) whatever the
+// dtype; FlashAttention leaves them unused for 16-bit operands, and so does flashserve: the
+// result is the one without descales, bit for bit, for descales far from 1.
+TEST(Descales, UnusedFor16BitOperands) {
+  for (Base base : {Base::varlen_paged, Base::varlen_paged_f16, Base::varlen_contiguous, Base::batched_paged,
+                    Base::batched_contiguous}) {
+    Fixture f = make_fixture(base);
+    const Outputs plain = run_outputs(f);
+    repoison(f);
+    const TensorRef scale = f.tensor(DType::f32, {1}, 2.0f, 4.0f);  // vLLM: _k_scale.expand((B, H_kv))
+    f.p.q_descale = view_of(DType::f32, {kB, kHkv}, {0, 0});
+    f.p.q_descale->data = scale.data;
+    f.p.k_descale = f.tensor(DType::f32, {kB, kHkv}, 2.0f, 4.0f);
+    f.p.v_descale = f.tensor(DType::f32, {kB, kHkv}, 0.1f, 0.5f);
+    EXPECT_EQ(fs::attention_unsupported_reason(f.p, f.batched(), fs::DeviceProps::cpu()), "") << base_name(base);
+    Outputs descaled;
+    ASSERT_NO_THROW(descaled = run_outputs(f)) << base_name(base);
+    EXPECT_EQ(descaled.out, plain.out) << base_name(base) << ": out changed by descales of a 16-bit operand";
+    EXPECT_EQ(descaled.lse, plain.lse) << base_name(base) << ": lse changed by descales of a 16-bit operand";
+  }
+}
+
+// A batch padded for a CUDA graph: q, out and lse have rows past cu_seqlens_q[B]. Those rows are
+// neither read (NaN in q changes nothing) nor written (out/lse keep their poison), and the
+// other rows equal the unpadded call's; a plan made for the unpadded batch serves the padded one.
+TEST(PaddedRows, NeitherReadNorWritten) {
+  for (Base base : {Base::varlen_paged, Base::varlen_contiguous, Base::varlen_paged_fp8}) {
+    for (int64_t pad : {1, 3}) {
+      Fixture f = make_fixture(base);
+      const int64_t real = kTotalQ - pad;  // the last sequences shortened; rows [real, kTotalQ) padding
+      for (int64_t b = 1; b <= kB; ++b)
+        set_int(*f.p.cu_seqlens_q, b, std::min(kCuQ[size_t(b)], real));
+      const TensorRef q = f.p.q, out = f.p.out, lse = *f.p.lse;
+      // The unpadded call: views of the first `real` rows.
+      f.p.q = q.slice(0, 0, real);
+      f.p.out = out.slice(0, 0, real);
+      f.p.lse = lse.slice(1, 0, real);
+      repoison(f);
+      const fs::Plan unpadded_plan = fs::plan_varlen_attention(f.p, fs::DeviceProps::cpu());
+      const Outputs want = run_outputs(f);
+
+      f.p.q = q, f.p.out = out, f.p.lse = lse;
+      for (int64_t r = real; r < kTotalQ; ++r)
+        fstest::poison(q.slice(0, r, r + 1));
+      for (int with_plan = 0; with_plan < 2; ++with_plan) {
+        repoison(f);
+        fs::ExecContext ctx;
+        if (with_plan) ctx.plan = &unpadded_plan;
+        Outputs got;
+        ASSERT_NO_THROW(got = run_outputs(f, ctx)) << base_name(base) << " pad " << pad;
+        // Every byte equal to the unpadded call's: the same rows written, the padding still poisoned.
+        EXPECT_EQ(got.out, want.out) << base_name(base) << " pad " << pad << " plan " << with_plan;
+        EXPECT_EQ(got.lse, want.lse) << base_name(base) << " pad " << pad << " plan " << with_plan;
+      }
+      const fs::Plan padded_plan = fs::plan_varlen_attention(f.p, fs::DeviceProps::cpu(), unpadded_plan);
+      EXPECT_EQ(padded_plan.shape.total_q, kTotalQ);
+      EXPECT_EQ(padded_plan.num_splits, unpadded_plan.num_splits);
+
+      // Still rejected: a plan made for another shape than the rows, and cu_seqlens_q past q.
+      fs::Plan other = unpadded_plan;
+      other.shape.max_seqlen_k += 1;
+      fs::ExecContext ctx;
+      ctx.plan = &other;
+      repoison(f);
+      try {
+        run_outputs(f, ctx);
+        ADD_FAILURE() << "a plan for another max_seqlen_k was accepted";
+      } catch (const fs::Error& e) {
+        EXPECT_EQ(std::string(e.what()).rfind("scheduler_metadata: expected a plan made for ", 0), 0u) << e.what();
+      }
+      EXPECT_THROW(fs::plan_varlen_attention(f.p, fs::DeviceProps::cpu(), other), fs::Error);
+      f.p.q = q.slice(0, 0, real - 1);
+      f.p.out = out.slice(0, 0, real - 1);
+      f.p.lse = lse.slice(1, 0, real - 1);
+      try {
+        run_outputs(f);
+        ADD_FAILURE() << "cu_seqlens_q[B] past the rows of q was accepted";
+      } catch (const fs::Error& e) {
+        EXPECT_EQ(std::string(e.what()).rfind("cu_seqlens_q: expected last entry <= ", 0), 0u) << e.what();
+      }
+    }
+  }
+}
 
 }  // namespace

@@ -349,6 +349,84 @@ def test_extension_block_and_step_ops(rng):
     assert list(slots) == [4 * 16 + 5, 7 * 16 + 0, -1]
 
 
+def test_v0_cache_ops(rng):
+    """vLLM v0's ops as public drop-ins (swap_blocks, copy_blocks, advance_step), on numpy
+    caches shaped like kv_cache[0] / kv_cache[1] of a (2, num_blocks, block_size, H_kv, D) cache."""
+    kv = [rand(rng, (2, 8, 4, 2, 16)) for _ in range(2)]  # two layers
+    before = [c.copy() for c in kv]
+    mapping = np.array([[int(rng.integers(0, 4)), 5], [int(rng.integers(0, 4)), 7]], np.int64)
+    fs.copy_blocks([c[0] for c in kv], [c[1] for c in kv], mapping)
+    for c, b in zip(kv, before):
+        for s, d in mapping:
+            b[:, d] = b[:, s]
+        assert np.array_equal(c, b)
+    with pytest.raises(ValueError, match="^value_caches: expected 2 caches"):
+        fs.copy_blocks([c[0] for c in kv], [kv[0][1]], mapping)
+    with pytest.raises(ValueError, match="^block_mapping: expected"):
+        fs.copy_blocks([c[0] for c in kv], [c[1] for c in kv], np.array([[0, 8]], np.int64))
+    assert all(np.array_equal(c, b) for c, b in zip(kv, before)), "written by a rejected call"
+
+    dst = np.full((3, 4, 2, 16), NAN, np.float32)
+    fs.swap_blocks(kv[0][1], dst, np.array([[6, 2], [1, 0]], np.int64))
+    assert np.array_equal(dst[2], kv[0][1][6]) and np.array_equal(dst[0], kv[0][1][1]) and np.isnan(dst[1]).all()
+    with pytest.raises(ValueError, match="^block_mapping: expected"):
+        fs.swap_blocks(kv[0][1], dst, np.array([[6, 3]], np.int64))
+
+    # advance_step: 2 queries, 1 CUDA-graph padding row; after prefills turned into decodes the
+    # token/position/slot rows still hold the mixed step's tokens (6 rows): only 3 are written.
+    for turn in (False, True):
+        rows = 6 if turn else 3
+        seq_lens = np.array([5, 16, 9], np.int32)
+        tables = np.array([[4, 1, 0], [2, 7, 0], [0, 3, 0]], np.int32)[:, :2]
+        tokens, positions, slots = (np.full(rows, 99, np.int64) for _ in range(3))
+        fs.advance_step(3, 2, 16, tokens, np.array([[11], [12]], np.int64), positions, seq_lens, slots, tables,
+                        turn_prefills_into_decodes=turn)
+        assert list(tokens) == [11, 12, 0] + [99] * (rows - 3) and list(seq_lens) == [6, 17, 9]
+        assert list(positions) == [5, 16, 0] + [99] * (rows - 3)
+        assert list(slots) == [4 * 16 + 5, 7 * 16 + 0, -1] + [99] * (rows - 3)
+    with pytest.raises(ValueError, match="^input_tokens: expected num_seqs = 3 rows"):
+        fs.advance_step(3, 2, 16, np.zeros(6, np.int64), np.zeros((2, 1), np.int64), np.zeros(3, np.int64),
+                        np.zeros(3, np.int32), np.zeros(3, np.int64), np.zeros((3, 2), np.int32))
+    lens = np.array([5, 32, 9], np.int32)  # sequence 1's next position needs a third block
+    with pytest.raises(ValueError, match="^block_tables: expected"):
+        fs.advance_step(3, 2, 16, np.zeros(3, np.int64), np.zeros((2, 1), np.int64), np.zeros(3, np.int64),
+                        lens, np.zeros(3, np.int64), np.zeros((3, 2), np.int32))
+    assert list(lens) == [5, 32, 9]
+
+
+def test_vllm_v1_padded_batch_and_descales(rng):
+    """What vLLM's v1 backend passes: q/out rows past cu_seqlens_q[-1] (a batch padded for a CUDA
+    graph; NaN there), descales for 16-bit (here fp32) operands (unused, FlashAttention's
+    behaviour), and the schedule of the unpadded batch. The padding rows of out stay untouched."""
+    hk, h, d, bs = 2, 4, 32, 16
+    q_lens, k_lens = [1, 3, 1], [20, 9, 33]
+    seqs_k = [rand(rng, (n, hk, d)) for n in k_lens]
+    seqs_v = [rand(rng, (n, hk, d)) for n in k_lens]
+    k_cache, table = paged(np.random.default_rng(3), seqs_k, bs)
+    v_cache, _ = paged(np.random.default_rng(3), seqs_v, bs)
+    pad = int(rng.integers(1, 5))
+    total = sum(q_lens)
+    q = np.full((total + pad, h, d), NAN, np.float32)
+    q[:total] = rand(rng, (total, h, d))
+    scale = np.array([float(rng.uniform(2.0, 4.0))], np.float32)
+    descale = np.lib.stride_tricks.as_strided(scale, shape=(3, hk), strides=(0, 0))  # _k_scale.expand(B, H_kv)
+    seqused = np.array(k_lens, np.int32)
+    md = fs.get_scheduler_metadata(3, max(q_lens), max(k_lens), h, hk, d, seqused, cu_seqlens_q=cu(q_lens),
+                                   page_size=bs, causal=True)
+    out = np.full((total + pad, h, d), NAN, np.float32)
+    fs.flash_attn_varlen_func(q, k_cache, v_cache, max(q_lens), cu(q_lens), max(k_lens), seqused_k=seqused,
+                              block_table=table, causal=True, out=out, scheduler_metadata=md, fa_version=3,
+                              q_descale=descale, k_descale=descale, v_descale=descale)
+    cq = cu(q_lens)
+    for b in range(3):
+        o, _ = ref_seq(q[cq[b]:cq[b + 1]], seqs_k[b], seqs_v[b], d ** -0.5, causal=True)
+        check_close(out[cq[b]:cq[b + 1]], o, np.float32, f"seq {b}")
+    assert np.isnan(out[total:]).all(), "padding rows of out were written"
+    with pytest.raises(ValueError, match="^k_descale: expected"):
+        fs.flash_attn_varlen_func(q, k_cache, v_cache, max(q_lens), cu(q_lens), max(k_lens), seqused_k=seqused,
+                                  block_table=table, causal=True, out=out, k_descale=np.ones((3, h), np.float32))
+
+
 def test_extension_variant_ops(rng):
     from flashserve import _C
     t, h, d = 3, 4, 8
@@ -410,6 +488,11 @@ API = {
         "prefill_tokens_with_context=None, output_scale=None"),
     "merge_state_v2": "v_a, s_a, v_b, s_b, v_merged=None, s_merged=None",
     "reshape_and_cache_flash": "key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale",
+    "swap_blocks": "src, dst, block_mapping",
+    "copy_blocks": "key_caches, value_caches, block_mapping",
+    "advance_step": (
+        "num_seqs, num_queries, block_size, input_tokens, sampled_token_ids, input_positions, seq_lens, "
+        "slot_mapping, block_tables, *, turn_prefills_into_decodes=False"),
 }
 
 
