@@ -16,6 +16,9 @@ from typing import Any, Optional
 from . import _C
 from .backend_builder import FlashServeMetadataBuilder, device_props
 from .backend_impl import FlashServeImpl
+from .backend_variants import (FlashServeDifferentialBackend, FlashServeDifferentialImpl,
+                               FlashServeMLAPrefillBackend, FlashServeMLAPrefillImpl,
+                               MLAChunkedContextMetadata, MLAPrefillMetadata)
 from .backend_types import (KV_CACHE_LAYOUTS, AttentionCGSupport, AttentionType,
                             CommonAttentionMetadata, DraftTree, FlashServeEngineConfig,
                             FlashServeKVCacheSpec, FlashServeMetadata, MultipleOf, check_positive,
@@ -29,7 +32,9 @@ except ImportError:
 __all__ = [
     "AttentionCGSupport", "AttentionType", "CommonAttentionMetadata", "MultipleOf", "DraftTree", "FlashServeBackend",
     "FlashServeEngineConfig", "FlashServeImpl", "FlashServeKVCacheSpec", "FlashServeMetadata",
-    "FlashServeMetadataBuilder", "reorder_decodes_first",
+    "FlashServeMetadataBuilder", "reorder_decodes_first", "FlashServeDifferentialBackend",
+    "FlashServeDifferentialImpl", "FlashServeMLAPrefillBackend", "FlashServeMLAPrefillImpl",
+    "MLAChunkedContextMetadata", "MLAPrefillMetadata",
 ]
 
 _ANY_GPU = _C.DeviceProps.cuda(0, 1, 8, 0)  # what every supported CUDA device supports
