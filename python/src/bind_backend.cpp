@@ -328,7 +328,9 @@ void register_metadata(nb::module_& m) {
       .def_prop_ro("common_prefix_len", [](const AttentionMetadata& md) { return md.cascade.common_prefix_len; })
       .def_prop_ro("use_local", [](const AttentionMetadata& md) { return md.local.enabled; })
       .def_prop_ro("num_local_reqs", [](const AttentionMetadata& md) { return md.local.part.num_reqs; })
-      .def_prop_ro("use_tree", [](const AttentionMetadata& md) { return md.tree.enabled; });
+      .def_prop_ro("use_tree", [](const AttentionMetadata& md) { return md.tree.enabled; })
+      .def_prop_ro("decode_num_splits", [](const AttentionMetadata& md) { return md.decode.plan.num_splits; })
+      .def_prop_ro("prefill_num_splits", [](const AttentionMetadata& md) { return md.prefill.plan.num_splits; });
 
   nb::class_<PyBuilder>(m, "MetadataBuilder", "Per-step metadata into fixed buffers (backend::MetadataBuilder).")
       .def("__init__", &init_builder, "spec"_a, nb::kw_only(), "block_size"_a = 16, "reorder_batch_threshold"_a = 1,
