@@ -137,6 +137,25 @@ class FlashServeBackend:
         """q/k/v descales per KV head ([H_kv]), as well as per tensor."""
         return True
 
+    @classmethod
+    def is_sparse(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_required_kv_cache_layout(cls) -> Optional[str]:
+        """The layout the engine must allocate: HND with the fork's shape order, else None
+        (either; the engine's choice goes in kv_cache_layout)."""
+        return "HND" if cls.kv_cache_shape_layout == "HND" else None
+
+    @classmethod
+    def validate_configuration(cls, head_size: int, dtype: Any, kv_cache_dtype: Optional[str],
+                               block_size: Optional[int], use_mla: bool, has_sink: bool,
+                               use_sparse: bool, device_capability: Any) -> list[str]:
+        """vLLM's list of reasons a configuration is invalid (empty: valid)."""
+        reason = cls.supports_combination(head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink,
+                                          use_sparse, device_capability)
+        return [] if reason is None else [reason]
+
     @staticmethod
     def get_supported_kernel_block_sizes() -> list:
         """Any block size (the kernels read any page size, 1 included)."""

@@ -114,8 +114,10 @@ class FlashServeImpl:
 
     # ------------------------------------------------------------------ the C++ layer
 
-    def _make_layer(self, device: Any, sqrt_alibi: bool) -> Any:
-        """The C++ layer with alibi_slopes / sinks on `device` (None: where they are)."""
+    def _make_layer(self, device: Any, sqrt_alibi: bool, writes: bool = True) -> Any:
+        """The C++ layer with alibi_slopes / sinks on `device` (None: where they are); `writes`:
+        whether its forward writes the new K/V (also needs forward_includes_kv_cache_update and
+        no KV sharing)."""
         def on(t: Any) -> Any:
             return t if t is None or device is None else t.to(device)
 
@@ -125,15 +127,16 @@ class FlashServeImpl:
             attention_chunk_size=self.attention_chunk_size, softcap=self.logits_soft_cap,
             alibi_slopes=on(self.alibi_slopes), sinks=on(self.sinks),
             kv_cache_dtype=self._cache_dtype, kv_layout=self.kv_cache_layout, dtype=self.dtype,
-            writes_kv_cache=self.kv_sharing_target_layer_name is None and self.forward_includes_kv_cache_update,
+            writes_kv_cache=(writes and self.kv_sharing_target_layer_name is None
+                             and self.forward_includes_kv_cache_update),
             alibi_sqrt=sqrt_alibi)
         return _C.AttentionLayer(spec)
 
-    def _layer_on(self, device: Any, sqrt_alibi: bool) -> Any:
-        key = (device, sqrt_alibi)
+    def _layer_on(self, device: Any, sqrt_alibi: bool, writes: bool = True) -> Any:
+        key = (device, sqrt_alibi, writes)
         layer = self._layers.get(key)
         if layer is None:
-            layer = self._layers[key] = self._make_layer(device, sqrt_alibi)
+            layer = self._layers[key] = self._make_layer(device, sqrt_alibi, writes)
         return layer
 
     # ------------------------------------------------------------------ caches and scales
@@ -234,12 +237,13 @@ class FlashServeImpl:
     def forward(self, layer: Any, query: Any, key: Any, value: Any, kv_cache: Any,
                 attn_metadata: Optional[FlashServeMetadata], output: Any = None,
                 output_scale: Any = None, output_block_scale: Any = None, *,
-                sqrt_alibi: Optional[bool] = None, kv_cache_scale: Any = None) -> Any:
+                sqrt_alibi: Optional[bool] = None, kv_cache_scale: Any = None,
+                kv_cache_updated: bool = False) -> Any:
         """query [T, H, D] (fp8 when the engine quantized it: descaled by layer._q_scale),
         key/value [T, H_kv, D(v)] (None: nothing to write), output [T, H, Dv] (or the same
         flattened to [T, H * D]); writes output and returns it. The new K/V are written unless
-        the layer shares another's cache or forward_includes_kv_cache_update is False (the
-        engine called do_kv_cache_update). sqrt_alibi (the fork's): ALiBi over sqrt(distance)
+        the layer shares another's cache, forward_includes_kv_cache_update is False or this call
+        says kv_cache_updated=True (the engine called do_kv_cache_update). sqrt_alibi (the fork's): ALiBi over sqrt(distance)
         for this call (None: use_sqrt_alibi); kv_cache_scale: the fork's int8 scales."""
         if output is None:
             raise ValueError("output: expected the engine's output buffer [num_tokens, num_heads, "
@@ -252,6 +256,8 @@ class FlashServeImpl:
             sqrt_alibi = self.use_sqrt_alibi
         if not isinstance(sqrt_alibi, bool):
             raise ValueError(f"sqrt_alibi: expected a bool, got {sqrt_alibi!r}")
+        if not isinstance(kv_cache_updated, bool):
+            raise ValueError(f"kv_cache_updated: expected a bool, got {kv_cache_updated!r}")
         if attn_metadata is None:  # the engine's profiling run
             return output
         md = attn_metadata
@@ -268,7 +274,7 @@ class FlashServeImpl:
             k_scale, v_scale, k_scale_cache = self._scales(layer, kv_cache_scale)
             if q.dtype in _FP8:
                 q_descale = getattr(layer, "_q_scale", None)
-        c_layer = self._layer_on(q.device, sqrt_alibi)
+        c_layer = self._layer_on(q.device, sqrt_alibi, not kv_cache_updated)
         if builder is not self._ws_builder:
             self._ws_bytes = c_layer.workspace_bytes(builder._c)
             self._ws_builder = builder

@@ -365,6 +365,12 @@ def test_cache_update_split_from_forward(case, device, cache_dtype):
     if case.call(impl.forward, run.layer, run.q, run.key, run.value, run.kv_cache, md, out) is None:
         return case.done()
     check_bits(case, "kv_cache after a forward that does not write", run.kv_cache, before)
+    writing = FlashServeImpl(cfg.heads, cfg.head_size, cfg.head_size ** -0.5, cfg.heads_kv,
+                             kv_cache_dtype=cfg.cache_dtype, kv_cache_layout=cfg.layout,
+                             kv_cache_shape_layout=cfg.shape_layout, dtype=BF16)
+    md = builder.build(0, run.common)
+    writing.forward(run.layer, run.q, run.key, run.value, run.kv_cache, md, out, kv_cache_updated=True)
+    check_bits(case, "kv_cache after a forward told kv_cache_updated=True", run.kv_cache, before)
     impl.do_kv_cache_update(run.layer, run.key, run.value, run.kv_cache, run.new_slots)
     check_new_tokens(case, run)
     md = builder.build(0, run.common)
@@ -444,6 +450,10 @@ def test_vllm_capability_queries():
     assert "compute capability" in B.supports_combination(128, BF16, "auto", 16, False, False, False, (7, 5))
     assert "head size" in B.supports_combination(20, BF16, "auto", 16, False, False, False, (9, 0))
     assert "dtype" in B.supports_combination(128, torch.float32, "auto", 16, False, False, False, (9, 0))
+    assert B.validate_configuration(128, BF16, "auto", 16, False, False, False, (9, 0)) == []
+    assert B.validate_configuration(128, BF16, "auto", 16, False, False, True, (9, 0)) == [
+        "sparse attention: not implemented"]
+    assert B.is_sparse() is False and B.get_required_kv_cache_layout() is None
     assert FlashServeMetadataBuilder.get_cudagraph_support(None, None) == AttentionCGSupport.UNIFORM_BATCH
     assert AttentionCGSupport.UNIFORM_BATCH.name == "UNIFORM_BATCH"
 
@@ -456,6 +466,7 @@ def test_fork_cache_shape_and_stride_order(layers):
     try:
         assert FlashServeBackend.get_kv_cache_shape(10, 16, 4, 64) == (2, 10, 4, 16, 64)
         assert FlashServeBackend.get_kv_cache_shape(10, 16, 4, 64, "int8_k8v16") == (3, 10, 4, 16, 64)
+        assert FlashServeBackend.get_required_kv_cache_layout() == "HND"
         order = FlashServeBackend.get_kv_cache_stride_order(include_num_layers_dimension=layers)
         if not layers:
             assert order == (0, 1, 2, 3, 4)
