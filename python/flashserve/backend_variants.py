@@ -93,7 +93,7 @@ def _rms_params(subln: Any, width: int) -> tuple[Any, float]:
                          f"(weight, variance_epsilon or eps) or a (weight, eps) pair, got {type(subln).__name__}")
     if weight is None:
         weight = torch.ones(width)
-    weight = torch.as_tensor(weight).detach().float().reshape(-1)
+    weight = torch.as_tensor(weight).detach().float().reshape(-1).cpu()
     if weight.numel() != width:
         raise ValueError(f"differential_flash_attention_config['subln']: expected a weight of 2 * head_size="
                          f"{width}, got {weight.numel()}")
@@ -136,7 +136,7 @@ class FlashServeDifferentialImpl:
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.dtype = dtype_name(dtype)
         self.lambda_init = _float("lambda_init", cfg["lambda_init"])
-        self._lambdas = [torch.as_tensor(cfg[n]).detach().float().reshape(-1)
+        self._lambdas = [torch.as_tensor(cfg[n]).detach().float().reshape(-1).cpu()
                          for n in ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")]
         self._subln_weight, self.rms_eps = _rms_params(cfg["subln"], 2 * self.head_size)
         self._layers: dict = {}
@@ -146,7 +146,7 @@ class FlashServeDifferentialImpl:
 
     @property
     def lambda_full(self) -> float:
-        """λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init."""
+        """λ = exp(λq1·λk1) - exp(λq2·λk2) + λ_init (from host copies of the vectors)."""
         return self._layer_on(None).lambda_full()
 
     def _layer_on(self, device: Any) -> Any:

@@ -288,12 +288,13 @@ def step(case: Case, cfg: Cfg, **forward_kw):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cache_dtype", ["int8", "int8_k8v16"])
 @pytest.mark.parametrize("scales_from", ["forward", "layer"])
-def test_fork_int8_caches(case, device, cache_dtype, scales_from):
-    """The fork's (2|3, num_blocks, H_kv, block_size, D) int8 caches with H_kv == block_size,
-    scales from forward's kv_cache_scale or the layer's."""
-    cfg = Cfg(device, cache_dtype=cache_dtype, shape_layout="HND", layout="HND")
+@pytest.mark.parametrize("shape_layout,layout", [("HND", "HND"), ("NHD", "NHD"), ("NHD", "HND")])
+def test_int8_caches(case, device, cache_dtype, scales_from, shape_layout, layout):
+    """int8 K8V8 / K8V16 caches, the fork's (2|3, num_blocks, H_kv, block_size, D) shape order
+    or vLLM's, with H_kv == block_size; scales from forward's kv_cache_scale or the layer's."""
+    cfg = Cfg(device, cache_dtype=cache_dtype, shape_layout=shape_layout, layout=layout)
     run, impl, builder = make_run(case, cfg)
-    case.desc = f"{cache_dtype} q_lens={run.q_lens} seq_lens={run.seq_lens}"
+    case.desc = f"{cache_dtype} {shape_layout}/{layout} q_lens={run.q_lens} seq_lens={run.seq_lens}"
     assert run.kv_cache.shape == (2 if cache_dtype == "int8" else 3, run.kv_cache.shape[1], 4, 4, 64)
     md = builder.build(0, run.common)
     out = poisoned((sum(run.q_lens), cfg.heads, cfg.head_size), BF16, device)
