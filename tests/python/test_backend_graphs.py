@@ -3,7 +3,8 @@ CUDA graphs capture it): the metadata build outside the graph (it rewrites the b
 device buffers in place), then the layer forward (cache write + attention) inside, over static
 q / key / value / out / slot_mapping / block_table buffers. Each captured batch size is replayed
 over many steps with new lengths, block tables and inputs, and compared with an eager forward
-of a second builder of the same config on a copy of the cache, and with the fp64 reference:
+of a second builder of the same config on a copy of the cache, and with the fp64 reference
+(every other step padded to the captured size as engines pad: requests of length 0, slots -1):
 uniform decode steps (q_len 1) and uniform verify steps (q_len 2-8), with the split count fixed
 by FlashServeEngineConfig.num_splits. On the CPU the same static buffers re-run eagerly (the
 fixed-buffer contract without a graph)."""
@@ -84,25 +85,30 @@ class Engine:
         self.md = None
         self.lens: list = []
 
-    def new_step(self, full: bool = False) -> CommonAttentionMetadata:
+    def new_step(self, full: bool = False, live: int = 0) -> CommonAttentionMetadata:
         """New lengths (each request's q_len newest tokens are this step's), block table and
-        inputs, copied into the static buffers."""
+        inputs, copied into the static buffers. live < batch: the rest are the padding an
+        engine adds to reach the captured size (query and KV length 0, slots -1)."""
         case, q_len, bs = self.case, self.q_len, self.bs
-        self.lens = [self.cap if full else case.rng.randint(q_len, self.cap) for _ in range(self.batch)]
+        live = live or self.batch
+        self.live = live
+        self.lens = [self.cap if full else case.rng.randint(q_len, self.cap) for _ in range(live)]
         ids = torch.tensor(case.perm(self.num_blocks)[: self.batch * self.max_blocks], dtype=torch.int32)
         table = ids.view(self.batch, self.max_blocks)
         slots = []
         for b, n in enumerate(self.lens):
             pos = torch.arange(n - q_len, n)
             slots.append(table[b].long()[pos // bs] * bs + pos % bs)
+        slots.append(torch.full(((self.batch - live) * q_len,), -1, dtype=torch.int64))
         self.block_table.copy_(table)
         self.slot_mapping.copy_(torch.cat(slots))
         for buf in (self.q, self.key, self.value):
             buf.copy_(torch.randn(buf.shape, generator=case.gen).to(self.dtype))
-        sl = torch.tensor(self.lens, dtype=torch.int32)
+        sl = torch.tensor(self.lens + [0] * (self.batch - live), dtype=torch.int32)
+        qsl = self.qsl_cpu.clamp(max=live * q_len)
         return CommonAttentionMetadata(
-            query_start_loc=self.qsl_cpu.to(self.device), query_start_loc_cpu=self.qsl_cpu,
-            seq_lens=sl.to(self.device), seq_lens_cpu=sl, num_reqs=self.batch, num_actual_tokens=self.T,
+            query_start_loc=qsl.to(self.device), query_start_loc_cpu=qsl,
+            seq_lens=sl.to(self.device), seq_lens_cpu=sl, num_reqs=self.batch, num_actual_tokens=live * q_len,
             max_query_len=q_len, max_seq_len=max(self.lens), block_table_tensor=self.block_table,
             slot_mapping=self.slot_mapping)
 
@@ -110,8 +116,9 @@ class Engine:
         self.impls[which].forward(self.layer, self.q, self.key, self.value, self.kv_cache, self.md, self.out)
 
     def reference(self) -> torch.Tensor:
+        """The live requests' rows."""
         key_cache, value_cache = self.kv_cache.unbind(0)
-        ref = torch.zeros(self.T, self.H, self.D, device=self.device)
+        ref = torch.zeros(self.live * self.q_len, self.H, self.D, device=self.device)
         for b, n in enumerate(self.lens):
             rows = slice(b * self.q_len, (b + 1) * self.q_len)
             k = gather_paged(key_cache, self.block_table[b], n)
@@ -125,7 +132,7 @@ class Engine:
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_backend_step_graph_replay(case, device, q_len, layout):
     assert FlashServeMetadataBuilder.get_cudagraph_support(None, None) >= AttentionCGSupport.UNIFORM_BATCH
-    sizes, cap, steps = ([1, 3, 8], 1024, 8) if device == "cuda" else ([2], 96, 3)
+    sizes, cap, steps = ([1, 3, 8], 1024, 8) if device == "cuda" else ([3], 96, 4)
     for batch in sizes:
         e = Engine(case, device, batch, q_len, cap, layout, num_splits=4)
         case.desc = f"batch={batch} q_len={q_len} {layout}"
@@ -134,15 +141,16 @@ def test_backend_step_graph_replay(case, device, q_len, layout):
         assert e.md.num_decodes == batch and e.md.num_decode_tokens == e.T, case.where()
         graph = capture(lambda: e.forward(0), device)
         for step in range(steps):
-            common = e.new_step()
-            case.desc = f"batch={batch} q_len={q_len} {layout} step {step}: lens={e.lens}"
+            common = e.new_step(live=batch if step % 2 == 0 else case.rng.randint(1, batch))
+            case.desc = f"batch={batch} q_len={q_len} {layout} step {step}: live lens={e.lens}"
             e.md = e.builders[0].build(0, common)  # outside the graph: rewrites its buffers in place
             before = e.kv_cache.clone()
             e.out.fill_(float("nan"))
             graph.replay()
             if device == "cuda":
                 torch.cuda.synchronize()
-            replayed, cache_replayed = e.out.clone(), e.kv_cache.clone()
+            rows = e.live * q_len
+            replayed, cache_replayed = e.out[:rows].clone(), e.kv_cache.clone()
             check_out(case, "replayed out", replayed, e.reference(), cap)
 
             e.kv_cache.copy_(before)  # the same step eagerly through the second builder
@@ -150,7 +158,7 @@ def test_backend_step_graph_replay(case, device, q_len, layout):
             e.out.fill_(float("nan"))
             e.forward(1)
             check_bits(case, "cache written by the replay vs eager", cache_replayed, e.kv_cache)
-            check_out(case, "replayed vs eager", replayed, e.out.float(), cap)
+            check_out(case, "replayed vs eager", replayed, e.out[:rows].float(), cap)
 
 
 @pytest.mark.parametrize("batch", [1, 6])
