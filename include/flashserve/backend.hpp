@@ -39,6 +39,7 @@ struct LayerSpec {
   int64_t attention_chunk_size = 0; // > 0: chunked local attention (virtual batches)
   float softcap = 0.0f;
   OptTensor alibi_slopes;           // fp32 [H]
+  bool alibi_sqrt = false;          // ALiBi bias slope * sqrt(|i' - j|) (the int8 fork's sqrt_alibi)
   OptTensor sinks;                  // [H]
   KvCacheDType kv_cache_dtype = KvCacheDType::auto_;
   KvLayout kv_layout = KvLayout::nhd;
@@ -74,6 +75,8 @@ struct KvCache {
   OptTensor k_scale;          // fp8: fp32 [] / [H_kv]; int8 K8V8: unused for k
   OptTensor v_scale;          // fp8: as k_scale; int8 K8V8: fp32 [H_kv, Dv]
   OptTensor k_scale_cache;    // int8: fp32 [num_blocks, H_kv, block_size]
+  OptTensor q_descale;        // fp8 q (the engine quantized it; vLLM's layer._q_scale): fp32
+                              // [] / [1] / [H_kv]; absent = 1.0. Given for a non-fp8 q: an error
 };
 
 // ---------------------------------------------------------------- metadata builder
@@ -104,6 +107,10 @@ struct BuilderConfig {
   int64_t max_num_tokens = 8192;
   int64_t max_blocks_per_req = 2048;
   int max_num_splits = 32;           // bound so the split-KV workspace is preallocated
+  // 0: each part's split count from the heuristic (capped at max_num_splits). > 0: every part
+  // asks for this many (capped at max_num_splits and at the keys' granules), independent of
+  // the batch: CUDA graphs capture a fixed split count, and eager steps then split alike.
+  int num_splits = 0;
   int dcp_world_size = 1;            // decode context parallel
   int dcp_rank = 0;
   int64_t max_draft_depth = 32;      // tree verify: longest draft path (width of the tree pass's slot table)
@@ -252,6 +259,12 @@ class AttentionLayer {
   void forward(const AttentionMetadata& md, const TensorRef& q, const OptTensor& key, const OptTensor& value,
                const KvCache* cache, const TensorRef& out, const LayerWorkspace& ws,
                const ExecContext& ctx = {}) const;
+
+  // Writes key/value [>= n, H_kv, D(v)] at slot_mapping int64 [n] into the cache (vLLM's
+  // do_kv_cache_update, for a forward that does not write: spec.writes_kv_cache = false). The
+  // cache format and layout are the spec's; encoder types have no cache (an error).
+  void update_kv_cache(const TensorRef& key, const TensorRef& value, const KvCache& cache,
+                       const TensorRef& slot_mapping, const ExecContext& ctx = {}) const;
 
  private:
   LayerSpec spec_;

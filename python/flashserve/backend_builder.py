@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from . import _C
-from .backend_types import (CommonAttentionMetadata, DraftTree, FlashServeEngineConfig,
+from .backend_types import (AttentionCGSupport, CommonAttentionMetadata, DraftTree, FlashServeEngineConfig,
                             FlashServeKVCacheSpec, FlashServeMetadata, attn_type_name,
                             cache_dtype_name, check_positive, dtype_name)
 
@@ -76,6 +76,17 @@ class FlashServeMetadataBuilder:
 
     reorder_batch_threshold: int = 1
     supports_update_block_table: bool = True
+    # CUDA graphs: the builder writes every build into the same device buffers and a forward
+    # never allocates or synchronizes, so a captured step replays over any lengths; the launch
+    # shapes (request count, query rows, split count) are those of the capture, so a graph
+    # serves batches of its captured shape: uniform query lengths, padded to the captured size.
+    _cudagraph_support: AttentionCGSupport = AttentionCGSupport.UNIFORM_BATCH
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: Any = None, kv_cache_spec: Any = None) -> AttentionCGSupport:
+        """vLLM's query: UNIFORM_BATCH (decode and uniform verify steps capture whole;
+        mixed prefill / decode batches run eagerly)."""
+        return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec: FlashServeKVCacheSpec, layer_names: list[str],
                  vllm_config: FlashServeEngineConfig, device: Any = "cpu") -> None:
@@ -104,6 +115,7 @@ class FlashServeMetadataBuilder:
             max_num_tokens=config.max_num_batched_tokens,
             max_blocks_per_req=_cdiv(check_positive("max_model_len", config.max_model_len), self.block_size),
             max_num_splits=config.max_num_splits,
+            num_splits=check_positive("num_splits", config.num_splits, 0),
             max_draft_depth=config.max_draft_depth,
             stream=None if self._stream is None else self._stream.cuda_stream,
         )

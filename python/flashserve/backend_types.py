@@ -14,6 +14,22 @@ ATTN_TYPES = ("decoder", "encoder", "encoder_only", "encoder_decoder")
 KV_CACHE_LAYOUTS = ("NHD", "HND")
 
 
+class AttentionCGSupport(enum.IntEnum):
+    """vLLM's CUDA-graph support levels of a metadata builder (higher supports more)."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  # decode-only batches of one query token per request
+    UNIFORM_BATCH = 2                # batches whose requests all have the same query length
+    ALWAYS = 3                       # any batch, mixed prefill and decode included
+
+
+@dataclass(frozen=True)
+class MultipleOf:
+    """vLLM's MultipleOf: a supported kernel block size is any multiple of `base`."""
+
+    base: int
+
+
 class AttentionType(str, enum.Enum):
     """vLLM's attention types; plain strings with the same values are accepted everywhere."""
 
@@ -89,6 +105,9 @@ class FlashServeEngineConfig:
     num_speculative_tokens: int = 0       # > 0: verify steps count as decodes
     enable_cascade: bool = True
     max_num_splits: int = 16              # bounds the split-KV workspace (CUDA graphs)
+    num_splits: int = 0                   # > 0: every part's split count fixed at this (capped
+                                          # by the keys), so a captured step's split count
+                                          # never depends on the lengths (FA3's max_num_splits)
     dcp_world_size: int = 1
     dcp_rank: int = 0
     max_draft_depth: int = 32

@@ -20,6 +20,7 @@
 
 #include "convert.hpp"
 #include "flashserve/backend.hpp"
+#include "flashserve/backend_variants.hpp"
 #include "flashserve/status.hpp"
 
 namespace nb = nanobind;
@@ -97,7 +98,7 @@ struct PyLayer {
 void init_spec(PyLayerSpec* self, int64_t num_heads, int64_t num_kv_heads, int64_t head_size, int64_t head_size_v,
                float scale, std::string_view attn_type, int64_t sliding_window, int64_t attention_chunk_size,
                float softcap, nb::handle alibi_slopes, nb::handle sinks, std::string_view kv_cache_dtype,
-               std::string_view kv_layout, std::string_view dtype, bool writes_kv_cache) {
+               std::string_view kv_layout, std::string_view dtype, bool writes_kv_cache, bool alibi_sqrt) {
   LayerSpec s;
   s.num_heads = num_heads;
   s.num_kv_heads = num_kv_heads;
@@ -114,12 +115,13 @@ void init_spec(PyLayerSpec* self, int64_t num_heads, int64_t num_kv_heads, int64
   s.kv_layout = layout_arg(kv_layout, "kv_layout");
   s.dtype = activation_dtype_arg(dtype);
   s.writes_kv_cache = writes_kv_cache;
+  s.alibi_sqrt = alibi_sqrt;
   new (self) PyLayerSpec{s, nb::borrow(alibi_slopes), nb::borrow(sinks)};
 }
 
 void init_builder(PyBuilder* self, nb::object spec, int64_t block_size, int reorder_batch_threshold,
                   bool enable_cascade, const DeviceProps& device, int64_t max_num_reqs, int64_t max_num_tokens,
-                  int64_t max_blocks_per_req, int max_num_splits, int dcp_world_size, int dcp_rank,
+                  int64_t max_blocks_per_req, int max_num_splits, int num_splits, int dcp_world_size, int dcp_rank,
                   int64_t max_draft_depth, nb::handle stream) {
   BuilderConfig c;
   c.layer = nb::cast<const PyLayerSpec&>(spec).spec;
@@ -131,6 +133,7 @@ void init_builder(PyBuilder* self, nb::object spec, int64_t block_size, int reor
   c.max_num_tokens = max_num_tokens;
   c.max_blocks_per_req = max_blocks_per_req;
   c.max_num_splits = max_num_splits;
+  c.num_splits = num_splits;
   c.dcp_world_size = dcp_world_size;
   c.dcp_rank = dcp_rank;
   c.max_draft_depth = max_draft_depth;
@@ -168,27 +171,110 @@ const AttentionMetadata& update_block_table(PyBuilder& b, nb::handle block_table
   return md;
 }
 
+KvCache kv_cache_arg(nb::handle key_cache, nb::handle value_cache, nb::handle k_scale, nb::handle v_scale,
+                     nb::handle k_scale_cache, nb::handle q_descale) {
+  KvCache cache;
+  cache.key_cache = tensor_arg(key_cache, "key_cache");
+  cache.value_cache = tensor_arg(value_cache, "value_cache");
+  cache.k_scale = opt_tensor_arg(k_scale, "k_scale");
+  cache.v_scale = opt_tensor_arg(v_scale, "v_scale");
+  cache.k_scale_cache = opt_tensor_arg(k_scale_cache, "k_scale_cache");
+  cache.q_descale = opt_tensor_arg(q_descale, "q_descale");
+  return cache;
+}
+
+LayerWorkspace workspace_arg(nb::handle workspace) {
+  if (workspace.is_none()) return {};
+  const TensorRef w = tensor_arg(workspace, "workspace");
+  if (!w.is_contiguous()) fail_arg("workspace", "a contiguous tensor", w.shape_str());
+  return LayerWorkspace{w.data, size_t(w.numel()) * dtype_size(w.dtype), w.device};
+}
+
 void forward(const PyLayer& l, const AttentionMetadata& md, nb::handle q, nb::handle key, nb::handle value,
              nb::handle key_cache, nb::handle value_cache, nb::handle out, nb::handle workspace, nb::handle k_scale,
-             nb::handle v_scale, nb::handle k_scale_cache, nb::handle stream) {
+             nb::handle v_scale, nb::handle k_scale_cache, nb::handle q_descale, nb::handle stream) {
   KvCache cache;
   const bool cached = !key_cache.is_none() || !value_cache.is_none();
-  if (cached) {
-    cache.key_cache = tensor_arg(key_cache, "key_cache");
-    cache.value_cache = tensor_arg(value_cache, "value_cache");
-    cache.k_scale = opt_tensor_arg(k_scale, "k_scale");
-    cache.v_scale = opt_tensor_arg(v_scale, "v_scale");
-    cache.k_scale_cache = opt_tensor_arg(k_scale_cache, "k_scale_cache");
-  }
-  LayerWorkspace ws;
-  if (!workspace.is_none()) {
-    const TensorRef w = tensor_arg(workspace, "workspace");
-    if (!w.is_contiguous()) fail_arg("workspace", "a contiguous tensor", w.shape_str());
-    ws = LayerWorkspace{w.data, size_t(w.numel()) * dtype_size(w.dtype), w.device};
-  }
+  if (cached) cache = kv_cache_arg(key_cache, value_cache, k_scale, v_scale, k_scale_cache, q_descale);
+  else if (!q_descale.is_none()) fail_arg("q_descale", "None for a layer without a KV cache", "a tensor");
   ExecContext ctx = stream_context(stream);
   l.layer.forward(md, tensor_arg(q, "q"), opt_tensor_arg(key, "key"), opt_tensor_arg(value, "value"),
-                  cached ? &cache : nullptr, tensor_arg(out, "out"), ws, ctx);
+                  cached ? &cache : nullptr, tensor_arg(out, "out"), workspace_arg(workspace), ctx);
+}
+
+void update_kv_cache(const PyLayer& l, nb::handle key, nb::handle value, nb::handle key_cache, nb::handle value_cache,
+                     nb::handle slot_mapping, nb::handle k_scale, nb::handle v_scale, nb::handle k_scale_cache,
+                     nb::handle stream) {
+  const KvCache cache = kv_cache_arg(key_cache, value_cache, k_scale, v_scale, k_scale_cache, nb::none());
+  l.layer.update_kv_cache(tensor_arg(key, "key"), tensor_arg(value, "value"), cache,
+                          tensor_arg(slot_mapping, "slot_mapping"), stream_context(stream));
+}
+
+// ---------------------------------------------------------------- variants
+
+struct PyDifferential {
+  DifferentialAttentionLayer layer;
+  nb::object spec, tensors;  // the PyLayerSpec and the λ / RMSNorm tensors the spec references
+  PyDifferential(const DifferentialSpec& s, nb::object sp, nb::object t)
+      : layer(s), spec(std::move(sp)), tensors(std::move(t)) {}
+};
+
+void init_differential(PyDifferential* self, nb::object spec, nb::handle lambda_q1, nb::handle lambda_k1,
+                       nb::handle lambda_q2, nb::handle lambda_k2, nb::handle subln_weight, float lambda_init,
+                       float rms_eps) {
+  DifferentialSpec s;
+  s.base = nb::cast<const PyLayerSpec&>(spec).spec;
+  s.lambda_q1 = tensor_arg(lambda_q1, "lambda_q1");
+  s.lambda_k1 = tensor_arg(lambda_k1, "lambda_k1");
+  s.lambda_q2 = tensor_arg(lambda_q2, "lambda_q2");
+  s.lambda_k2 = tensor_arg(lambda_k2, "lambda_k2");
+  s.subln_weight = tensor_arg(subln_weight, "subln_weight");
+  s.lambda_init = lambda_init;
+  s.rms_eps = rms_eps;
+  nb::tuple keep = nb::make_tuple(lambda_q1, lambda_k1, lambda_q2, lambda_k2, subln_weight);
+  new (self) PyDifferential(s, std::move(spec), std::move(keep));
+}
+
+void differential_forward(const PyDifferential& l, const AttentionMetadata& md, nb::handle q, nb::handle key,
+                          nb::handle value, nb::handle key_cache1, nb::handle value_cache1, nb::handle key_cache2,
+                          nb::handle value_cache2, nb::handle out, nb::handle workspace, nb::handle k_scale,
+                          nb::handle v_scale, nb::handle stream) {
+  DifferentialCache cache;
+  const bool cached = !key_cache1.is_none();
+  if (cached) {
+    cache.half1 = kv_cache_arg(key_cache1, value_cache1, k_scale, v_scale, nb::none(), nb::none());
+    cache.half2 = kv_cache_arg(key_cache2, value_cache2, k_scale, v_scale, nb::none(), nb::none());
+  }
+  l.layer.forward(md, tensor_arg(q, "q"), opt_tensor_arg(key, "key"), opt_tensor_arg(value, "value"), cache,
+                  tensor_arg(out, "out"), workspace_arg(workspace), stream_context(stream));
+}
+
+// The MLA prefill's part: the prefill requests of cu_seqlens_q (device int32 [B + 1]) over q's rows.
+PartMetadata mla_part(const TensorRef& q, nb::handle cu_seqlens_q, int64_t max_query_len) {
+  PartMetadata part;
+  part.cu_seqlens_q = tensor_arg(cu_seqlens_q, "cu_seqlens_q");
+  if (part.cu_seqlens_q.ndim != 1 || part.cu_seqlens_q.size(0) < 1)
+    fail_arg("cu_seqlens_q", "int32 [num_prefills + 1]", part.cu_seqlens_q.shape_str());
+  part.num_reqs = part.cu_seqlens_q.size(0) - 1;
+  part.num_tokens = q.ndim > 0 ? q.size(0) : 0;
+  part.max_query_len = max_query_len;
+  part.causal = true;
+  return part;
+}
+
+void mla_prefill(const MlaLayer& l, nb::handle q, nb::handle k, nb::handle v, nb::handle cu_seqlens_q,
+                 int64_t max_query_len, nb::list context, nb::handle out, nb::handle workspace, nb::handle stream) {
+  const TensorRef qt = tensor_arg(q, "q");
+  const PartMetadata part = mla_part(qt, cu_seqlens_q, max_query_len);
+  std::vector<MlaContextChunk> chunks;
+  for (nb::handle item : context) {
+    nb::tuple t = nb::cast<nb::tuple>(item);
+    if (t.size() != 4) fail_arg("context", "(k, v, cu_seqlens_k, max_seqlen_k) tuples", detail::cat(t.size(), "-tuple"));
+    chunks.push_back(MlaContextChunk{tensor_arg(t[0], "context k"), tensor_arg(t[1], "context v"),
+                                     tensor_arg(t[2], "context cu_seqlens_k"), nb::cast<int64_t>(t[3])});
+  }
+  l.prefill(part, qt, tensor_arg(k, "k"), tensor_arg(v, "v"), chunks, tensor_arg(out, "out"), workspace_arg(workspace),
+            stream_context(stream));
 }
 
 nb::tuple int_tuple(const auto& values) {
@@ -208,7 +294,7 @@ void register_spec(nb::module_& m) {
       .def("__init__", &init_spec, "num_heads"_a, "num_kv_heads"_a, "head_size"_a, nb::kw_only(), "head_size_v"_a = 0,
            "scale"_a = 0.0f, "attn_type"_a = "decoder", "sliding_window"_a = 0, "attention_chunk_size"_a = 0,
            "softcap"_a = 0.0f, "alibi_slopes"_a = nb::none(), "sinks"_a = nb::none(), "kv_cache_dtype"_a = "auto",
-           "kv_layout"_a = "NHD", "dtype"_a = "bfloat16", "writes_kv_cache"_a = true)
+           "kv_layout"_a = "NHD", "dtype"_a = "bfloat16", "writes_kv_cache"_a = true, "alibi_sqrt"_a = false)
       .def_prop_ro("num_heads", [](const PyLayerSpec& s) { return s.spec.num_heads; })
       .def_prop_ro("num_kv_heads", [](const PyLayerSpec& s) { return s.spec.num_kv_heads; })
       .def_prop_ro("head_size", [](const PyLayerSpec& s) { return s.spec.head_size; })
@@ -242,12 +328,14 @@ void register_metadata(nb::module_& m) {
       .def_prop_ro("common_prefix_len", [](const AttentionMetadata& md) { return md.cascade.common_prefix_len; })
       .def_prop_ro("use_local", [](const AttentionMetadata& md) { return md.local.enabled; })
       .def_prop_ro("num_local_reqs", [](const AttentionMetadata& md) { return md.local.part.num_reqs; })
-      .def_prop_ro("use_tree", [](const AttentionMetadata& md) { return md.tree.enabled; });
+      .def_prop_ro("use_tree", [](const AttentionMetadata& md) { return md.tree.enabled; })
+      .def_prop_ro("decode_num_splits", [](const AttentionMetadata& md) { return md.decode.plan.num_splits; })
+      .def_prop_ro("prefill_num_splits", [](const AttentionMetadata& md) { return md.prefill.plan.num_splits; });
 
   nb::class_<PyBuilder>(m, "MetadataBuilder", "Per-step metadata into fixed buffers (backend::MetadataBuilder).")
       .def("__init__", &init_builder, "spec"_a, nb::kw_only(), "block_size"_a = 16, "reorder_batch_threshold"_a = 1,
            "enable_cascade"_a = true, "device"_a = DeviceProps::cpu(), "max_num_reqs"_a = 256,
-           "max_num_tokens"_a = 8192, "max_blocks_per_req"_a = 2048, "max_num_splits"_a = 32, "dcp_world_size"_a = 1,
+           "max_num_tokens"_a = 8192, "max_blocks_per_req"_a = 2048, "max_num_splits"_a = 32, "num_splits"_a = 0, "dcp_world_size"_a = 1,
            "dcp_rank"_a = 0, "max_draft_depth"_a = 32, "stream"_a = nb::none())
       .def("build", &build, nb::rv_policy::reference_internal, "query_start_loc"_a, "seq_lens"_a.none(),
            "block_table"_a.none(), "slot_mapping"_a.none(), nb::kw_only(), "num_reqs"_a, "num_actual_tokens"_a,
@@ -275,7 +363,54 @@ void register_layer(nb::module_& m) {
           [](const PyLayer& l, const PyBuilder& b) { return l.layer.workspace_bytes(b.builder.config()); }, "builder"_a)
       .def("forward", &forward, "metadata"_a, "q"_a, "key"_a.none(), "value"_a.none(), "key_cache"_a.none(),
            "value_cache"_a.none(), "out"_a, "workspace"_a.none(), nb::kw_only(), "k_scale"_a = nb::none(),
-           "v_scale"_a = nb::none(), "k_scale_cache"_a = nb::none(), "stream"_a = nb::none());
+           "v_scale"_a = nb::none(), "k_scale_cache"_a = nb::none(), "q_descale"_a = nb::none(),
+           "stream"_a = nb::none())
+      .def("update_kv_cache", &update_kv_cache, "key"_a, "value"_a, "key_cache"_a, "value_cache"_a, "slot_mapping"_a,
+           nb::kw_only(), "k_scale"_a = nb::none(), "v_scale"_a = nb::none(), "k_scale_cache"_a = nb::none(),
+           "stream"_a = nb::none());
+}
+
+void register_variants(nb::module_& m) {
+  nb::class_<PyDifferential>(m, "DifferentialAttentionLayer",
+                             "Differential attention over two half caches (backend::DifferentialAttentionLayer).")
+      .def("__init__", &init_differential, "spec"_a, nb::kw_only(), "lambda_q1"_a, "lambda_k1"_a, "lambda_q2"_a,
+           "lambda_k2"_a, "subln_weight"_a, "lambda_init"_a = 0.8f, "rms_eps"_a = 1e-5f)
+      .def("lambda_full", [](const PyDifferential& l) { return l.layer.lambda_full(); })
+      .def(
+          "workspace_bytes",
+          [](const PyDifferential& l, const PyBuilder& b) { return l.layer.workspace_bytes(b.builder.config()); },
+          "builder"_a)
+      .def("forward", &differential_forward, "metadata"_a, "q"_a, "key"_a.none(), "value"_a.none(),
+           "key_cache1"_a.none(), "value_cache1"_a.none(), "key_cache2"_a.none(), "value_cache2"_a.none(), "out"_a,
+           "workspace"_a.none(), nb::kw_only(), "k_scale"_a = nb::none(), "v_scale"_a = nb::none(),
+           "stream"_a = nb::none());
+
+  nb::class_<MlaLayer>(m, "MlaLayer", "MLA prefill (new tokens causal, context chunks merged by LSE) (backend::MlaLayer).")
+      .def(
+          "__init__",
+          [](MlaLayer* self, int64_t num_heads, int64_t kv_lora_rank, int64_t qk_rope_head_dim,
+             int64_t qk_nope_head_dim, int64_t v_head_dim, float scale) {
+            MlaSpec s;
+            s.num_heads = num_heads;
+            s.kv_lora_rank = kv_lora_rank;
+            s.qk_rope_head_dim = qk_rope_head_dim;
+            s.qk_nope_head_dim = qk_nope_head_dim;
+            s.v_head_dim = v_head_dim;
+            s.scale = scale;
+            new (self) MlaLayer(s);
+          },
+          "num_heads"_a, nb::kw_only(), "kv_lora_rank"_a = 512, "qk_rope_head_dim"_a = 64, "qk_nope_head_dim"_a = 128,
+          "v_head_dim"_a = 128, "scale"_a = 0.0f)
+      .def(
+          "workspace_bytes",
+          [](const MlaLayer& l, int64_t max_num_tokens) {
+            BuilderConfig c;
+            c.max_num_tokens = max_num_tokens;
+            return l.workspace_bytes(c);
+          },
+          "max_num_tokens"_a)
+      .def("prefill", &mla_prefill, "q"_a, "k"_a, "v"_a, "cu_seqlens_q"_a, "max_query_len"_a, "context"_a, "out"_a,
+           "workspace"_a.none(), nb::kw_only(), "stream"_a = nb::none());
 }
 
 void register_capabilities(nb::module_& m) {
@@ -329,6 +464,7 @@ void register_backend(nb::module_& m) {
   register_spec(m);
   register_metadata(m);
   register_layer(m);
+  register_variants(m);
   register_capabilities(m);
 }
 

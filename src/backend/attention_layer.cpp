@@ -61,6 +61,15 @@ void check_call(const LayerSpec& spec, const AttentionMetadata& md, const Tensor
   if (out.size(0) < T) fail_arg("out", detail::cat("at least num_actual_tokens=", T, " rows"), out.shape_str());
 }
 
+// q_descale: fp32 [] / [1] / [H_kv] on q's device (a shape that would broadcast wrongly is an
+// error, never read as a single scale).
+void check_q_descale(const OptTensor& s, int64_t H_kv) {
+  if (!s) return;
+  detail::check_dtype(*s, "q_descale", {DType::f32});
+  if (s->ndim > 1 || (s->ndim == 1 && s->size(0) != 1 && s->size(0) != H_kv))
+    fail_arg("q_descale", detail::cat("fp32 [], [1] or [num_kv_heads=", H_kv, "]"), s->shape_str());
+}
+
 // out rows of `rows` = merge(a, b) over those rows.
 void merge_rows(const PartMetadata& rows, const State& a, const State& b, const TensorRef& out,
                 const ExecContext& ctx) {
@@ -155,6 +164,7 @@ void AttentionLayer::forward(const AttentionMetadata& md, const TensorRef& q, co
   if (encoder) return run_encoder(m, md, q, key, value, out, base);
 
   if (!cache) fail_arg("cache", "the layer's KV cache", "none");
+  check_q_descale(cache->q_descale, spec_.num_kv_heads);
   const CacheView view = cache_view(*cache, spec_);
   const CacheView slots = md.tree.enabled ? tree_view(m, view) : view;
   const bool write = spec_.writes_kv_cache && key && value;
@@ -166,6 +176,12 @@ void AttentionLayer::forward(const AttentionMetadata& md, const TensorRef& q, co
   run_cached(m, md, q, view, slots, out, buf, dry, decoder);
   if (write) write_cache(*cache, spec_, *key, *value, md.slot_mapping, base);
   run_cached(m, md, q, view, slots, out, buf, base, decoder);
+}
+
+void AttentionLayer::update_kv_cache(const TensorRef& key, const TensorRef& value, const KvCache& cache,
+                                     const TensorRef& slot_mapping, const ExecContext& ctx) const {
+  if (is_encoder(spec_)) fail_arg("attn_type", "a layer with a KV cache (decoder or encoder_decoder)", "an encoder type");
+  write_cache(cache, spec_, key, value, slot_mapping, ctx);
 }
 
 }  // namespace flashserve::backend

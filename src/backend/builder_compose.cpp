@@ -21,7 +21,8 @@ PartMetadata idle(PartBuffers& b) {
   return p;
 }
 
-// The split-KV plan of a part: heuristic split count, capped at max_num_splits.
+// The split-KV plan of a part: the config's fixed split count or the heuristic's, capped at
+// max_num_splits.
 Plan part_plan(const BuilderConfig& c, const PartMetadata& p, int64_t page_size, bool local) {
   ProblemShape s;
   s.batch = p.num_reqs;
@@ -35,6 +36,7 @@ Plan part_plan(const BuilderConfig& c, const PartMetadata& p, int64_t page_size,
   s.page_size = page_size;
   s.causal = p.causal;
   s.local = local;
+  if (c.num_splits > 0) return make_plan(s, c.device, std::min(c.num_splits, c.max_num_splits));
   Plan plan = make_plan(s, c.device, 0);
   if (plan.num_splits > c.max_num_splits) plan = make_plan(s, c.device, c.max_num_splits);
   return plan;

@@ -42,6 +42,7 @@ AttentionParams pass_params(const Modifiers& m, const Query& q, const Pass& pass
   p.softmax_scale = m.scale;
   p.softcap = m.softcap;
   p.alibi_slopes = m.alibi_slopes;
+  p.alibi_sqrt = m.alibi_sqrt;
   p.window = m.window;
   if (pass.sink) p.s_aux = m.sinks;
   return p;
@@ -110,6 +111,7 @@ Modifiers modifiers_of(const LayerSpec& spec) {
   m.scale = spec.scale;
   m.softcap = spec.softcap;
   m.alibi_slopes = spec.alibi_slopes;
+  m.alibi_sqrt = spec.alibi_sqrt;
   m.sinks = spec.sinks;
   m.window = layer_window(spec);
   return m;
@@ -138,6 +140,7 @@ CacheView cache_view(const KvCache& cache, const LayerSpec& spec) {
   v.v = cache.value_cache;
   v.layout = spec.kv_layout;
   v.dtype = spec.kv_cache_dtype;
+  v.q_descale = cache.q_descale;
   if (is_fp8(v.dtype)) {
     const DType fmt = v.dtype == KvCacheDType::fp8_e4m3 ? DType::f8e4m3 : DType::f8e5m2;
     if (v.k.dtype == DType::u8) v.k.dtype = fmt;
@@ -163,6 +166,7 @@ CacheView slice_kv_heads(const CacheView& c, int64_t begin, int64_t end) {
   };
   s.k_scale = per_head(c.k_scale);
   s.v_scale = per_head(c.v_scale);
+  s.q_descale = per_head(c.q_descale);
   if (c.k_scale_cache) s.k_scale_cache = c.k_scale_cache->slice(1, begin, end);
   return s;
 }
@@ -231,6 +235,7 @@ void paged_pass(const Modifiers& m, const Query& q, const CacheView& cache, cons
   p.block_table = part.block_table;
   p.max_seqlen_k = part.max_seq_len;
   const int64_t H_kv = cache.num_kv_heads();
+  if (cache.q_descale) p.q_descale = broadcast_descale(*cache.q_descale, part.num_reqs, H_kv);
   if (is_fp8(cache.dtype)) {
     if (cache.k_scale) p.k_descale = broadcast_descale(*cache.k_scale, part.num_reqs, H_kv);
     if (cache.v_scale) p.v_descale = broadcast_descale(*cache.v_scale, part.num_reqs, H_kv);

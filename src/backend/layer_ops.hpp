@@ -50,6 +50,7 @@ struct Modifiers {
   float scale = 0.0f;
   float softcap = 0.0f;
   OptTensor alibi_slopes;  // fp32 [H]
+  bool alibi_sqrt = false;
   OptTensor sinks;         // [H]: enters one pass per merged output row
   Window window{};
 };
@@ -77,6 +78,7 @@ struct CacheView {
   KvCacheDType dtype = KvCacheDType::auto_;
   OptTensor k_scale, v_scale;  // fp8: fp32 [] / [1] / [H_kv]; int8 K8V8 v_scale [H_kv, Dv]
   OptTensor k_scale_cache;     // int8: fp32 [num_blocks, H_kv, block_size]
+  OptTensor q_descale;         // fp8 q: fp32 [] / [1] / [H_kv]
   int64_t num_kv_heads() const { return layout == KvLayout::nhd ? k.size(2) : k.size(1); }
 };
 CacheView cache_view(const KvCache& cache, const LayerSpec& spec);

@@ -56,6 +56,8 @@ void check_config(const BuilderConfig& c) {
   if (c.max_draft_depth < 1) fail_arg("max_draft_depth", ">= 1", c.max_draft_depth);
   if (c.max_num_splits < 1 || c.max_num_splits > kMaxSplits)
     fail_arg("max_num_splits", cat("a count in [1, ", kMaxSplits, "]"), c.max_num_splits);
+  if (c.num_splits < 0 || c.num_splits > kMaxSplits)
+    fail_arg("num_splits", cat("0 (heuristic) or a count in [1, ", kMaxSplits, "]"), c.num_splits);
   if (c.reorder_batch_threshold < 0) fail_arg("reorder_batch_threshold", ">= 0", c.reorder_batch_threshold);
   if (c.dcp_world_size < 1) fail_arg("dcp_world_size", ">= 1", c.dcp_world_size);
   if (c.dcp_rank < 0 || c.dcp_rank >= c.dcp_world_size)

@@ -248,6 +248,7 @@ void add_modifiers(const be::LayerSpec& s, fs::AttentionParams& p) {
   p.softmax_scale = s.scale;
   p.softcap = s.softcap;
   p.alibi_slopes = s.alibi_slopes;
+  p.alibi_sqrt = s.alibi_sqrt;
   p.s_aux = s.sinks;
   p.window = be::layer_window(s);
   p.num_splits = 1;
@@ -337,12 +338,13 @@ TEST(LayerForward, ModifiersReachEveryCall) {
   HostTensor sinks = HostTensor::zeros(DType::f32, {4});
   fstest::fill_uniform(slopes, rng, 0.01f, 0.1f);
   fstest::fill_uniform(sinks, rng, -1.0f, 2.0f);
-  for (int variant = 0; variant < 4; ++variant) {
+  for (int variant = 0; variant < 5; ++variant) {
     SCOPED_TRACE("variant " + std::to_string(variant));
     be::LayerSpec spec = make_spec(4, 4, 32);
     spec.scale = 0.3f;
     if (variant == 0) spec.softcap = 5.0f;
-    if (variant == 1) spec.alibi_slopes = slopes.ref;
+    if (variant == 1 || variant == 4) spec.alibi_slopes = slopes.ref;
+    spec.alibi_sqrt = variant == 4;
     if (variant == 2) spec.sinks = sinks.ref;
     if (variant == 3) spec.sliding_window = 24;
     const Scenario sc = mixed_batch(spec);
@@ -386,6 +388,56 @@ TEST(LayerForward, SharedCacheLayerLeavesTheCacheUntouched) {
   b.out = HostTensor::zeros(DType::f32, {b.T, 8, 64});
   direct_paged(sc, b);
   fstest::expect_rows_close(got, b.out_ref, b.T, 2e-5, 1e-3);
+}
+
+TEST(LayerForward, UpdateKvCacheThenANonWritingForward) {
+  // vLLM's do_kv_cache_update split: update_kv_cache writes what forward would have written,
+  // and a forward of a non-writing layer then reads it.
+  for (const KvCacheDType dt : {KvCacheDType::auto_, KvCacheDType::fp8_e4m3, KvCacheDType::int8_k8v8}) {
+    SCOPED_TRACE(fs::kv_cache_dtype_name(dt));
+    auto rng = fstest::make_rng(fstest::test_salt() + int(dt));
+    be::LayerSpec spec = make_spec(8, 2, 64, DType::bf16);
+    spec.kv_cache_dtype = dt;
+    spec.writes_kv_cache = false;
+    const Scenario sc = mixed_batch(spec);
+    Built b = build(sc, rng);
+    be::MetadataBuilder mb(config_of(sc));
+    const be::AttentionMetadata& md = mb.build(common_of(sc, b));
+    const be::AttentionLayer layer(sc.spec);
+    const auto before = fstest::snapshot(b.kc);
+    forward(sc, b, md);
+    EXPECT_TRUE(fstest::same_bytes(b.kc, before)) << "a non-writing forward wrote the cache";
+    layer.update_kv_cache(b.key, b.value, b.cache(), b.slots);
+    EXPECT_TRUE(fstest::same_bytes(b.kc, fstest::snapshot(b.kc_ref))) << "key cache differs from a direct write";
+    EXPECT_TRUE(fstest::same_bytes(b.vc, fstest::snapshot(b.vc_ref))) << "value cache differs from a direct write";
+    if (b.ksc.bytes) EXPECT_TRUE(fstest::same_bytes(b.ksc, fstest::snapshot(b.ksc_ref))) << "k_scale_cache differs";
+    forward(sc, b, md);
+    direct_paged(sc, b);
+    fstest::expect_rows_close(b.out, b.out_ref, b.T, atol_of(sc.spec), 1e-3);
+  }
+}
+
+TEST(LayerForward, BadQDescaleIsRejectedBeforeTheCacheWrite) {
+  auto rng = fstest::make_rng(fstest::test_salt());
+  be::LayerSpec spec = make_spec(8, 2, 64, DType::bf16);
+  spec.kv_cache_dtype = KvCacheDType::fp8_e4m3;
+  const Scenario sc = mixed_batch(spec);
+  Built b = build(sc, rng);
+  be::MetadataBuilder mb(config_of(sc));
+  const be::AttentionMetadata& md = mb.build(common_of(sc, b));
+  HostTensor bad = HostTensor::zeros(DType::f32, {3});
+  be::KvCache cache = b.cache();
+  cache.q_descale = bad.ref;
+  const auto before = fstest::snapshot(b.kc);
+  const be::AttentionLayer layer(sc.spec);
+  std::vector<unsigned char> ws(layer.workspace_bytes(config_of(sc)));
+  try {
+    layer.forward(md, b.q.ref, b.key.ref, b.value.ref, &cache, b.out, be::LayerWorkspace{ws.data(), ws.size()});
+    ADD_FAILURE() << "a [3] q_descale with H_kv = 2 was accepted";
+  } catch (const fs::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("q_descale"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(fstest::same_bytes(b.kc, before));
 }
 
 // ---------------------------------------------------------------- cascade, local

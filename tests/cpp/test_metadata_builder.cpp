@@ -200,6 +200,25 @@ TEST(MetadataBuilder, PlansAreCappedAtMaxNumSplits) {
   expect_plan_for(b2.build(s.common()).decode, c, 16, false);
 }
 
+TEST(MetadataBuilder, FixedNumSplitsIgnoresTheBatch) {
+  be::BuilderConfig c = base_config();
+  c.device.num_sms = 64;
+  c.max_blocks_per_req = 512;
+  c.num_splits = 5;  // CUDA graphs: the same count for one request or many
+  be::MetadataBuilder b(c);
+  EXPECT_EQ(b.build(make_step({1}, {4000}, 16, 256).common()).decode.plan.num_splits, 5);
+  V32 q(12, 1), seq(12, 3000);
+  EXPECT_EQ(b.build(make_step(q, seq, 16, 256).common()).decode.plan.num_splits, 5);
+  // capped by the keys' granules (never a split past the keys) and by max_num_splits
+  EXPECT_LT(b.build(make_step({1}, {20}, 16, 256).common()).decode.plan.num_splits, 5);
+  c.max_num_splits = 2;
+  be::MetadataBuilder b2(c);
+  EXPECT_EQ(b2.build(make_step({1}, {4000}, 16, 256).common()).decode.plan.num_splits, 2);
+  be::BuilderConfig bad = base_config();
+  bad.num_splits = -1;
+  expect_error([&] { be::MetadataBuilder x(bad); }, "num_splits");
+}
+
 // ---------------------------------------------------------------- cascade
 
 TEST(MetadataBuilder, CascadeMetadata) {

@@ -21,12 +21,13 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
                   causal: bool = False, window: tuple[int, int] = (-1, -1),
                   softcap: float = 0.0, alibi: torch.Tensor | None = None,
                   sink: torch.Tensor | None = None, chunk: int = 0,
-                  q_v: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  q_v: torch.Tensor | None = None,
+                  alibi_sqrt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """SPEC.md §2 for one sequence: q [sq, H, D], k [sk, H_kv, D], v [sk, H_kv, Dv].
 
-    alibi: slopes [H]; sink: logits [H]; chunk > 0: chunked local attention (j and i' in the
-    same chunk); q_v [sq, H, Dv]: adds q_v·v_j to the score. Returns out [sq, H, Dv] and lse
-    [H, sq], float32.
+    alibi: slopes [H] (alibi_sqrt: over sqrt of the distance); sink: logits [H]; chunk > 0:
+    chunked local attention (j and i' in the same chunk); q_v [sq, H, Dv]: adds q_v·v_j to the
+    score. Returns out [sq, H, Dv] and lse [H, sq], float32.
     """
     sq, heads, _ = q.shape
     sk, heads_kv, dv = v.shape
@@ -44,6 +45,8 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     j = torch.arange(sk, device=q.device)
     if alibi is not None:
         dist = (pos[:, None] - j[None, :]).abs().double()
+        if alibi_sqrt:
+            dist = dist.sqrt()
         s = s - alibi.double()[:, None, None] * dist[None]
     visible = torch.ones(sq, sk, dtype=torch.bool, device=q.device)
     if causal:
