@@ -31,7 +31,8 @@ def _base_seed() -> int:
 
 BASE_SEED = _base_seed()
 # CUDA where both torch and the package have it (a CPU-only build on a GPU machine tests the CPU).
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and flashserve.WITH_CUDA else [])
+HAS_CUDA = torch.cuda.is_available() and flashserve.WITH_CUDA
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 HALF_DTYPES = [torch.float16, torch.bfloat16]
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 

@@ -125,7 +125,10 @@ def make_layer(case: Case, cfg: Cfg, num_blocks: int, all_values):
 
 def quant_int8(x):
     """Dynamic per-(token, head) int8: scale = absmax / 127, ties to even."""
-    s = x.float().abs().amax(-1, keepdim=True) / 127
+    amax = x.float().abs().amax(-1, keepdim=True)
+    # A tensor divisor: torch divides by a Python scalar through its reciprocal on CUDA (off by
+    # an ulp from absmax / 127, which the library rounds correctly on both devices).
+    s = amax / torch.full_like(amax, 127.0)
     s = torch.where(s > 0, s, torch.ones_like(s))
     return torch.round(x.float() / s).clamp(-127, 127).to(torch.int8), s
 

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 flashserve = pytest.importorskip("flashserve")
 
-from helpers_torch import DEVICES  # noqa: E402
+from helpers_torch import HAS_CUDA, DEVICES  # noqa: E402
 
 NAN = float("nan")
 
@@ -55,7 +55,7 @@ def test_signatures_match_vllm() -> None:
 # ---------------------------------------------------------------- swap_blocks
 
 SWAP_DIRECTIONS = [("cpu", "cpu")] + ([("cuda", "cpu"), ("cpu", "cuda"), ("cuda", "cuda")]
-                                      if torch.cuda.is_available() else [])
+                                      if HAS_CUDA else [])
 
 
 @pytest.mark.parametrize("src_dev,dst_dev", SWAP_DIRECTIONS, ids=lambda d: d)
@@ -97,7 +97,7 @@ def test_swap_blocks_rejects_before_writing(rng) -> None:
         with pytest.raises(ValueError, match=f"^{name}: expected"):
             flashserve.swap_blocks(**args)
         assert torch.equal(dst.view(torch.uint8), before.view(torch.uint8)), name
-    if torch.cuda.is_available():
+    if HAS_CUDA:
         with pytest.raises(ValueError, match="^block_mapping: expected device cpu"):
             flashserve.swap_blocks(src.cuda(), dst, torch.tensor([[0, 1]], device="cuda"))
 

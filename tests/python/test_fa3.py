@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 flashserve = pytest.importorskip("flashserve")
 fa3 = pytest.importorskip("flashserve.fa3")
 
-from helpers_torch import (DEVICES, HALF_DTYPES, Case, check_bits, check_close, check_lse,  # noqa: E402
+from helpers_torch import (HAS_CUDA, DEVICES, HALF_DTYPES, Case, check_bits, check_close, check_lse,  # noqa: E402
                            check_out, cu_seqlens, fp8_descale, make_paged_kv, n_cases, poisoned,
                            seq_lens)
 from torch_reference import attention_ref, batched_ref, gather_paged, per_seq, varlen_ref  # noqa: E402
@@ -774,7 +774,7 @@ def test_opcheck_new_arguments(case: Case, device: str) -> None:
     torch.library.opcheck(torch.ops.flashserve.kvcache_fwd.default, args, test_utils=tests)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs CUDA")
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graph capture needs CUDA")
 @pytest.mark.parametrize("append", [False, True], ids=["read", "append_rotary"])
 def test_cuda_graph_capture(case: Case, append: bool) -> None:
     """SGLang's decode call captured with every length 0 and replayed with real lengths: the

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 flashserve = pytest.importorskip("flashserve")
 
-from helpers_torch import DEVICES, OUT_TOL  # noqa: E402
+from helpers_torch import HAS_CUDA, DEVICES, OUT_TOL  # noqa: E402
 from torch_reference import varlen_ref  # noqa: E402
 
 NAN = float("nan")
@@ -267,7 +267,7 @@ def v1_step(rng, device: str, layout: str, dtype, graphs: bool) -> None:
                r, b, query, output, cache_before, t_real)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 def test_v1_decode_cuda_graph(rng, layout: str) -> None:
     """vLLM's full-CUDA-graph decode: the step captured once for 8 requests over the runner's
@@ -317,7 +317,7 @@ def test_v1_decode_cuda_graph(rng, layout: str) -> None:
         check_step(f"replay {step}: live={live} seq_lens={b.seq_lens}", r, b, query, output, cache_before, live)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a CUDA device")
 def test_get_scheduler_metadata_captured(rng) -> None:
     """get_scheduler_metadata inside a capture (no host read, copy or synchronization) makes the
     same words as outside it, and the graph's replay writes them again."""
