@@ -19,7 +19,7 @@ flashserve = pytest.importorskip("flashserve")
 
 from flashserve.sgl import merge_state_v2  # noqa: E402
 from flashserve.sglang import (FlashAttentionBackend, FlashAttentionMultiStepBackend,  # noqa: E402
-                               make_local_attention_virtual_batches)
+                               local_virtual_batches, make_local_attention_virtual_batches)
 
 from helpers_torch import DEVICES, Case, check_bits, check_lse, check_out  # noqa: E402
 from torch_reference import attention_ref  # noqa: E402
@@ -225,7 +225,8 @@ def lens(case: Case, n: int, lo: int, hi: int) -> list[int]:
 # ----------------------------------------------------------------------------- extend / decode / mixed
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND])
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND],
+                         ids=lambda m: m.name)
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_extend_with_prefix(case: Case, device: str, mode: ForwardMode, page_size: int) -> None:
     """forward_extend: each request's new tokens (written at out_cache_loc) attend causally to
@@ -480,8 +481,39 @@ def test_local_attention_virtual_batches_example() -> None:
     assert table_local.tolist() == [[0, 1], [2, 3], [12, 13], [14, 15], [16, 17], [18, 19], [22, 23], [24, 25]]
 
 
+def test_local_virtual_batches_cpp_planner_matches_sglang(case: Case) -> None:
+    """The C++ planner's virtual batches (local_virtual_batches) equal SGLang's numpy
+    make_local_attention_virtual_batches whenever the longest sequence reaches the chunk."""
+    import numpy as np
+    for i in range(20):
+        page = case.rng.choice([1, 2, 4])
+        chunk = page * case.rng.randint(1, 6)
+        batch = case.rng.randint(1, 5)
+        k_lens = lens(case, batch, 1, 40)
+        k_lens[0] = max(k_lens[0], chunk)
+        q_lens = [case.rng.randint(1, n) for n in k_lens]
+        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        seq = np.array(k_lens, dtype=np.int32)
+        table = torch.randint(0, 1000, (batch, -(-max(k_lens) // page) + 2), generator=case.gen, dtype=torch.int32)
+        case.desc = f"case {i}: chunk={chunk} page={page} q={q_lens} k={k_lens}"
+        ours = local_virtual_batches(chunk, qsl, seq, table, page)
+        ref = make_local_attention_virtual_batches(chunk, qsl, seq, table, page)
+        for name, a, b in zip(("seqlens_q", "cu_seqlens_q", "seqlens_k"), ours[:3], ref[:3]):
+            assert a.tolist() == b.tolist(), f"{name}: {a.tolist()} != {b.tolist()} ({case.where()})"
+        # block table entries past each virtual request's keys are never read
+        for v, n in enumerate(ref[2].tolist()):
+            pages = -(-n // page)
+            assert ours[3][v, :pages].tolist() == ref[3][v, :pages].tolist(), case.where()
+    with pytest.raises(ValueError, match="attention_chunk_size"):
+        local_virtual_batches(6, np.array([0, 1], dtype=np.int32), np.array([8], dtype=np.int32),
+                              torch.zeros(1, 4, dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="seq_lens"):
+        local_virtual_batches(4, np.array([0, 5], dtype=np.int32), np.array([3], dtype=np.int32),
+                              torch.zeros(1, 4, dtype=torch.int32), 1)
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE], ids=lambda m: m.name)
 def test_chunked_local_attention(case: Case, device: str, mode: ForwardMode) -> None:
     """attention_chunk_size (Llama 4's iRoPE layers, use_irope): queries see only keys of their
     own chunk, through virtual batches; layers without use_irope see everything."""
@@ -525,7 +557,7 @@ def mla_ref(q_nope, q_rope, latent, layer) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND], ids=lambda m: m.name)
 @pytest.mark.parametrize("split_q", [True, False])
 def test_mla_absorbed(case: Case, device: str, mode: ForwardMode, split_q: bool) -> None:
     """MLA in the absorbed form over a latent cache [tokens, 1, 512 + 64]: q_rope against the

@@ -6,7 +6,7 @@ merge_state_v2 where SGLang calls sgl_kernel. Requires torch; SGLang itself is n
 the model runner, forward batch, layer and pools are read by their attribute names."""
 
 from .backend import (FlashAttentionBackend, FlashAttentionMetadata, FlashAttentionMultiStepBackend,
-                      make_local_attention_virtual_batches, prepare_swa_spec_page_table)
+                      local_virtual_batches, make_local_attention_virtual_batches, prepare_swa_spec_page_table)
 
 __all__ = ["FlashAttentionBackend", "FlashAttentionMetadata", "FlashAttentionMultiStepBackend",
-           "make_local_attention_virtual_batches", "prepare_swa_spec_page_table"]
+           "local_virtual_batches", "make_local_attention_virtual_batches", "prepare_swa_spec_page_table"]

@@ -29,8 +29,12 @@ v_head_dim, scaling, logit_cap, sliding_window_size, is_cross_attention, k_scale
 use_irope) and the KV pool (set_kv_buffer, get_kv_buffer, set_mla_kv_buffer, get_key_buffer).
 
 Differences from SGLang, each a correction or a generalization:
-- chunked local attention metadata is built from the page table after its conversion to
-  page ids (SGLang builds it from the token-granular table, right only for page_size 1);
+- chunked local attention's virtual batches come from flashserve's C++ planner
+  (local_virtual_batches over _C.local_virtual_batches; SGLang's numpy version,
+  make_local_attention_virtual_batches, is kept and gives the same batches whenever the
+  longest sequence reaches the chunk, where SGLang does not shrink the chunk), built from the
+  page table after its conversion to page ids (SGLang converts after, right only for
+  page_size 1);
 - encoder-decoder batches may hold more than one request (SGLang asserts one): each
   request's decoder tokens start at its own encoder length in req_to_token;
 - the sliding-window page-table concatenation of top-k > 1 verify is torch ops instead of a
@@ -50,6 +54,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .. import _C
 from .._cache_merge import merge_state_v2
 from ..fa3 import flash_attn_varlen_func, flash_attn_with_kvcache
 
@@ -178,6 +183,30 @@ def make_local_attention_virtual_batches(attn_chunk_size: int, query_start_loc_n
     ki = torch.from_numpy(block_indices.astype(np.int64)).to(block_table.device)
     block_table_local = block_table[bi, ki].view(virtual_batches, -1)
     return seqlens_q_local, cu_seqlens_q_local, seqlens_k_local, block_table_local
+
+
+def local_virtual_batches(attn_chunk_size: int, query_start_loc_np: np.ndarray, seq_lens_np: np.ndarray,
+                          block_table: torch.Tensor, page_size: int = 1) -> tuple:
+    """make_local_attention_virtual_batches' results from flashserve's C++ planner
+    (_C.local_virtual_batches, src/planner/local_batches.cpp): one virtual request per
+    (request, chunk touched by its queries), the block table rows gathered on block_table's
+    device. Unlike SGLang's numpy version the chunk is never shrunk to the longest sequence
+    (the same result whenever that sequence reaches the chunk), so the mask is always the
+    chunked-local one. Returns (seqlens_q_local, cu_seqlens_q_local, seqlens_k_local,
+    block_table_local [V, chunk / page_size])."""
+    page_size = max(1, page_size)
+    if attn_chunk_size % page_size != 0:
+        raise ValueError(f"attention_chunk_size: expected a multiple of page_size {page_size}, got {attn_chunk_size}")
+    cu, used, start, req = _C.local_virtual_batches(np.ascontiguousarray(query_start_loc_np, dtype=np.int32),
+                                                    np.ascontiguousarray(seq_lens_np, dtype=np.int32),
+                                                    int(attn_chunk_size))
+    cu_np = np.asarray(cu, dtype=np.int32)
+    width = attn_chunk_size // page_size
+    device = block_table.device
+    first = torch.tensor(start, dtype=torch.int64).div(page_size, rounding_mode="floor").to(device)
+    cols = (first[:, None] + torch.arange(width, device=device)[None, :]).clamp(max=block_table.shape[1] - 1)
+    rows = torch.tensor(req, dtype=torch.int64).to(device)
+    return np.diff(cu_np), cu_np, np.asarray(used, dtype=np.int32), block_table[rows[:, None], cols]
 
 
 def prepare_swa_spec_page_table(page_table_dst: torch.Tensor, page_table_a: torch.Tensor,
@@ -433,7 +462,7 @@ class FlashAttentionBackend:
         if cu_seqlens_q is None or seqlens is None or page_table is None or seqlens.numel() == 0:
             metadata.local_attn_metadata = None
             return
-        q_local, cu_q_local, k_local, table_local = make_local_attention_virtual_batches(
+        q_local, cu_q_local, k_local, table_local = local_virtual_batches(
             self.attention_chunk_size, cu_seqlens_q.cpu().numpy(), seqlens.cpu().numpy(), page_table, self.page_size)
         metadata.local_attn_metadata = LocalAttentionMetadata(
             local_query_start_loc=torch.from_numpy(cu_q_local).to(device),
@@ -1038,7 +1067,7 @@ class FlashAttentionBackend:
     def _update_local_attn_metadata_for_capture(self, metadata: FlashAttentionMetadata, bs: int) -> None:
         seq_lens_capture = metadata.cache_seqlens_int32
         max_seq_len = int(seq_lens_capture.max().item())
-        q_local, cu_q_local, k_local, table_local = make_local_attention_virtual_batches(
+        q_local, cu_q_local, k_local, table_local = local_virtual_batches(
             self.attention_chunk_size, metadata.cu_seqlens_q.cpu().numpy(), seq_lens_capture.cpu().numpy(),
             metadata.page_table, self.page_size)
         buf = self.decode_cuda_graph_local_attn_metadata
@@ -1065,7 +1094,7 @@ class FlashAttentionBackend:
         page_table = metadata.page_table[:bs, :max_seq_len]
         if self.is_hybrid:
             page_table = self.full_to_swa_index_mapping[page_table].to(torch.int32)
-        q_local, cu_q_local, k_local, table_local = make_local_attention_virtual_batches(
+        q_local, cu_q_local, k_local, table_local = local_virtual_batches(
             self.attention_chunk_size, cu_seqlens_q.numpy(), seqlens.cpu().numpy(), page_table, self.page_size)
         device = local_q_buf.device
         cu_q_local_t = torch.from_numpy(cu_q_local).to(device)
