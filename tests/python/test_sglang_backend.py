@@ -76,8 +76,14 @@ class MHATokenToKVPool:
                          for _ in range(layers)]
 
     def set_kv_buffer(self, layer, loc, cache_k, cache_v, k_scale=None, v_scale=None) -> None:
-        self.k_buffer[layer.layer_id][loc] = cache_k.to(self.k_buffer[0].dtype)
-        self.v_buffer[layer.layer_id][loc] = cache_v.to(self.v_buffer[0].dtype)
+        dtype = self.k_buffer[0].dtype
+        if cache_k.dtype != dtype:  # fp8 caches store x / scale
+            if k_scale is not None:
+                cache_k = cache_k / k_scale
+            if v_scale is not None:
+                cache_v = cache_v / v_scale
+        self.k_buffer[layer.layer_id][loc] = cache_k.to(dtype)
+        self.v_buffer[layer.layer_id][loc] = cache_v.to(dtype)
 
     def get_kv_buffer(self, layer_id: int):
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
@@ -289,6 +295,43 @@ def test_decode(case: Case, device: str, page_size: int, swa: bool) -> None:
             ref = ref_rows(q[b].view(1, 4, 128), world.k_rows(slots), world.v_rows(slots), layer, causal=True,
                            window=(window, 0))
             check_out(case, f"request {b}", out[b].view(1, 4, 128), ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND], ids=lambda m: m.name)
+def test_fp8_kv_cache(case: Case, device: str, mode: ForwardMode) -> None:
+    """kv_cache_dtype fp8_e4m3: the pool stores k / k_scale in fp8; SGLang casts q to the cache
+    dtype and passes k_scale / v_scale expanded to [bs, H_kv] as descales; out is bf16."""
+    fp8 = torch.float8_e4m3fn
+    for i in range(2):
+        world = World(case, device, page_size=case.rng.choice([1, 16]), dtype=fp8)
+        world.runner.server_args.kv_cache_dtype = "fp8_e4m3"
+        batch = case.rng.randint(1, 3)
+        prefix = lens(case, batch, 0, 40)
+        ext = [1] * batch if mode == ForwardMode.DECODE else lens(case, batch, 1, 8)
+        fb = extend_batch(world, mode, prefix, ext)
+        layer = radix_layer(4, 2, 64)
+        layer.k_scale = torch.tensor(case.rng.uniform(0.5, 2.0), dtype=torch.float32, device=device)
+        layer.v_scale = torch.tensor(case.rng.uniform(0.5, 2.0), dtype=torch.float32, device=device)
+        case.desc = f"case {i}: prefix={prefix} ext={ext} page={world.page_size} scales={layer.k_scale.item():.3f}," \
+                    f"{layer.v_scale.item():.3f}"
+        backend = world.backend()
+        backend.init_forward_metadata(fb)
+        total = sum(ext)
+        q = case.randn(total, 4 * 64, dtype=BF16, device=device)
+        k = case.randn(total, 2, 64, dtype=BF16, device=device)
+        v = case.randn(total, 2, 64, dtype=BF16, device=device)
+        out = backend.forward(q, k, v, layer, fb)
+        assert out.dtype == BF16
+        row = 0
+        for b, r in enumerate(fb.req_pool_indices.tolist()):
+            slots = world.slots(r, 0, prefix[b] + ext[b])
+            rows = slice(row, row + ext[b])
+            qb = q[rows].view(-1, 4, 64).to(fp8).float()
+            ref = ref_rows(qb, world.k_rows(slots) * layer.k_scale.item(), world.v_rows(slots) * layer.v_scale.item(),
+                           layer, causal=True)
+            check_out(case, f"request {b}", out[rows].view(-1, 4, 64), ref)
+            row += ext[b]
 
 
 # ----------------------------------------------------------------------------- speculative decoding
@@ -770,17 +813,32 @@ class GraphStep:
         self.window = layer.sliding_window_size
         self.fb = world.batch(self.mode, reqs, seq, out_cache_loc=self.loc, spec_info=self.spec)
 
-    def replay(self, backend: FlashAttentionBackend, max_bs: int) -> None:
-        """SGLang's cuda graph runner pads req_pool_indices / seq_lens to the captured size
-        (fill value from get_cuda_graph_seq_len_fill_value) and passes the first bs."""
+    def replay(self, backend: FlashAttentionBackend, max_bs: int, graph_bs: int | None = None) -> None:
+        """SGLang's cuda graph runner pads req_pool_indices (0) / seq_lens (the fill value of
+        get_cuda_graph_seq_len_fill_value) to its buffers' size and replays the captured batch
+        size graph_bs >= the real batch."""
         dev = self.q.device
         fill = backend.get_cuda_graph_seq_len_fill_value()
         pad = max_bs - self.bs
         rpi = torch.cat([torch.tensor(self.reqs, dtype=torch.int64), torch.zeros(pad, dtype=torch.int64)]).to(dev)
         seq_cpu = torch.cat([torch.tensor(self.seq, dtype=torch.int64), torch.full((pad,), fill)])
-        backend.init_forward_metadata_replay_cuda_graph(self.bs, rpi, seq_cpu.to(dev), int(seq_cpu.sum()), None,
-                                                        self.mode, self.spec, seq_cpu,
+        backend.init_forward_metadata_replay_cuda_graph(graph_bs or self.bs, rpi, seq_cpu.to(dev), int(seq_cpu.sum()),
+                                                        None, self.mode, self.spec, seq_cpu,
                                                         out_cache_loc=self.out_cache_loc)
+
+    def padded(self, graph_bs: int) -> tuple:
+        """(q, k, v, out_cache_loc) with the padded requests' rows (zeros; slot 0, SGLang's
+        padding slot) after the real ones, and the ForwardBatch over them."""
+        per = self.q.shape[0] // self.bs
+        extra = (graph_bs - self.bs) * per
+
+        def pad(x, value=0):
+            return torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])
+
+        q, k, v, loc = pad(self.q), pad(self.k), pad(self.v), pad(self.loc)
+        fb = NS(**self.fb.__dict__)
+        fb.out_cache_loc, fb.batch_size = loc, graph_bs
+        return q, k, v, loc, fb
 
     def check(self, case: Case, world: World, out: torch.Tensor, layer: NS, what: str) -> None:
         heads, d = layer.tp_q_head_num, layer.head_dim
@@ -829,19 +887,20 @@ def test_cuda_graph_metadata_replay(case: Case, device: str, kind: str) -> None:
                                                          dummy.fb.seq_lens, None, dummy.mode, dummy.spec)
         md = backend.forward_metadata
         captured[bs] = (md, [t.data_ptr() for t in (md.cache_seqlens_int32, md.cu_seqlens_q, md.page_table)])
-    for i in range(3):
+    for i in range(4):
         bs = case.rng.choice([1, 2, max_bs])
-        step_in = GraphStep(case, world, kind, bs, layer, steps, step)
-        case.desc = f"replay {i}: kind={kind} bs={bs} seq={step_in.seq} step={step}"
-        step_in.replay(backend, max_bs)
-        md, ptrs = captured[step_in.bs]
+        real = bs if i % 2 == 0 else case.rng.randint(1, bs)  # odd replays pad the batch
+        step_in = GraphStep(case, world, kind, real, layer, steps, step)
+        case.desc = f"replay {i}: kind={kind} bs={bs} real={real} seq={step_in.seq} step={step}"
+        step_in.replay(backend, max_bs, bs)
+        md, ptrs = captured[bs]
         assert backend.forward_metadata is md
         assert [t.data_ptr() for t in (md.cache_seqlens_int32, md.cu_seqlens_q, md.page_table)] == ptrs
-        out = backend.forward_decode(step_in.q, step_in.k, step_in.v, layer, step_in.fb) \
-            if step_in.mode == ForwardMode.DECODE else backend.forward_extend(step_in.q, step_in.k, step_in.v,
-                                                                               layer, step_in.fb)
+        q, k, v, _, fb = step_in.padded(bs)
+        fwd = backend.forward_decode if step_in.mode == ForwardMode.DECODE else backend.forward_extend
+        out = fwd(q, k, v, layer, fb)
         check_written(case, world, step_in.loc, step_in.k, step_in.v)
-        step_in.check(case, world, out, layer, f"replay {i}")
+        step_in.check(case, world, out[:step_in.q.shape[0]], layer, f"replay {i}")
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graph capture needs CUDA")
@@ -875,18 +934,20 @@ def test_cuda_graph_capture_replay(case: Case, kind: str) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = run()
-    for i in range(3):
-        step_in = GraphStep(case, world, kind, bs, layer, steps, step)
-        case.desc = f"replay {i}: kind={kind} seq={step_in.seq} step={step}"
-        step_in.replay(backend, bs)
-        static.q.copy_(step_in.q)
-        static.k.copy_(step_in.k)
-        static.v.copy_(step_in.v)
-        static.loc.copy_(step_in.loc)
+    for i in range(4):
+        real = bs if i % 2 == 0 else 1  # odd replays pad the batch
+        step_in = GraphStep(case, world, kind, real, layer, steps, step)
+        case.desc = f"replay {i}: kind={kind} real={real} seq={step_in.seq} step={step}"
+        step_in.replay(backend, bs, bs)
+        q, k, v, loc, _ = step_in.padded(bs)
+        static.q.copy_(q)
+        static.k.copy_(k)
+        static.v.copy_(v)
+        static.loc.copy_(loc)
         graph.replay()
         torch.cuda.synchronize()
         check_written(case, world, step_in.loc, step_in.k, step_in.v)
-        step_in.check(case, world, static_out, layer, f"graph replay {i}")
+        step_in.check(case, world, static_out[:step_in.q.shape[0]], layer, f"graph replay {i}")
 
 
 # ----------------------------------------------------------------------------- errors
