@@ -457,10 +457,12 @@ def draft_decode_batch(case: Case, world: World, topk: int, steps: int, step: in
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("topk", [2, 4])
-def test_draft_decode_topk(case: Case, device: str, topk: int) -> None:
+@pytest.mark.parametrize("sinks", [False, True])
+def test_draft_decode_topk(case: Case, device: str, topk: int, sinks: bool) -> None:
     """Draft decode, top-k > 1: each branch's query attends to the shared prefix through the
     page table and to its own draft tokens (steps 0..step) through the expand table, two passes
-    merged by LSE (FlashAttentionMultiStepBackend's per-step backends)."""
+    merged by LSE (FlashAttentionMultiStepBackend's per-step backends); a sink logit counts
+    once in the merged softmax."""
     steps = 3
     for i in range(2):
         world = World(case, device, topk=topk, n_draft=steps * topk)
@@ -475,13 +477,14 @@ def test_draft_decode_topk(case: Case, device: str, topk: int) -> None:
         n = len(reqs) * topk
         q = case.randn(n, 4 * 64, dtype=BF16, device=device)
         k, v = new_kv(world, n, layer)
-        out = backend.forward_decode(q, k, v, layer, fb)
+        sink = (torch.randn(4, generator=case.gen) * 2 + 2).to(device) if sinks else None
+        out = backend.forward_decode(q, k, v, layer, fb, sinks=sink)
         check_written(case, world, fb.out_cache_loc, k, v)
         for b, (r, p) in enumerate(zip(reqs, prefix)):
             for j in range(topk):
                 slots = torch.cat([world.slots(r, 0, p), loc[b, j, :step + 1]])
                 t = b * topk + j
-                ref = ref_rows(q[t].view(1, 4, 64), world.k_rows(slots), world.v_rows(slots), layer)
+                ref = ref_rows(q[t].view(1, 4, 64), world.k_rows(slots), world.v_rows(slots), layer, sink=sink)
                 check_out(case, f"request {b} branch {j}", out[t].view(1, 4, 64), ref)
 
 
@@ -639,6 +642,44 @@ def test_mla_absorbed(case: Case, device: str, mode: ForwardMode, split_q: bool)
             ref = mla_ref(q_nope[rows], q_rope[rows], latent, layer)
             check_out(case, f"request {b}", out[rows].view(-1, heads, rank), ref, 512)
             row += ext[b]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["draft_decode", "verify_tree"])
+def test_mla_topk(case: Case, device: str, kind: str) -> None:
+    """Absorbed MLA under speculative top-k > 1: draft decode (prefix + each branch's own
+    tokens) and target verify over a draft tree, both as two qv passes merged by LSE."""
+    rank, rope, heads, topk, steps, n_draft = 512, 64, 4, 2, 3, 4
+    world = World(case, device, mla=True, d=rank + rope, topk=topk, n_draft=n_draft)
+    layer = radix_layer(heads, 1, rank + rope, rank, scaling=192 ** -0.5)
+    batch = case.rng.randint(1, 2)
+    if kind == "draft_decode":
+        step = case.rng.randint(0, steps - 1)
+        fb, reqs, prefix, loc = draft_decode_batch(case, world, topk, steps, step, batch)
+        backend = world.backend(speculative_step_id=step, topk=topk, speculative_num_steps=steps)
+        backend.init_forward_metadata(fb)
+        fb.out_cache_loc = loc[:, :, step].reshape(-1)
+        seen = [torch.cat([world.slots(r, 0, p), loc[b, j, :step + 1]])
+                for b, (r, p) in enumerate(zip(reqs, prefix)) for j in range(topk)]
+    else:
+        fb, reqs, prefix, trees = verify_tree_batch(case, world, n_draft, batch)
+        backend = world.backend()
+        backend.init_forward_metadata(fb)
+        seen = [torch.cat([world.slots(r, 0, p), world.slots(r, p, p + n_draft)[[j for j in range(n_draft)
+                                                                                 if trees[b][i][j]]]])
+                for b, (r, p) in enumerate(zip(reqs, prefix)) for i in range(n_draft)]
+    case.desc = f"{kind}: prefix={prefix}"
+    n = len(seen)
+    q_nope = case.randn(n, heads, rank, dtype=BF16, device=device, scale=0.2)
+    q_rope = case.randn(n, heads, rope, dtype=BF16, device=device)
+    c_kv = case.randn(n, 1, rank, dtype=BF16, device=device, scale=0.5)
+    k_rope = case.randn(n, 1, rope, dtype=BF16, device=device)
+    fwd = backend.forward_decode if kind == "draft_decode" else backend.forward_extend
+    out = fwd(q_nope.reshape(n, -1), c_kv, c_kv, layer, fb, q_rope=q_rope.reshape(n, -1), k_rope=k_rope)
+    buf = world.kv_pool.kv_buffer[0]
+    for t, slots in enumerate(seen):
+        ref = mla_ref(q_nope[t:t + 1], q_rope[t:t + 1], buf[slots].float(), layer)
+        check_out(case, f"row {t}", out[t].view(1, heads, rank), ref, 512)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -985,6 +1026,11 @@ def test_errors(case: Case) -> None:
     with pytest.raises(NotImplementedError, match="EXTEND"):
         backend.init_forward_metadata_capture_cuda_graph(1, 1, fb.req_pool_indices, fb.seq_lens, None,
                                                          ForwardMode.EXTEND, None)
+    fb.forward_mode = ForwardMode.IDLE  # an idle DP rank: no requests, an empty output
+    idle = world.batch(ForwardMode.IDLE, [], [], out_cache_loc=torch.zeros(0, dtype=torch.int64))
+    backend.init_forward_metadata(idle)
+    empty = backend.forward(torch.zeros(0, 4 * 64, dtype=BF16), None, None, layer, idle)
+    assert empty.shape == (0, 4 * 64)
     with pytest.raises(ValueError, match="fa_impl_ver"):
         world.backend(fa_impl_ver=2)
     assert backend.get_cuda_graph_seq_len_fill_value() == 1

@@ -38,7 +38,9 @@ Differences from SGLang, each a correction or a generalization:
 - encoder-decoder batches may hold more than one request (SGLang asserts one): each
   request's decoder tokens start at its own encoder length in req_to_token;
 - the sliding-window page-table concatenation of top-k > 1 verify is torch ops instead of a
-  Triton kernel (same result, works on the CPU).
+  Triton kernel (same result, works on the CPU);
+- with top-k > 1, sinks enter the prefix pass only (SGLang passes them to both passes of the
+  merge, which counts the sink twice).
 Not implemented (NotImplementedError naming the feature): speculative top-k > 1 and
 cross attention with page_size > 1 (SGLang's expand page tables hold token slots), forward
 modes other than the six above.
@@ -621,8 +623,11 @@ class FlashAttentionBackend:
     def _cascade(self, first: Any, q: Any, k_cache: Any, v_cache: Any, layer: Any, window: tuple, k_descale: Any,
                  v_descale: Any, kwargs: dict, qv: Any = None) -> Any:
         """Top-k > 1: merge the prefix pass (first = (o, lse)) with the pass over each branch's
-        own draft tokens (the expand metadata), by LSE."""
+        own draft tokens (the expand metadata), by LSE. The sink logits (kwargs' sinks) enter
+        the prefix pass only: one sink per softmax (SPEC.md §2), where SGLang passes them to
+        both passes and so counts them twice."""
         o, softmax_lse, *_ = first
+        kwargs = {key: val for key, val in kwargs.items() if key != "sinks"}
         expand = self.forward_metadata_spec_decode_expand
         if expand is None:
             raise RuntimeError("forward_metadata_spec_decode_expand: missing for speculative top-k > 1; "
