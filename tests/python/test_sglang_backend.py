@@ -789,7 +789,8 @@ def test_cross_attention(case: Case, device: str) -> None:
 # ----------------------------------------------------------------------------- CUDA graphs
 
 GRAPH_MODES = ["decode", "decode_local", "verify_topk1", "verify_tree", "verify_tree_swa", "draft_topk1",
-               "draft_topk"]
+               "draft_topk", "draft_extend"]
+UNPADDED = ("draft_extend",)  # replays at the captured batch size only (accept_length per request)
 
 
 class GraphStep:
@@ -838,6 +839,20 @@ class GraphStep:
             for r, p in zip(reqs, seq):
                 expected_keys.append(world.slots(r, 0, p + step + 1))
             rows = bs
+        elif kind == "draft_extend":  # the draft model's extend over each request's accepted tokens
+            per = n_draft
+            counts = [case.rng.randint(1, per) for _ in range(bs)]
+            seq = [max(n, c) for n, c in zip(lens(case, bs, 1, 50), counts)]
+            reqs = [world.new_request(n, n - c) for n, c in zip(seq, counts)]
+            self.loc = torch.cat([world.slots(r, n - c, n) for r, n, c in zip(reqs, seq, counts)])
+            self.mode = ForwardMode.DRAFT_EXTEND
+            self.spec = NS(accept_length=torch.tensor(counts, dtype=torch.int32, device=dev),
+                           accept_length_cpu=[c - 1 for c in counts])
+            for r, n, c in zip(reqs, seq, counts):
+                for i in range(c):
+                    expected_keys.append(world.slots(r, 0, n - c + i + 1))
+            rows = sum(counts)
+            self.graph_rows = bs * per
         else:  # draft_topk
             topk = world.runner.server_args.speculative_eagle_topk
             fb, reqs, seq, loc = draft_decode_batch(case, world, topk, steps, step, bs)
@@ -848,6 +863,8 @@ class GraphStep:
                     expected_keys.append(torch.cat([world.slots(r, 0, p), loc[b, j, :step + 1]]))
             rows = bs * topk
         self.reqs, self.seq = reqs, seq
+        if kind != "draft_extend":
+            self.graph_rows = rows
         self.q = case.randn(rows, heads * d, dtype=BF16, device=dev)
         self.k, self.v = new_kv(world, rows, layer)
         self.keys = expected_keys
@@ -870,8 +887,8 @@ class GraphStep:
     def padded(self, graph_bs: int) -> tuple:
         """(q, k, v, out_cache_loc) with the padded requests' rows (zeros; slot 0, SGLang's
         padding slot) after the real ones, and the ForwardBatch over them."""
-        per = self.q.shape[0] // self.bs
-        extra = (graph_bs - self.bs) * per
+        per = self.graph_rows // self.bs
+        extra = graph_bs * per - self.q.shape[0]
 
         def pad(x, value=0):
             return torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])
@@ -893,9 +910,10 @@ class GraphStep:
 def graph_world(case: Case, device: str, kind: str, steps: int) -> tuple:
     page_size = 4 if kind in ("decode", "verify_topk1", "draft_topk1") else 1
     window = case.rng.randint(1, 8) if kind == "verify_tree_swa" else -1
-    topk = {"verify_tree": 2, "verify_tree_swa": 2, "draft_topk": 2, "verify_topk1": 1, "draft_topk1": 1}.get(kind, 0)
+    topk = {"verify_tree": 2, "verify_tree_swa": 2, "draft_topk": 2, "verify_topk1": 1, "draft_topk1": 1,
+            "draft_extend": 1}.get(kind, 0)
     n_draft = {"verify_topk1": 3, "verify_tree": 4, "verify_tree_swa": 4, "draft_topk1": steps + 1,
-               "draft_topk": steps * 2}.get(kind)
+               "draft_topk": steps * 2, "draft_extend": 4}.get(kind)
     world = World(case, device, page_size=page_size, topk=topk, n_draft=n_draft,
                   swa=window if kind == "verify_tree_swa" else None, chunk=8 if kind == "decode_local" else None,
                   max_reqs=32, context_len=128)
@@ -904,7 +922,7 @@ def graph_world(case: Case, device: str, kind: str, steps: int) -> tuple:
 
 
 def _graph_backend(world: World, kind: str, steps: int, step: int) -> FlashAttentionBackend:
-    if kind.startswith("draft"):
+    if kind in ("draft_topk", "draft_topk1"):
         return world.backend(speculative_step_id=step, topk=world.runner.server_args.speculative_eagle_topk,
                              speculative_num_steps=steps)
     return world.backend()
@@ -924,20 +942,23 @@ def test_cuda_graph_metadata_replay(case: Case, device: str, kind: str) -> None:
     captured = {}
     for bs in (1, 2, max_bs):
         dummy = GraphStep(case, world, kind, bs, layer, steps, step)
-        backend.init_forward_metadata_capture_cuda_graph(bs, dummy.q.shape[0], dummy.fb.req_pool_indices,
+        backend.init_forward_metadata_capture_cuda_graph(bs, dummy.graph_rows, dummy.fb.req_pool_indices,
                                                          dummy.fb.seq_lens, None, dummy.mode, dummy.spec)
         md = backend.forward_metadata
         captured[bs] = (md, [t.data_ptr() for t in (md.cache_seqlens_int32, md.cu_seqlens_q, md.page_table)])
     for i in range(4):
         bs = case.rng.choice([1, 2, max_bs])
-        real = bs if i % 2 == 0 else case.rng.randint(1, bs)  # odd replays pad the batch
+        real = bs if i % 2 == 0 or kind in UNPADDED else case.rng.randint(1, bs)  # odd replays pad the batch
         step_in = GraphStep(case, world, kind, real, layer, steps, step)
         case.desc = f"replay {i}: kind={kind} bs={bs} real={real} seq={step_in.seq} step={step}"
         step_in.replay(backend, max_bs, bs)
         md, ptrs = captured[bs]
         assert backend.forward_metadata is md
         assert [t.data_ptr() for t in (md.cache_seqlens_int32, md.cu_seqlens_q, md.page_table)] == ptrs
-        q, k, v, _, fb = step_in.padded(bs)
+        if kind in UNPADDED:  # eager: the rows of the batch (the CPU checks cu_seqlens_q[-1] == rows)
+            q, k, v, fb = step_in.q, step_in.k, step_in.v, step_in.fb
+        else:
+            q, k, v, _, fb = step_in.padded(bs)
         fwd = backend.forward_decode if step_in.mode == ForwardMode.DECODE else backend.forward_extend
         out = fwd(q, k, v, layer, fb)
         check_written(case, world, step_in.loc, step_in.k, step_in.v)
@@ -956,10 +977,11 @@ def test_cuda_graph_capture_replay(case: Case, kind: str) -> None:
     backend = _graph_backend(world, kind, steps, step)
     backend.init_cuda_graph_state(bs, bs * 8)
     first = GraphStep(case, world, kind, bs, layer, steps, step)
-    backend.init_forward_metadata_capture_cuda_graph(bs, first.q.shape[0], first.fb.req_pool_indices,
+    backend.init_forward_metadata_capture_cuda_graph(bs, first.graph_rows, first.fb.req_pool_indices,
                                                      first.fb.seq_lens, None, first.mode, first.spec)
     first.replay(backend, bs)  # valid metadata for the warm-up and capture runs
-    static = NS(q=first.q.clone(), k=first.k.clone(), v=first.v.clone(), loc=first.loc.clone())
+    q0, k0, v0, loc0, _ = first.padded(bs)  # draft extend: bs * tokens per request rows
+    static = NS(q=q0.clone(), k=k0.clone(), v=v0.clone(), loc=loc0.clone())
     fb = world.batch(first.mode, first.reqs, first.seq, out_cache_loc=static.loc, spec_info=first.spec)
 
     def run():
@@ -976,7 +998,7 @@ def test_cuda_graph_capture_replay(case: Case, kind: str) -> None:
     with torch.cuda.graph(graph):
         static_out = run()
     for i in range(4):
-        real = bs if i % 2 == 0 else 1  # odd replays pad the batch
+        real = bs if i % 2 == 0 or kind in UNPADDED else 1  # odd replays pad the batch
         step_in = GraphStep(case, world, kind, real, layer, steps, step)
         case.desc = f"replay {i}: kind={kind} real={real} seq={step_in.seq} step={step}"
         step_in.replay(backend, bs, bs)
