@@ -250,7 +250,8 @@ def test_extend_with_prefix(case: Case, device: str, mode: ForwardMode, page_siz
         fb = extend_batch(world, mode, prefix, ext)
         layer = radix_layer(8, 2, 64, logit_cap=case.rng.choice([0.0, 20.0]))
         sinks = (torch.randn(8, generator=case.gen) * 2).to(device) if case.rng.random() < 0.4 else None
-        case.desc = f"case {i}: prefix={prefix} ext={ext} page={page_size} cap={layer.logit_cap} sinks={sinks is not None}"
+        case.desc = (f"case {i}: prefix={prefix} ext={ext} page={page_size} cap={layer.logit_cap} "
+                     f"sinks={sinks is not None}")
         backend = world.backend()
         backend.init_forward_metadata(fb)
         total = sum(ext)
@@ -789,7 +790,7 @@ def test_cross_attention(case: Case, device: str) -> None:
 # ----------------------------------------------------------------------------- CUDA graphs
 
 GRAPH_MODES = ["decode", "decode_local", "verify_topk1", "verify_tree", "verify_tree_swa", "draft_topk1",
-               "draft_topk", "draft_extend"]
+               "draft_topk", "draft_extend", "encdec_self", "encdec_cross"]
 UNPADDED = ("draft_extend",)  # replays at the captured batch size only (accept_length per request)
 
 
@@ -804,8 +805,18 @@ class GraphStep:
         n_draft = world.runner.server_args.speculative_num_draft_tokens
         self.spec = None
         self.out_cache_loc = None
+        self.encoder_lens = None
         expected_keys = []  # per query row: slots it sees, causal window
-        if kind in ("decode", "decode_local"):
+        if kind.startswith("encdec"):  # req_to_token: encoder tokens, then decoder tokens
+            enc, seq = lens(case, bs, 1, 20), lens(case, bs, 1, 30)
+            reqs = [world.new_request(e + n, e + n - 1) for e, n in zip(enc, seq)]
+            self.loc = torch.stack([world.slots(r, e + n - 1, e + n)[0] for r, e, n in zip(reqs, enc, seq)])
+            self.mode = ForwardMode.DECODE
+            self.encoder_lens = torch.tensor(enc, dtype=torch.int32, device=dev)
+            for r, e, n in zip(reqs, enc, seq):
+                expected_keys.append(world.slots(r, 0, e) if kind == "encdec_cross" else world.slots(r, e, e + n))
+            rows = bs
+        elif kind in ("decode", "decode_local"):
             seq = lens(case, bs, 8 if kind == "decode_local" else 1, 60)
             reqs = [world.new_request(n, n - 1) for n in seq]
             self.loc = torch.stack([world.slots(r, n - 1, n)[0] for r, n in zip(reqs, seq)])
@@ -869,7 +880,10 @@ class GraphStep:
         self.k, self.v = new_kv(world, rows, layer)
         self.keys = expected_keys
         self.window = layer.sliding_window_size
-        self.fb = world.batch(self.mode, reqs, seq, out_cache_loc=self.loc, spec_info=self.spec)
+        if kind == "encdec_cross":  # the encoder's K/V is cached: cross attention appends nothing
+            self.k = self.v = None
+        self.fb = world.batch(self.mode, reqs, seq, out_cache_loc=self.loc, spec_info=self.spec,
+                              encoder_lens=self.encoder_lens)
 
     def replay(self, backend: FlashAttentionBackend, max_bs: int, graph_bs: int | None = None) -> None:
         """SGLang's cuda graph runner pads req_pool_indices (0) / seq_lens (the fill value of
@@ -880,8 +894,11 @@ class GraphStep:
         pad = max_bs - self.bs
         rpi = torch.cat([torch.tensor(self.reqs, dtype=torch.int64), torch.zeros(pad, dtype=torch.int64)]).to(dev)
         seq_cpu = torch.cat([torch.tensor(self.seq, dtype=torch.int64), torch.full((pad,), fill)])
+        enc = None
+        if self.encoder_lens is not None:
+            enc = torch.cat([self.encoder_lens, self.encoder_lens.new_zeros(pad)])
         backend.init_forward_metadata_replay_cuda_graph(graph_bs or self.bs, rpi, seq_cpu.to(dev), int(seq_cpu.sum()),
-                                                        None, self.mode, self.spec, seq_cpu,
+                                                        enc, self.mode, self.spec, seq_cpu,
                                                         out_cache_loc=self.out_cache_loc)
 
     def padded(self, graph_bs: int) -> tuple:
@@ -891,7 +908,7 @@ class GraphStep:
         extra = graph_bs * per - self.q.shape[0]
 
         def pad(x, value=0):
-            return torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])
+            return None if x is None else torch.cat([x, x.new_full((extra, *x.shape[1:]), value)])
 
         q, k, v, loc = pad(self.q), pad(self.k), pad(self.v), pad(self.loc)
         fb = NS(**self.fb.__dict__)
@@ -917,7 +934,9 @@ def graph_world(case: Case, device: str, kind: str, steps: int) -> tuple:
     world = World(case, device, page_size=page_size, topk=topk, n_draft=n_draft,
                   swa=window if kind == "verify_tree_swa" else None, chunk=8 if kind == "decode_local" else None,
                   max_reqs=32, context_len=128)
-    layer = radix_layer(4, 2, 64, window=window, irope=kind == "decode_local")
+    if kind.startswith("encdec"):
+        world = World(case, device, encdec=True, max_reqs=32, context_len=128)
+    layer = radix_layer(4, 2, 64, window=window, irope=kind == "decode_local", cross=kind == "encdec_cross")
     return world, layer
 
 
@@ -943,7 +962,8 @@ def test_cuda_graph_metadata_replay(case: Case, device: str, kind: str) -> None:
     for bs in (1, 2, max_bs):
         dummy = GraphStep(case, world, kind, bs, layer, steps, step)
         backend.init_forward_metadata_capture_cuda_graph(bs, dummy.graph_rows, dummy.fb.req_pool_indices,
-                                                         dummy.fb.seq_lens, None, dummy.mode, dummy.spec)
+                                                         dummy.fb.seq_lens, dummy.encoder_lens, dummy.mode,
+                                                         dummy.spec)
         md = backend.forward_metadata
         captured[bs] = (md, [t.data_ptr() for t in (md.cache_seqlens_int32, md.cu_seqlens_q, md.page_table)])
     for i in range(4):
@@ -961,7 +981,8 @@ def test_cuda_graph_metadata_replay(case: Case, device: str, kind: str) -> None:
             q, k, v, _, fb = step_in.padded(bs)
         fwd = backend.forward_decode if step_in.mode == ForwardMode.DECODE else backend.forward_extend
         out = fwd(q, k, v, layer, fb)
-        check_written(case, world, step_in.loc, step_in.k, step_in.v)
+        if step_in.k is not None:
+            check_written(case, world, step_in.loc, step_in.k, step_in.v)
         step_in.check(case, world, out[:step_in.q.shape[0]], layer, f"replay {i}")
 
 
@@ -978,10 +999,11 @@ def test_cuda_graph_capture_replay(case: Case, kind: str) -> None:
     backend.init_cuda_graph_state(bs, bs * 8)
     first = GraphStep(case, world, kind, bs, layer, steps, step)
     backend.init_forward_metadata_capture_cuda_graph(bs, first.graph_rows, first.fb.req_pool_indices,
-                                                     first.fb.seq_lens, None, first.mode, first.spec)
+                                                     first.fb.seq_lens, first.encoder_lens, first.mode, first.spec)
     first.replay(backend, bs)  # valid metadata for the warm-up and capture runs
     q0, k0, v0, loc0, _ = first.padded(bs)  # draft extend: bs * tokens per request rows
-    static = NS(q=q0.clone(), k=k0.clone(), v=v0.clone(), loc=loc0.clone())
+    static = NS(q=q0.clone(), k=None if k0 is None else k0.clone(), v=None if v0 is None else v0.clone(),
+                loc=loc0.clone())
     fb = world.batch(first.mode, first.reqs, first.seq, out_cache_loc=static.loc, spec_info=first.spec)
 
     def run():
@@ -1004,12 +1026,14 @@ def test_cuda_graph_capture_replay(case: Case, kind: str) -> None:
         step_in.replay(backend, bs, bs)
         q, k, v, loc, _ = step_in.padded(bs)
         static.q.copy_(q)
-        static.k.copy_(k)
-        static.v.copy_(v)
         static.loc.copy_(loc)
+        if k is not None:
+            static.k.copy_(k)
+            static.v.copy_(v)
         graph.replay()
         torch.cuda.synchronize()
-        check_written(case, world, step_in.loc, step_in.k, step_in.v)
+        if k is not None:
+            check_written(case, world, step_in.loc, step_in.k, step_in.v)
         step_in.check(case, world, static_out[:step_in.q.shape[0]], layer, f"graph replay {i}")
 
 

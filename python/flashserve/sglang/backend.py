@@ -578,8 +578,8 @@ class FlashAttentionBackend:
         for name, buf, heads in (("key", key_cache, layer.tp_k_head_num), ("value", value_cache, layer.tp_v_head_num)):
             if buf.dim() < 2 or buf.shape[-1] != layer.head_dim or buf.numel() % (heads * layer.head_dim) != 0 or (
                     buf.dim() >= 3 and buf.shape[-2] != heads):
-                raise ValueError(f"token_to_kv_pool.get_kv_buffer({layer.layer_id}): the {name} buffer {list(buf.shape)} "
-                                 f"does not hold layer.tp_{name[0]}_head_num={heads} heads of "
+                raise ValueError(f"token_to_kv_pool.get_kv_buffer({layer.layer_id}): the {name} buffer "
+                                 f"{list(buf.shape)} does not hold layer.tp_{name[0]}_head_num={heads} heads of "
                                  f"layer.head_dim={layer.head_dim}")
         return key_cache, value_cache
 
@@ -684,7 +684,8 @@ class FlashAttentionBackend:
                 window = (-1, -1)
             q3 = q.contiguous().view(-1, layer.tp_q_head_num, layer.head_dim)
             result = self._attend(q3, key_cache, value_cache, metadata, layer,
-                                  causal=False if use_cascade_attn else causal, window=window, k_descale=k_descale, v_descale=v_descale, kwargs=kwargs,
+                                  causal=False if use_cascade_attn else causal, window=window, k_descale=k_descale,
+                                  v_descale=v_descale, kwargs=kwargs,
                                   lse=use_cascade_attn, table=page_table, seqlens=cache_seqlens, cu_q=cu_seqlens_q,
                                   cu_k=cu_seqlens_k if not use_local_attn else None, max_q=max_seqlen_q)
             o = (self._cascade(result, q3, key_cache, value_cache, layer, window, k_descale, v_descale, kwargs)
@@ -952,6 +953,9 @@ class FlashAttentionBackend:
             raise NotImplementedError(f"forward_mode: CUDA graphs of {_mode(forward_mode)} (SGLang captures DECODE, "
                                       f"TARGET_VERIFY and DRAFT_EXTEND)")
         if encoder_lens is not None:
+            if self.page_size > 1:
+                raise NotImplementedError(f"cross attention (encoder_lens) with page_size > 1 "
+                                          f"(page_size={self.page_size})")
             enc_bs = encoder_lens.numel()
             em = self.encoder_metadata
             metadata.encoder_lens_int32 = em["encoder_lens_int32"][:enc_bs]
@@ -1058,8 +1062,8 @@ class FlashAttentionBackend:
             metadata.encoder_lens_int32.copy_(enc)
             metadata.encoder_cu_seqlens_k[1:].copy_(torch.cumsum(metadata.encoder_lens_int32, dim=0,
                                                                  dtype=torch.int32))
-            width = metadata.encoder_page_table.shape[1]
-            metadata.encoder_page_table.copy_(self.req_to_token[req_pool_indices, :width])
+            width = min(metadata.encoder_page_table.shape[1], self.req_to_token.shape[1])
+            metadata.encoder_page_table[:, :width].copy_(self.req_to_token[req_pool_indices, :width])
             table = self._decoder_page_table(req_pool_indices, metadata.encoder_lens_int32, metadata.max_seq_len_k)
             metadata.page_table[:, :metadata.max_seq_len_k].copy_(table)
         self.forward_metadata = metadata
