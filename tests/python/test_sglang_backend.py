@@ -322,7 +322,9 @@ def test_fp8_kv_cache(case: Case, device: str, mode: ForwardMode) -> None:
         q = case.randn(total, 4 * 64, dtype=BF16, device=device)
         k = case.randn(total, 2, 64, dtype=BF16, device=device)
         v = case.randn(total, 2, 64, dtype=BF16, device=device)
-        out = backend.forward(q, k, v, layer, fb)
+        out = case.call(backend.forward, q, k, v, layer, fb)
+        if out is None:  # fp8 q/cache not implemented on this device
+            continue
         assert out.dtype == BF16
         row = 0
         for b, r in enumerate(fb.req_pool_indices.tolist()):
@@ -333,6 +335,7 @@ def test_fp8_kv_cache(case: Case, device: str, mode: ForwardMode) -> None:
                            layer, causal=True)
             check_out(case, f"request {b}", out[rows].view(-1, 4, 64), ref)
             row += ext[b]
+    case.done()
 
 
 # ----------------------------------------------------------------------------- speculative decoding
