@@ -493,6 +493,34 @@ def test_draft_decode_topk(case: Case, device: str, topk: int, sinks: bool) -> N
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_multistep_draft_graph_metadata(case: Case, device: str) -> None:
+    """FlashAttentionMultiStepBackend under CUDA graphs: one capture and one replay for all
+    draft steps (forward batch API), then the steps run in order, each writing its token and
+    attending to the prefix and its branch's tokens so far."""
+    topk, steps, bs = 2, 3, 2
+    world = World(case, device, topk=topk, n_draft=steps * topk, max_reqs=16)
+    multi = FlashAttentionMultiStepBackend(world.runner, topk, steps)
+    multi.init_cuda_graph_state(4, 4 * topk)
+    dummy, *_ = draft_decode_batch(case, world, topk, steps, 0, bs)
+    multi.init_forward_metadata_capture_cuda_graph(dummy)
+    fb, reqs, prefix, loc = draft_decode_batch(case, world, topk, steps, 0, bs)
+    multi.init_forward_metadata_replay_cuda_graph(fb, bs)
+    layer = radix_layer(4, 2, 64)
+    case.desc = f"prefix={prefix}"
+    for step in range(steps - 1):
+        q = case.randn(bs * topk, 4 * 64, dtype=BF16, device=device)
+        k, v = new_kv(world, bs * topk, layer)
+        fb.out_cache_loc = loc[:, :, step].reshape(-1)
+        out = multi.attn_backends[step].forward_decode(q, k, v, layer, fb)
+        for b, (r, p) in enumerate(zip(reqs, prefix)):
+            for j in range(topk):
+                slots = torch.cat([world.slots(r, 0, p), loc[b, j, :step + 1]])
+                t = b * topk + j
+                ref = ref_rows(q[t].view(1, 4, 64), world.k_rows(slots), world.v_rows(slots), layer)
+                check_out(case, f"step {step} request {b} branch {j}", out[t].view(1, 4, 64), ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_draft_decode_topk1(case: Case, device: str) -> None:
     """Draft decode, top-k 1: step s's token sits at req_to_token[prefix + s]; the query sees
     prefix + steps 0..s through the page table."""
