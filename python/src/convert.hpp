@@ -32,5 +32,6 @@ DeviceProps device_props(Device d);
 // Each binding file registers its functions on the extension module `flashserve._C`.
 void register_ops(nanobind::module_& m);      // python/src/bind_ops.cpp
 void register_backend(nanobind::module_& m);  // python/src/bind_backend.cpp
+void register_sglang(nanobind::module_& m);   // python/src/bind_sglang.cpp
 
 }  // namespace flashserve::py

@@ -64,4 +64,5 @@ NB_MODULE(_C, m) {
 
   register_ops(m);
   register_backend(m);
+  register_sglang(m);
 }
