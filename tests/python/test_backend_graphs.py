@@ -161,6 +161,36 @@ def test_backend_step_graph_replay(case, device, q_len, layout):
             check_out(case, "replayed vs eager", replayed, e.out[:rows].float(), cap)
 
 
+@pytest.mark.skipif("cuda" not in DEVICES, reason="a long CUDA-graph replay needs CUDA")
+@pytest.mark.parametrize("q_len", [1, 4], ids=lambda n: f"q_len{n}")
+def test_backend_step_graph_replay_1000_steps(case, q_len):
+    """vLLM's use: one captured decode (q_len 1) or uniform verify (q_len 4) step of 8 requests,
+    replayed over 1000 steps with new lengths, block tables, inputs and batch padding, and
+    bitwise equal to the eager step every time (the captured split count is the config's, so
+    the eager call runs the same kernels); the fp64 reference every 100th step."""
+    batch, cap = 8, 1024
+    e = Engine(case, "cuda", batch, q_len, cap, "NHD", num_splits=4)
+    e.md = e.builders[0].build_for_cudagraph_capture(e.new_step(full=True))
+    graph = capture(lambda: e.forward(0), "cuda")
+    for step in range(1000):
+        common = e.new_step(live=batch if step % 3 else case.rng.randint(1, batch))
+        case.desc = f"q_len={q_len} step {step}: live lens={e.lens}"
+        e.md = e.builders[0].build(0, common)
+        before = e.kv_cache.clone()
+        e.out.fill_(float("nan"))
+        graph.replay()
+        rows = e.live * q_len
+        replayed, cache_replayed = e.out[:rows].clone(), e.kv_cache.clone()
+        if step % 100 == 0:
+            check_out(case, "replayed out", replayed, e.reference(), cap)
+        e.kv_cache.copy_(before)
+        e.md = e.builders[1].build(0, common)
+        e.out.fill_(float("nan"))
+        e.forward(1)
+        check_bits(case, "replayed out vs eager", replayed, e.out[:rows])
+        check_bits(case, "cache written by the replay vs eager", cache_replayed, e.kv_cache)
+
+
 @pytest.mark.parametrize("batch", [1, 6])
 def test_fixed_split_count_config(case, batch):
     """num_splits fixes every decode plan's split count whatever the batch (capped by the keys'
