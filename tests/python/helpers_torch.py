@@ -282,3 +282,28 @@ def fp8_descale(case: Case, batch: int, heads_kv: int, device, broadcast: bool) 
     if broadcast:
         return torch.tensor([case.rng.uniform(0.1, 0.5)], device=device).expand(batch, heads_kv)
     return (torch.rand(batch, heads_kv, generator=case.gen) * 0.4 + 0.1).to(device)
+
+
+class _EagerReplay:
+    """The CPU stand-in for a CUDA graph: replay() runs the call again."""
+
+    def __init__(self, fn) -> None:
+        self.replay = fn
+
+
+def capture(fn, device: str = "cuda", warmup: int = 2):
+    """A CUDA graph of fn() after `warmup` calls on a side stream (as engines capture); on the
+    CPU an eager re-run over the same static buffers."""
+    if device == "cpu":
+        return _EagerReplay(fn)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+

@@ -20,30 +20,13 @@ torch = pytest.importorskip("torch")
 from flashserve.backend import (AttentionCGSupport, CommonAttentionMetadata,  # noqa: E402
                                 FlashServeBackend, FlashServeEngineConfig, FlashServeImpl,
                                 FlashServeKVCacheSpec, FlashServeMetadataBuilder)
-from helpers_torch import DEVICES, Case, check_bits, check_out  # noqa: E402
+from helpers_torch import DEVICES, Case, capture, check_bits, check_out  # noqa: E402
 from torch_reference import attention_ref, gather_paged  # noqa: E402
 
 
 @pytest.fixture
 def case(request):
     return Case(request)
-
-
-def capture(fn, device: str):
-    """A CUDA graph of fn() after warm-up on a side stream (as engines capture); on the CPU an
-    object whose replay() runs fn again."""
-    if device == "cpu":
-        return types.SimpleNamespace(replay=fn)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 class Engine:

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 flashserve = pytest.importorskip("flashserve")
 fa3 = pytest.importorskip("flashserve.fa3")
 
-from helpers_torch import (HAS_CUDA, DEVICES, HALF_DTYPES, Case, check_bits, check_close, check_lse,  # noqa: E402
+from helpers_torch import (HAS_CUDA, DEVICES, HALF_DTYPES, Case, capture, check_bits, check_close, check_lse,  # noqa: E402
                            check_out, cu_seqlens, fp8_descale, make_paged_kv, n_cases, poisoned,
                            seq_lens)
 from torch_reference import attention_ref, batched_ref, gather_paged, per_seq, varlen_ref  # noqa: E402
@@ -801,14 +801,7 @@ def test_cuda_graph_capture(case: Case, append: bool) -> None:
                                                     cu_seqlens_q=cu_q, max_seqlen_q=1, causal=True,
                                                     scheduler_metadata=md, **kw)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph = capture(call, warmup=1)
     for step in range(3):
         lens = [case.rng.randint(0, width * page - 1) for _ in range(batch)]
         case.desc = f"step {step}: lens={lens}"

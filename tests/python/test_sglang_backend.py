@@ -21,7 +21,7 @@ from flashserve.sgl import merge_state_v2  # noqa: E402
 from flashserve.sglang import (FlashAttentionBackend, FlashAttentionMultiStepBackend,  # noqa: E402
                                local_virtual_batches, make_local_attention_virtual_batches)
 
-from helpers_torch import DEVICES, Case, check_bits, check_lse, check_out  # noqa: E402
+from helpers_torch import DEVICES, Case, capture, check_bits, check_lse, check_out  # noqa: E402
 from torch_reference import attention_ref  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -1042,14 +1042,9 @@ def test_cuda_graph_capture_replay(case: Case, kind: str) -> None:
             return backend.forward_decode(static.q, static.k, static.v, layer, fb)
         return backend.forward_extend(static.q, static.k, static.v, layer, fb)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = run()
+    captured = {}
+    graph = capture(lambda: captured.update(out=run()), warmup=1)
+    static_out = captured["out"]
     for i in range(4):
         real = bs if i % 2 == 0 or kind in UNPADDED else 1  # odd replays pad the batch
         step_in = GraphStep(case, world, kind, real, layer, steps, step)

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 flashserve = pytest.importorskip("flashserve")
 
-from helpers_torch import (DEVICES, Case, check_bits, check_out, cu_seqlens,  # noqa: E402
+from helpers_torch import (DEVICES, Case, capture, check_bits, check_out, cu_seqlens,  # noqa: E402
                            make_paged_kv, seq_lens)
 from torch_reference import batched_ref, gather_paged  # noqa: E402
 
@@ -171,30 +171,6 @@ def test_compile_decode_step(case: Case, device: str, mode: str) -> None:
         check_bits(case, f"compiled {name}", a, b)
     check_bits(case, "compiled key_cache", caches[1][0], caches[0][0])
     check_bits(case, "compiled value_cache", caches[1][1], caches[0][1])
-
-
-class _EagerReplay:
-    """The CPU stand-in for a CUDA graph: replay() runs the call again."""
-
-    def __init__(self, fn) -> None:
-        self.replay = fn
-
-
-def capture(fn, device: str):
-    """A CUDA graph of fn() after warm-up on a side stream (as engines capture); on the CPU,
-    an eager re-run over the same static buffers."""
-    if device == "cpu":
-        return _EagerReplay(fn)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 @pytest.mark.parametrize("device", DEVICES)
