@@ -379,11 +379,13 @@ def _decode_slots(cu_query_lens: Any, context_lens: Any, block_tables: Any, bloc
     t = torch.arange(num_tokens, dtype=torch.int64, device=device)
     ends = cu_query_lens[1:].to(torch.int64)
     b = torch.searchsorted(ends, t, right=True)
-    live = b < ends.shape[0]
     bc = b.clamp(max=ends.shape[0] - 1)
     pos = context_lens.to(torch.int64)[bc] - (ends[bc] - t)
+    col = pos // block_size
+    # padding rows (past cu_query_lens[-1]) and positions outside the block table: skipped
+    live = (b < ends.shape[0]) & (pos >= 0) & (col < block_tables.shape[1])
     pos = pos.clamp(min=0)
-    col = (pos // block_size).clamp(max=block_tables.shape[1] - 1)
+    col = col.clamp(min=0, max=block_tables.shape[1] - 1)
     block = block_tables.to(torch.int64)[bc, col]
     return torch.where(live, block * block_size + pos % block_size, torch.full_like(t, -1))
 

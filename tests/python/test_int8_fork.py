@@ -557,3 +557,70 @@ def test_top_level_exports():
     for name in ("flash_attn_varlen_int8_func", "scaled_int8_quant_for_attn", "reshape_and_cache_flash_int8",
                  "reshape_and_cache_flash_mix", "vllm_paged_attention_int8", "vllm_paged_attention_mix"):
         assert getattr(flashserve, name) is getattr(ixf, name)
+
+
+def _opcheck(name, args):
+    op = getattr(torch.ops.flashserve, name).default
+    result = torch.library.opcheck(op, args, {})
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+@pytest.mark.parametrize("k8v8", [True, False], ids=["k8v8", "k8v16"])
+def test_opcheck_int8_ops(rng, k8v8):
+    """torch.library.opcheck of flashserve::quantize_int8, reshape_and_cache_int8 and
+    fork_varlen_fwd (schema and aliasing, fake tensors, AOT dispatch)."""
+    s = fork_step(rng, "cpu", k8v8, torch.float16)
+    c = s["c"]
+    x = s["query"]
+    for transpose in (False, True):
+        T, H = x.shape[:2]
+        _opcheck("quantize_int8", (x, torch.empty(x.shape, dtype=torch.int8),
+                                   torch.empty((H, T) if transpose else (T, H)), transpose))
+    i8_key, key_scale = ixf.scaled_int8_quant_for_attn(s["key"], 2)
+    value = (ixf.scaled_int8_quant_for_attn(s["value"], 0, scale=c.value_scale)[0] if k8v8 else s["value"])
+    value_cache = c.value_cache if k8v8 else c.value_cache.clone()  # opcheck clones inputs: no dtype views
+    _opcheck("reshape_and_cache_int8", (i8_key, value, c.key_cache, value_cache, c.key_scale_cache.nan_to_num(0.0),
+                                        key_scale, s["slots"], "int8_k8v8" if k8v8 else "int8_k8v16"))
+    q, qs = ixf.scaled_int8_quant_for_attn(x, 2, transpose_scale=True)
+    ksc = c.key_scale_cache.nan_to_num(1.0)
+    out = torch.zeros(x.shape, dtype=torch.float16)
+    _opcheck("fork_varlen_fwd", (q, c.key_cache, value_cache if not k8v8 else c.value_cache, out, s["cu_q"],
+                                 max(s["q_lens"]), 4096, None, s["cu_k"], None, s["block_table"], True, 0.1, True,
+                                 -1, -1, 0.0, None, False, None, None, None, None, qs.t(), ksc, c.value_scale))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fork_reshape_and_cache_flash_hnd_and_encoder_call(rng, device):
+    """quant_type 0's ops.reshape_and_cache_flash into the fork's HND caches, then the fork's
+    flash_attn_varlen_func over contiguous q/k/v (its encoder call) and over the paged cache."""
+    g = gen(rng)
+    H_kv, H, D, bs, nb = 2, 4, 32, 16, 5
+    dtype = torch.float16
+    kv = torch.full((2, nb, H_kv, bs, D), NAN, dtype=dtype, device=device)
+    key_cache, value_cache = kv.unbind(0)
+    T = int(rng.integers(1, 2 * bs))
+    slots = torch.randperm(nb * bs, generator=g)[:T].to(device)
+    key, value = randn(g, T, H_kv, D, dtype=dtype, device=device), randn(g, T, H_kv, D, dtype=dtype, device=device)
+    one = torch.tensor(1.0, device=device)
+    ixf.reshape_and_cache_flash(key, value, key_cache, value_cache, slots, "auto", one, one)
+    b, o = slots // bs, slots % bs
+    assert torch.equal(key_cache[b, :, o], key) and torch.equal(value_cache[b, :, o], value)
+    assert int(kv.isnan().sum()) == 2 * (nb * bs - T) * H_kv * D
+    q = randn(g, T, H, D, dtype=dtype, device=device)
+    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+    out = ixf.flash_attn_varlen_func(q=q, k=key, v=value, out=None, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                     max_seqlen_q=T, max_seqlen_k=T, softmax_scale=0.2, causal=False)
+    want, _ = attention_ref(q, key, value, scale=0.2)
+    torch.testing.assert_close(out.double(), want.double(), atol=4e-3, rtol=4e-3)
+    # the paged cache as one sequence over every block, in block-table order
+    kv.nan_to_num_(0.0)
+    table = torch.arange(nb, dtype=torch.int32, device=device)[None]
+    full_k = key_cache.permute(0, 2, 1, 3).reshape(nb * bs, H_kv, D)
+    full_v = value_cache.permute(0, 2, 1, 3).reshape(nb * bs, H_kv, D)
+    cu_k = torch.tensor([0, nb * bs], dtype=torch.int32, device=device)
+    out2, lse = ixf.flash_attn_varlen_func(q=q, k=key_cache, v=value_cache, cu_seqlens_q=cu, cu_seqlens_k=cu_k,
+                                           max_seqlen_q=T, max_seqlen_k=1, softmax_scale=0.2, causal=False,
+                                           block_table=table, return_softmax_lse=True)
+    want2, want_lse = attention_ref(q, full_k, full_v, scale=0.2)
+    torch.testing.assert_close(out2.double(), want2.double(), atol=4e-3, rtol=4e-3)
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
