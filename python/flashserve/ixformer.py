@@ -6,8 +6,12 @@ vLLM fork's int8 entry"): the functions that backend imports from ixformer
 backend switches by its imports:
 
     import flashserve.ixformer as ixf_ops
-    from flashserve.ixformer import (merge_attn_states, flash_attn_varlen_func,
-        flash_attn_with_kvcache, reshape_and_cache_flash, flash_attn_varlen_int8_func)
+    from flashserve.ixformer import merge_attn_states               # ixformer.contrib.vllm_flash_attn
+    from flashserve.ixformer import (flash_attn_supports_sinks,     # vllm...fa_utils
+        flash_attn_varlen_func, flash_attn_with_kvcache, reshape_and_cache_flash,
+        flash_attn_varlen_int8_func, flash_attn_supports_fp8, get_flash_attn_version,
+        is_flash_attn_varlen_func_available)
+    import flashserve.ixformer as ops                                # ops.reshape_and_cache_flash
 
 The fork's caches are in its shape order (get_kv_cache_shape (2|3, num_blocks, H_kv,
 block_size, D)): every paged cache here is [num_blocks, H_kv, block_size, D] (HND); the int8
@@ -31,17 +35,47 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import _dispatch
+from . import _calls, _dispatch
 from ._api import _check_fa_version, _not_implemented, _scale, _window
+from ._api import get_scheduler_metadata  # noqa: F401  (the fork imports it from fa_utils)
 from ._tensors import renamed, torch
 
 __all__ = [
-    "flash_attn_varlen_func", "flash_attn_varlen_int8_func", "flash_attn_with_kvcache", "merge_attn_states",
-    "reshape_and_cache_flash", "reshape_and_cache_flash_int8", "reshape_and_cache_flash_mix",
-    "scaled_int8_quant_for_attn", "vllm_paged_attention_int8", "vllm_paged_attention_mix",
+    "flash_attn_supports_fp8", "flash_attn_supports_sinks", "flash_attn_varlen_func", "flash_attn_varlen_int8_func",
+    "flash_attn_with_kvcache", "get_flash_attn_version", "get_scheduler_metadata",
+    "is_flash_attn_varlen_func_available", "merge_attn_states", "reshape_and_cache_flash",
+    "reshape_and_cache_flash_int8", "reshape_and_cache_flash_mix", "scaled_int8_quant_for_attn",
+    "vllm_paged_attention_int8", "vllm_paged_attention_mix",
 ]
 
 _SIXTEEN = () if torch is None else (torch.float16, torch.bfloat16)
+
+
+# ---------------------------------------------------------------- the fork's fa_utils queries
+
+
+def is_flash_attn_varlen_func_available() -> bool:
+    """fa_utils' query: the varlen function is importable (always, with flashserve)."""
+    return True
+
+
+def get_flash_attn_version(requires_alibi: bool = False, head_size: Optional[int] = None) -> Optional[int]:
+    """fa_utils' version query: 2 (flashserve.DEFAULT_FA_VERSION; ALiBi and every head size
+    of FlashServeBackend serve at it), None for a head size flashserve does not support."""
+    from . import _C
+    if head_size is not None and not _C.Capabilities.supports_head_size(int(head_size), int(head_size)):
+        return None
+    return 2
+
+
+def flash_attn_supports_sinks() -> bool:
+    """Sinks (s_aux / sinks=) are implemented at every version, on the CPU and on the GPU."""
+    return True
+
+
+def flash_attn_supports_fp8() -> bool:
+    """fp8 KV caches (descales per (sequence, KV head)) and fp8 queries are implemented."""
+    return True
 
 
 def _need_torch() -> None:
@@ -145,14 +179,19 @@ def scaled_int8_quant_for_attn(x: Any, mode: int, transpose_scale: bool = False,
 # ---------------------------------------------------------------- cache writes
 
 
+_WRITE_NAMES = {"key_scale": "k_scale", "k_scale_cache": "key_scale_cache"}
+_SAVE_NAMES = {"key": "save_key", "value": "save_value", "key_scale": "save_key_scale",
+               "k_scale_cache": "key_scale_cache"}
+
+
 def _write_int8(key: Any, value: Any, k_scale: Any, key_cache: Any, value_cache: Any, key_scale_cache: Any,
-                slot_mapping: Any, cache_dtype: str) -> None:
-    _dtype("key", key, (torch.int8,), "int8 (quantized by scaled_int8_quant_for_attn mode 2)")
+                slot_mapping: Any, cache_dtype: str, names: dict = _WRITE_NAMES) -> None:
+    _dtype(names.get("key", "key"), key, (torch.int8,), "int8 (quantized by scaled_int8_quant_for_attn mode 2)")
     try:
         _dispatch.call("reshape_and_cache_int8")(key, value, key_cache, value_cache, key_scale_cache, k_scale,
                                                  slot_mapping, cache_dtype)
     except ValueError as e:
-        raise renamed(e, {"key_scale": "k_scale", "k_scale_cache": "key_scale_cache"}) from None
+        raise renamed(e, names) from None
 
 
 def reshape_and_cache_flash_int8(key: Any, value: Any, k_scale: Any, key_cache: Any, value_cache: Any,
@@ -409,33 +448,42 @@ def _paged_int8(name: str, output, query, key_cache, query_scale, key_scale_cach
     _tensor("context_lens", context_lens)
     T = int(query.shape[0])
     cu = _decode_batch(query, cu_query_lens, context_lens)
+    if query_scale is None or not hasattr(query_scale, "shape") or tuple(query_scale.shape) != (T, query.shape[1]):
+        raise ValueError(f"query_scale: expected float32 [num_tokens, num_heads] = [{T}, {query.shape[1]}], got "
+                         f"{list(query_scale.shape) if hasattr(query_scale, 'shape') else query_scale!r}")
+    max_q = int(max_query_len) if max_query_len is not None else T
+    args = (query, key_cache, value_cache, output, cu, max_q,
+            _paged_bound(max_context_len or 0, block_tables, key_cache), None, None, context_lens, block_tables,
+            True, _scale(scale), bool(causal), int(window_left), int(window_right), float(softcap or 0.0),
+            _on(alibi_slopes, query.device), use_sqrt_alibi, None, None, None, None, query_scale,
+            key_scale_cache, value_scale_cache)
+
+    def attend(mode: Optional[int] = None) -> None:
+        try:
+            if mode is None:
+                _dispatch.call("fork_varlen_fwd")(*args)
+            else:
+                _calls.fork_varlen_fwd(*args, mode=mode)
+        except (ValueError, NotImplementedError) as e:
+            raise renamed(e, {"q": "query", "k": "key_cache", "v": "value_cache", "out": "output",
+                              "q_scale": "query_scale", "k_scale_cache": "key_scale_cache",
+                              "v_scale": "value_scale_cache", "seqused_k": "context_lens",
+                              "block_table": "block_tables", "cu_seqlens_q": "cu_query_lens",
+                              "max_seqlen_q": "max_query_len", "alibi_sqrt": "use_sqrt_alibi",
+                              "window": "window_left"}) from None
+
     saves = (save_key, save_value, save_key_scale)
     if any(s is not None for s in saves):
         if any(s is None for s in saves):
             missing = ("save_key", "save_value", "save_key_scale")[[s is None for s in saves].index(True)]
             raise ValueError(f"{missing}: expected a tensor (save_key, save_value and save_key_scale go together), "
                              f"got None")
+        if not torch.compiler.is_compiling():  # a rejected call writes nothing: check the attention first
+            attend(_calls.VALIDATE)
         slots = _decode_slots(cu, context_lens, block_tables, int(block_size), T)
         _write_int8(save_key, save_value, save_key_scale, key_cache, value_cache, key_scale_cache, slots,
-                    "int8_k8v8" if value_scale_cache is not None else "int8_k8v16")
-    if query_scale is None or not hasattr(query_scale, "shape") or tuple(query_scale.shape) != (T, query.shape[1]):
-        raise ValueError(f"query_scale: expected float32 [num_tokens, num_heads] = [{T}, {query.shape[1]}], got "
-                         f"{list(query_scale.shape) if hasattr(query_scale, 'shape') else query_scale!r}")
-    max_q = int(max_query_len) if max_query_len is not None else T
-    try:
-        _dispatch.call("fork_varlen_fwd")(
-            query, key_cache, value_cache, output, cu, max_q,
-            _paged_bound(max_context_len or 0, block_tables, key_cache), None, None, context_lens, block_tables,
-            True, _scale(scale), bool(causal), int(window_left), int(window_right), float(softcap or 0.0),
-            _on(alibi_slopes, query.device), use_sqrt_alibi, None, None, None, None, query_scale,
-            key_scale_cache, value_scale_cache)
-    except (ValueError, NotImplementedError) as e:
-        raise renamed(e, {"q": "query", "k": "key_cache", "v": "value_cache", "out": "output",
-                          "q_scale": "query_scale", "k_scale_cache": "key_scale_cache",
-                          "v_scale": "value_scale_cache", "seqused_k": "context_lens",
-                          "block_table": "block_tables", "cu_seqlens_q": "cu_query_lens",
-                          "max_seqlen_q": "max_query_len", "alibi_sqrt": "use_sqrt_alibi",
-                          "window": "window_left"}) from None
+                    "int8_k8v8" if value_scale_cache is not None else "int8_k8v16", _SAVE_NAMES)
+    attend()
     return output
 
 

@@ -327,11 +327,14 @@ def test_paged_attention_int8_bad_inputs():
     q, qs = ixf.scaled_int8_quant_for_attn(s["query"], 2)
     T = q.shape[0]
     out = torch.full((T, s["H"], s["D"]), NAN, dtype=torch.float16)
+    i8_key, key_scale = ixf.scaled_int8_quant_for_attn(s["key"], 2)
+    i8_value = ixf.scaled_int8_quant_for_attn(s["value"], 0, scale=c.value_scale)[0]
     base = dict(output=out, query=q, key_cache=c.key_cache, query_scale=qs, key_scale_cache=c.key_scale_cache,
                 num_kv_heads=s["H_kv"], scale=0.1, block_tables=s["block_table"],
                 context_lens=torch.tensor(s["k_lens"], dtype=torch.int32), block_size=s["bs"],
                 cu_query_lens=s["cu_q"], max_query_len=max(s["q_lens"]), value_cache=c.value_cache,
-                value_scale_cache=c.value_scale)
+                value_scale_cache=c.value_scale, save_key=i8_key, save_value=i8_value, save_key_scale=key_scale)
+    before = c.kv.clone(), c.key_scale_cache.clone()
     for change, name in ((dict(query=s["query"]), "query"), (dict(query_scale=qs.t()), "query_scale"),
                          (dict(num_kv_heads=s["H_kv"] + 1), "num_kv_heads"), (dict(block_size=8), "block_size"),
                          (dict(value_scale_cache=None), "value_scale_cache"),
@@ -339,10 +342,14 @@ def test_paged_attention_int8_bad_inputs():
                          (dict(key_scale_cache=c.key_scale_cache.double()), "key_scale_cache"),
                          (dict(block_tables=s["block_table"].long()), "block_tables"),
                          (dict(max_query_len=0), "max_query_len"),
-                         (dict(save_key=q), "save_value")):
+                         (dict(save_value=None), "save_value"),
+                         (dict(save_key=s["key"]), "save_key"),
+                         (dict(save_value=s["value"]), "save_value"),
+                         (dict(save_key_scale=key_scale[:-1]), "save_key_scale")):
         with pytest.raises(ValueError, match=f"^{name}: expected"):
             ixf.vllm_paged_attention_int8(**{**base, **change})
-    assert out.isnan().all()
+    assert out.isnan().all()  # rejected calls write neither the output nor the cache
+    assert torch.equal(c.kv, before[0]) and torch.equal(c.key_scale_cache.nan_to_num(7.0), before[1].nan_to_num(7.0))
 
 
 def test_varlen_int8_bad_inputs():
@@ -624,3 +631,11 @@ def test_fork_reshape_and_cache_flash_hnd_and_encoder_call(rng, device):
     want2, want_lse = attention_ref(q, full_k, full_v, scale=0.2)
     torch.testing.assert_close(out2.double(), want2.double(), atol=4e-3, rtol=4e-3)
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-4)
+
+
+def test_fa_utils_queries():
+    assert ixf.is_flash_attn_varlen_func_available() and ixf.flash_attn_supports_sinks()
+    assert ixf.flash_attn_supports_fp8()
+    assert ixf.get_flash_attn_version() == 2 and ixf.get_flash_attn_version(requires_alibi=True, head_size=128) == 2
+    assert ixf.get_flash_attn_version(head_size=12) is None
+    assert ixf.get_scheduler_metadata is flashserve.get_scheduler_metadata
