@@ -639,3 +639,81 @@ def test_fa_utils_queries():
     assert ixf.get_flash_attn_version() == 2 and ixf.get_flash_attn_version(requires_alibi=True, head_size=128) == 2
     assert ixf.get_flash_attn_version(head_size=12) is None
     assert ixf.get_scheduler_metadata is flashserve.get_scheduler_metadata
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("how", ["inference_mode", "compile", "cuda_graph"])
+def test_fork_float_and_mix_calls_inference_mode_compile_graph(rng, device, how):
+    """The rest of the fork's calls in one step: ops.reshape_and_cache_flash into HND caches,
+    flash_attn_varlen_func (sinks, sqrt_alibi, lse) and flash_attn_with_kvcache
+    (cu_query_lens) merged by merge_attn_states, and the K8V16 decode vllm_paged_attention_mix
+    with its fused write; equal to eager under inference_mode, torch.compile(fullgraph=True)
+    and CUDA-graph capture."""
+    if how == "cuda_graph" and device != "cuda":
+        pytest.skip("CUDA-graph capture needs CUDA")
+    g = gen(rng)
+    dtype = torch.float16
+    s = fork_step(rng, device, False, dtype, q_hi=3)
+    H_kv, H, D, bs = s["H_kv"], s["H"], s["D"], s["bs"]
+    nb = s["c"].key_cache.shape[0]
+    kv16 = randn(g, 2, nb, H_kv, bs, D, dtype=dtype, device=device)
+    sinks = randn(g, H, device=device)
+    alibi = slopes(g, H, device).to(device)
+    seq_lens = torch.tensor(s["k_lens"], dtype=torch.int32, device=device)
+    one = torch.tensor(1.0, device=device)
+    max_q = max(s["q_lens"])
+
+    def step(kv16, c_key, c_val, c_ksc, query, key, value, out, out2):
+        key_cache, value_cache = kv16.unbind(0)
+        ixf.reshape_and_cache_flash(key, value, key_cache, value_cache, s["slots"], "auto", one, one)
+        a, la = ixf.flash_attn_varlen_func(q=query, k=key_cache, v=value_cache, cu_seqlens_q=s["cu_q"],
+                                           cu_seqlens_k=s["cu_k"], max_seqlen_q=max_q, max_seqlen_k=max_q,
+                                           softmax_scale=0.1, causal=True, alibi_slopes=alibi, sqrt_alibi=True,
+                                           sinks=sinks, block_table=s["block_table"], return_softmax_lse=True)
+        b = ixf.flash_attn_with_kvcache(q=query.unsqueeze(1), k_cache=key_cache, v_cache=value_cache,
+                                        block_table=s["block_table"], cache_seqlens=seq_lens, max_query_len=max_q,
+                                        cu_query_lens=s["cu_q"], softmax_scale=0.1, causal=True, softcap=20.0,
+                                        use_sqrt_alibi=False, use_cuda_graph=True,
+                                        max_context_len=max(s["k_lens"])).squeeze(1)
+        ixf.merge_attn_states(a, la, b, la, out)
+        int8_query, query_scale = ixf.scaled_int8_quant_for_attn(query, 2, transpose_scale=False)
+        i8_key, key_scale = ixf.scaled_int8_quant_for_attn(key, 2, transpose_scale=False)
+        ixf.vllm_paged_attention_mix(output=out2, query=int8_query, key_cache=c_key, query_scale=query_scale,
+                                     key_scale_cache=c_ksc, num_kv_heads=H_kv, scale=0.1,
+                                     block_tables=s["block_table"], context_lens=seq_lens, block_size=bs,
+                                     softcap=0.0, alibi_slopes=alibi, causal=True, window_left=-1, window_right=-1,
+                                     use_sqrt_alibi=True, use_cuda_graph=True, max_context_len=max(s["k_lens"]),
+                                     cu_query_lens=s["cu_q"], max_query_len=max_q, value_cache=c_val,
+                                     save_key=i8_key, save_value=value.contiguous(), save_key_scale=key_scale)
+        return out, out2
+
+    def fresh():
+        c = _clone_caches(s["c"], own_values=True)
+        return [kv16.clone(), c.key_cache, c.value_cache, c.key_scale_cache, s["query"], s["key"], s["value"],
+                torch.full_like(s["query"], NAN), torch.full_like(s["query"], NAN)]
+
+    eager_args = fresh()
+    eager = step(*eager_args)
+    assert not eager[0].isnan().any() and not eager[1].isnan().any()
+    args = fresh()
+    if how == "inference_mode":
+        with torch.inference_mode():
+            got = step(*args)
+    elif how == "compile":
+        torch._dynamo.reset()
+        got = torch.compile(step, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")(*args)
+    else:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step(*fresh())
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = step(*args)
+        graph.replay()
+        torch.cuda.synchronize()
+    for a, b in zip(got, eager):
+        assert torch.equal(a, b)
+    for a, b in zip(args[:4], eager_args[:4]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
