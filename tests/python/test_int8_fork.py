@@ -718,3 +718,30 @@ def test_fork_float_and_mix_calls_inference_mode_compile_graph(rng, device, how)
         assert torch.equal(a, b)
     for a, b in zip(args[:4], eager_args[:4]):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def test_fork_float_calls_bad_inputs():
+    q = torch.randn(3, 4, 32, dtype=torch.float16)
+    kv = torch.randn(2, 4, 2, 16, 32, dtype=torch.float16)
+    k, v = kv.unbind(0)
+    table = torch.zeros(3, 2, dtype=torch.int32)
+    lens = torch.full((3,), 5, dtype=torch.int32)
+    cu = torch.arange(4, dtype=torch.int32)
+    out = torch.full((3, 1, 4, 32), NAN, dtype=torch.float16)
+    ok = dict(q=q.unsqueeze(1), k_cache=k, v_cache=v, block_table=table, cache_seqlens=lens, out=out)
+    for change, name, exc in ((dict(cache_seqlens=None), "cache_seqlens", ValueError),
+                              (dict(block_table=None), "block_table", NotImplementedError),
+                              (dict(cache_seqlens=lens.long()), "cache_seqlens", ValueError),
+                              (dict(cu_query_lens=cu.long()), "cu_query_lens", ValueError),
+                              (dict(use_sqrt_alibi=1), "use_sqrt_alibi", ValueError),
+                              (dict(sinks=torch.zeros(4), s_aux=torch.zeros(4)), "sinks", ValueError),
+                              (dict(k=q), "k", NotImplementedError)):
+        with pytest.raises(exc, match=f"^{name}:"):
+            ixf.flash_attn_with_kvcache(**{**ok, **change})
+    assert out.isnan().all()
+    with pytest.raises(NotImplementedError, match="^q_v:"):
+        ixf.flash_attn_varlen_func(q, k, v, 1, cu, 1, block_table=table, q_v=q)
+    with pytest.raises(ValueError, match="^sqrt_alibi:"):
+        ixf.flash_attn_varlen_func(q, k, v, 1, cu, 1, block_table=table, seqused_k=lens, sqrt_alibi="yes")
+    with pytest.raises(ValueError, match="^key_cache:"):
+        ixf.reshape_and_cache_flash(q, q, k[0], v, torch.zeros(3, dtype=torch.int64), "auto", None, None)
