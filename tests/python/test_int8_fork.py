@@ -745,3 +745,34 @@ def test_fork_float_calls_bad_inputs():
         ixf.flash_attn_varlen_func(q, k, v, 1, cu, 1, block_table=table, seqused_k=lens, sqrt_alibi="yes")
     with pytest.raises(ValueError, match="^key_cache:"):
         ixf.reshape_and_cache_flash(q, q, k[0], v, torch.zeros(3, dtype=torch.int64), "auto", None, None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k8v8", [True, False], ids=["k8v8", "k8v16"])
+def test_flash_attn_varlen_int8_func_contiguous_kv(rng, device, k8v8):
+    """Without block_table: int8 k [total_k, H_kv, D] with k_scale [total_k, H_kv] (the
+    quantizer's layout), v int8 with its static scale or 16-bit."""
+    g = gen(rng)
+    H_kv, H, D, B = 2, 4, 64, int(rng.integers(1, 4))
+    q_lens = [int(rng.integers(1, 8)) for _ in range(B)]
+    k_lens = [q + int(rng.integers(0, 20)) for q in q_lens]
+    dtype = torch.bfloat16
+    query = randn(g, sum(q_lens), H, D, dtype=dtype, device=device)
+    key = randn(g, sum(k_lens), H_kv, D, dtype=dtype, device=device)
+    value = randn(g, sum(k_lens), H_kv, D, dtype=dtype, device=device)
+    q, qs = ixf.scaled_int8_quant_for_attn(query, 2, transpose_scale=True)
+    k, ks = ixf.scaled_int8_quant_for_attn(key, 2)
+    vs = (torch.rand(H_kv, D, generator=g) * 0.02 + 0.01).to(device) if k8v8 else None
+    v = ixf.scaled_int8_quant_for_attn(value, 0, scale=vs)[0] if k8v8 else value
+    cu_q = torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), dtype=torch.int32, device=device)
+    cu_k = torch.tensor(np.concatenate([[0], np.cumsum(k_lens)]), dtype=torch.int32, device=device)
+    out = ixf.flash_attn_varlen_int8_func(q, k, v, qs, ks, vs, cu_q, cu_k, max(q_lens), max(k_lens),
+                                          softmax_scale=0.1, causal=True)
+    assert out.dtype == (torch.float16 if k8v8 else dtype)
+    qd = q.double() * qs.t().double()[..., None]
+    kd = k.double() * ks.double()[..., None]
+    vd = v.double() * vs.double()[None] if k8v8 else v.double()
+    want = torch.zeros(out.shape, dtype=torch.float64, device=device)
+    for (qa, qb), (ka, kb) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()), zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+        want[qa:qb] = attention_ref(qd[qa:qb], kd[ka:kb], vd[ka:kb], scale=0.1, causal=True)[0].double()
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
