@@ -71,7 +71,7 @@ struct AttentionParams {
   OptTensor k_descale;          // fp8 k cache: fp32 [B, H_kv]
   OptTensor v_descale;          // fp8 v cache: fp32 [B, H_kv]
   OptTensor q_scale;            // int8 q: fp32 per (token, head): varlen [total_q, H],
-                                // batched [B, sq, H]
+                                // batched [B, sq, H]; any strides (e.g. a transposed [H, total_q])
   OptTensor k_scale_cache;      // int8 k: fp32 per (token, KV head): paged
                                 // [num_blocks, H_kv, block_size]; contiguous shaped like k
                                 // without D ([total_k, H_kv] / [B_cache, S_cache, H_kv])

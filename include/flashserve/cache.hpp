@@ -36,10 +36,19 @@ struct CacheWriteParams {
   OptTensor k_scale;        // fp8: fp32 [] or [H_kv] (or [1])
   OptTensor v_scale;        // fp8: as k_scale; int8_k8v8: fp32 [H_kv, Dv] static
   OptTensor k_scale_cache;  // int8: fp32 [num_blocks, H_kv, block_size], written per token
+  OptTensor key_scale;      // int8 key given already quantized: fp32 [>= num_tokens, H_kv], see below
 };
 
 // Writes key/value rows into their slots. num_tokens = slot_mapping's length; key/value may
 // have more rows (padding). Every other slot is left untouched.
+//
+// Two forms for the int8 caches (cache_dtype int8_k8v8 / int8_k8v16):
+// - key f16/bf16/f32: quantized on the way in (k per (token, head) dynamically, its scale
+//   written to k_scale_cache; K8V8 v by the static v_scale);
+// - key int8, already quantized (the int8 fork's reshape_and_cache_flash_int8 / _mix): rows
+//   stored as given and key_scale[t, h] (each row's scale, fp32 [>= num_tokens, H_kv], any
+//   strides) written to k_scale_cache; value int8 (K8V8, already quantized with the static
+//   scale: v_scale must be absent) or f16/bf16 (K8V16), stored as given.
 void reshape_and_cache(const CacheWriteParams& p, const ExecContext& ctx = {});
 
 // Copy-on-write within caches: for each row (src, dst) of `block_mapping` (int64 [n, 2]), copy

@@ -74,7 +74,7 @@ def reshape_and_cache_flash(key: Any, value: Any, key_cache: Any, value_cache: A
                             kv_cache_dtype: str, k_scale: Any, v_scale: Any) -> None:
     """key/value rows into their slots of the paged caches (any strides, last dim contiguous)."""
     _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, k_scale, v_scale,
-                         None, False, cuda_stream(key_cache))
+                         None, None, False, cuda_stream(key_cache))
 
 
 def scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,
@@ -115,3 +115,37 @@ def plan_words(kind: str, index: int, batch_size: int, max_seqlen_q: int, max_se
     return list(_C.plan_for_shape(kind, index, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv,
                                   headdim, headdim_v, total_q, page_size, causal, local, num_splits))
 
+
+
+def quantize_int8(x: Any, out: Any, scale: Any, transpose_scale: bool) -> None:
+    """Dynamic int8 quantization per (token, head): x [T, H, D] -> out int8 [T, H, D], scale
+    fp32 [T, H], or [H, T] with transpose_scale."""
+    _C.quantize_int8(x, out, scale.t() if transpose_scale else scale, cuda_stream(x))
+
+
+def reshape_and_cache_int8(key: Any, value: Any, key_cache: Any, value_cache: Any, key_scale_cache: Any,
+                           key_scale: Any, slot_mapping: Any, kv_cache_dtype: str) -> None:
+    """int8 rows already quantized (key int8 with key_scale [num_tokens, H_kv]; value int8 for
+    int8_k8v8, 16-bit for int8_k8v16) into the int8 fork's HND caches [num_blocks, H_kv,
+    block_size, D], key_scale into key_scale_cache [num_blocks, H_kv, block_size]."""
+    _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_cache_dtype, None, None,
+                         key_scale_cache, key_scale, True, cuda_stream(key_cache))
+
+
+def fork_varlen_fwd(q: Any, k: Any, v: Any, out: Any, cu_seqlens_q: Any, max_seqlen_q: int, max_seqlen_k: int,
+                    softmax_lse: Optional[Any] = None, cu_seqlens_k: Optional[Any] = None,
+                    seqused_k: Optional[Any] = None, block_table: Optional[Any] = None, kv_hnd: bool = True,
+                    softmax_scale: float = 0.0, causal: bool = False, window_left: int = -1,
+                    window_right: int = -1, softcap: float = 0.0, alibi_slopes: Optional[Any] = None,
+                    alibi_sqrt: bool = False, s_aux: Optional[Any] = None, q_descale: Optional[Any] = None,
+                    k_descale: Optional[Any] = None, v_descale: Optional[Any] = None,
+                    q_scale: Optional[Any] = None, k_scale_cache: Optional[Any] = None,
+                    v_scale: Optional[Any] = None, *, mode: int = _RUN) -> None:
+    """Varlen attention as the int8 fork calls it: paged caches in the order kv_hnd says,
+    sqrt-ALiBi, sinks (s_aux) and the int8 operands' scales (q_scale [total_q, H], any
+    strides; k_scale_cache; v_scale [H_kv, Dv] for an int8 v)."""
+    _C.attention(mode, False, q, None, out, softmax_lse, k, v, kv_hnd,
+                 cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, None, max_seqlen_q, max_seqlen_k,
+                 softmax_scale, softcap, alibi_slopes, alibi_sqrt, causal, window_left, window_right, 0,
+                 s_aux, q_descale, k_descale, v_descale, q_scale, k_scale_cache, v_scale,
+                 1, 0, None, 0, None, workspace_allocator(q), cuda_stream(q))

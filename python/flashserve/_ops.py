@@ -45,6 +45,18 @@ SCHEMAS = {
         "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor! out, Tensor!? softmax_lse=None, "
         "Tensor? cache_seqlens=None, Tensor? cache_batch_idx=None, Tensor? block_table=None, "
         + _SCORE_AND_EXEC + ", Tensor? q_v=None, int chunk_size=0) -> ()"),
+    "quantize_int8": "(Tensor x, Tensor! out, Tensor! scale, bool transpose_scale) -> ()",
+    "reshape_and_cache_int8": (
+        "(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, Tensor! key_scale_cache, "
+        "Tensor key_scale, Tensor slot_mapping, str kv_cache_dtype) -> ()"),
+    "fork_varlen_fwd": (
+        "(Tensor q, Tensor k, Tensor v, Tensor! out, Tensor cu_seqlens_q, int max_seqlen_q, "
+        "int max_seqlen_k, Tensor!? softmax_lse=None, Tensor? cu_seqlens_k=None, "
+        "Tensor? seqused_k=None, Tensor? block_table=None, bool kv_hnd=True, "
+        "float softmax_scale=0.0, bool causal=False, int window_left=-1, int window_right=-1, "
+        "float softcap=0.0, Tensor? alibi_slopes=None, bool alibi_sqrt=False, Tensor? s_aux=None, "
+        "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None, "
+        "Tensor? q_scale=None, Tensor? k_scale_cache=None, Tensor? v_scale=None) -> ()"),
     "scheduler_metadata": (
         "(int batch_size, int max_seqlen_q, int max_seqlen_k, int num_heads_q, int num_heads_kv, "
         "int headdim, int headdim_v, Tensor cache_seqlens, Tensor? cu_seqlens_q, int page_size, "
@@ -58,6 +70,9 @@ _MUTATES = {
     "varlen_fwd": ("out", "softmax_lse"),
     "kvcache_fwd": ("out", "softmax_lse"),
     "scheduler_metadata": (),
+    "quantize_int8": ("out", "scale"),
+    "reshape_and_cache_int8": ("key_cache", "value_cache", "key_scale_cache"),
+    "fork_varlen_fwd": ("out", "softmax_lse"),
 }
 
 
@@ -84,3 +99,6 @@ merge_state_v2 = _register("merge_state_v2", _calls.merge_state_v2)
 varlen_fwd = _register("varlen_fwd", _calls.varlen_fwd)
 kvcache_fwd = _register("kvcache_fwd", _calls.kvcache_fwd)
 scheduler_metadata = _register("scheduler_metadata", _calls.scheduler_metadata, _metadata_fake)
+quantize_int8 = _register("quantize_int8", _calls.quantize_int8)
+reshape_and_cache_int8 = _register("reshape_and_cache_int8", _calls.reshape_and_cache_int8)
+fork_varlen_fwd = _register("fork_varlen_fwd", _calls.fork_varlen_fwd)

@@ -213,7 +213,8 @@ void register_attention(nb::module_& m) {
 
 void reshape_and_cache_op(nb::handle key, nb::handle value, nb::handle key_cache, nb::handle value_cache,
                           nb::handle slot_mapping, const std::string& kv_cache_dtype, nb::handle k_scale,
-                          nb::handle v_scale, nb::handle k_scale_cache, bool hnd, nb::handle stream) {
+                          nb::handle v_scale, nb::handle k_scale_cache, nb::handle key_scale, bool hnd,
+                          nb::handle stream) {
   CacheWriteParams p;
   p.key = tensor_arg(key, "key");
   p.value = tensor_arg(value, "value");
@@ -225,6 +226,7 @@ void reshape_and_cache_op(nb::handle key, nb::handle value, nb::handle key_cache
   p.k_scale = opt_tensor_arg(k_scale, "k_scale");
   p.v_scale = opt_tensor_arg(v_scale, "v_scale");
   p.k_scale_cache = opt_tensor_arg(k_scale_cache, "k_scale_cache");
+  p.key_scale = opt_tensor_arg(key_scale, "key_scale");
   ExecContext ctx = stream_context(stream);
   nb::gil_scoped_release nogil;
   reshape_and_cache(p, ctx);
@@ -295,7 +297,9 @@ void quantize_int8_op(nb::handle x, nb::handle out, nb::handle scale, nb::handle
 void register_cache_merge(nb::module_& m) {
   m.def("reshape_and_cache", &reshape_and_cache_op, "key"_a, "value"_a, "key_cache"_a, "value_cache"_a,
         "slot_mapping"_a, "kv_cache_dtype"_a, "k_scale"_a.none(), "v_scale"_a.none(), "k_scale_cache"_a.none(),
-        "hnd"_a, "stream"_a.none(), "reshape_and_cache: key/value rows into their cache slots.");
+        "key_scale"_a.none(), "hnd"_a, "stream"_a.none(),
+        "reshape_and_cache: key/value rows into their cache slots (int8 keys: already quantized, their\n"
+        "scales key_scale [num_tokens, H_kv] stored into k_scale_cache).");
   m.def("merge_states", &merge_op, "out"_a, "out_lse"_a.none(), "a_out"_a, "a_lse"_a, "b_out"_a, "b_lse"_a,
         "token_major"_a, "prefill_tokens_with_context"_a.none(),
         "output_scale"_a.none(), "stream"_a.none(), "merge_states: (o_a, lse_a) + (o_b, lse_b).");

@@ -80,7 +80,12 @@ void check_batch(AttnProblem& pr, const AttentionParams& p) {
 void check_int8_scales(AttnProblem& pr, const AttentionParams& p) {
   const Device dev = p.q.device;
   if (!p.q_scale) fail_arg("q_scale", "an fp32 per-(token, head) scale for an int8 q", "none");
-  check_operand(*p.q_scale, "q_scale", pr.batched ? 3 : 2, {DType::f32}, dev, "q");
+  // any non-negative strides: the int8 fork passes its head-major [H, total_q] scales transposed
+  check_rank(*p.q_scale, "q_scale", pr.batched ? 3 : 2);
+  check_dtype(*p.q_scale, "q_scale", {DType::f32});
+  check_device(*p.q_scale, "q_scale", dev, "q");
+  check_non_negative_strides(*p.q_scale, "q_scale");
+  check_data(*p.q_scale, "q_scale");
   pr.q_scale = pr.batched ? *p.q_scale : p.q_scale->unsqueeze(0);
   for (int d = 0; d < 3; ++d)
     if (pr.q_scale->size(d) != pr.q.size(d))

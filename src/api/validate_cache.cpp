@@ -53,6 +53,34 @@ void check_rows(std::string_view name, const TensorRef& t, int64_t num_tokens) {
     fail_arg(name, cat("at least ", num_tokens, " rows (slot_mapping's length)"), t.shape_str());
 }
 
+// int8 rows given already quantized (the int8 fork's reshape_and_cache_flash_int8 / _mix): the
+// key stored as is with its scales from key_scale; the value as is (int8 for K8V8, 16-bit for
+// K8V16).
+void resolve_given_int8(const CacheWriteParams& p, CacheWriteProblem& pr) {
+  pr.k_kind = StoreKind::int8_given;
+  if (!p.key_scale) fail_arg("key_scale", "an fp32 tensor [num_tokens, H_kv]: the scales of the int8 key", "none");
+  const TensorRef& ks = *p.key_scale;
+  check_dtype(ks, "key_scale", {DType::f32});
+  check_rank(ks, "key_scale", 2, "[num_tokens, H_kv]");
+  if (ks.size(0) < pr.num_tokens || ks.size(1) != pr.num_kv_heads)
+    fail_arg("key_scale", cat("[>= ", pr.num_tokens, ", ", pr.num_kv_heads, "] ([num_tokens, H_kv] as key)"),
+             ks.shape_str());
+  check_non_negative_strides(ks, "key_scale");
+  pr.key_scale = ks;
+  if (p.cache_dtype == KvCacheDType::int8_k8v8) {
+    check_dtype(p.value, "value", {DType::i8});
+    check_dtype(p.value_cache, "value_cache", {DType::i8});
+    if (p.v_scale)
+      fail_arg("v_scale", "none with an int8 value (already quantized by its static scale)", "a tensor");
+    pr.v_format = DType::i8;
+  } else {
+    check_dtype(p.value, "value", {DType::f16, DType::bf16});
+    check_dtype_as(p.value_cache, "value_cache", p.value.dtype, "value's dtype (int8_k8v16: 16-bit values)");
+    pr.v_format = p.value.dtype;
+  }
+  pr.v_kind = StoreKind::plain;
+}
+
 // Sets the store kinds and formats of `pr` for the cache dtype and checks the cache dtypes.
 void resolve_cache_dtype(const CacheWriteParams& p, CacheWriteProblem& pr) {
   const KvCacheDType cd = p.cache_dtype;
@@ -78,9 +106,11 @@ void resolve_cache_dtype(const CacheWriteParams& p, CacheWriteProblem& pr) {
     case KvCacheDType::int8_k8v8:
     case KvCacheDType::int8_k8v16:
       check_dtype(p.key_cache, "key_cache", {DType::i8});
-      pr.k_kind = StoreKind::int8_dynamic;
       pr.k_format = DType::i8;
-      if (cd == KvCacheDType::int8_k8v8) {
+      if (kd == DType::i8) {
+        resolve_given_int8(p, pr);
+      } else if (cd == KvCacheDType::int8_k8v8) {
+        pr.k_kind = StoreKind::int8_dynamic;
         check_dtype(p.value_cache, "value_cache", {DType::i8});
         if (!p.v_scale) fail_arg("v_scale", "an fp32 tensor [H_kv, Dv] for kv_cache_dtype int8_k8v8", "none");
         check_dtype(*p.v_scale, "v_scale", {DType::f32});
@@ -89,6 +119,7 @@ void resolve_cache_dtype(const CacheWriteParams& p, CacheWriteProblem& pr) {
         pr.v_format = DType::i8;
         pr.v_scale = p.v_scale;
       } else {
+        pr.k_kind = StoreKind::int8_dynamic;
         check_dtype_as(p.value_cache, "value_cache", kd, "value's dtype");
         pr.v_kind = StoreKind::plain;
         pr.v_format = kd;
@@ -117,15 +148,21 @@ CacheWriteProblem validate_cache_write(const CacheWriteParams& p) {
                              {"value_cache", &p.value_cache}, {"slot_mapping", &p.slot_mapping},
                              {"k_scale", fp8 && p.k_scale ? &*p.k_scale : nullptr},
                              {"v_scale", v_scaled && p.v_scale ? &*p.v_scale : nullptr},
-                             {"k_scale_cache", int8 && p.k_scale_cache ? &*p.k_scale_cache : nullptr}});
+                             {"k_scale_cache", int8 && p.k_scale_cache ? &*p.k_scale_cache : nullptr},
+                             {"key_scale", int8 && p.key_scale ? &*p.key_scale : nullptr}});
 
   check_dtype(p.slot_mapping, "slot_mapping", {DType::i64});
   check_rank(p.slot_mapping, "slot_mapping", 1, "[num_tokens]");
   pr.num_tokens = p.slot_mapping.size(0);
 
-  check_dtype(p.key, "key", kFloats);
+  const bool given_int8 = p.key.dtype == DType::i8;  // rows already quantized (int8 caches only)
+  if (int8) check_dtype(p.key, "key", {DType::f16, DType::bf16, DType::f32, DType::i8});
+  else check_dtype(p.key, "key", kFloats);
   check_rows("key", p.key, pr.num_tokens);
-  check_dtype_as(p.value, "value", p.key.dtype, "as key");
+  if (!given_int8) {
+    check_dtype_as(p.value, "value", p.key.dtype, "as key");
+    if (p.key_scale) fail_arg("key_scale", "none with a float key (quantized in the call)", "a tensor");
+  }
   check_rows("value", p.value, pr.num_tokens);
   pr.num_kv_heads = p.key.size(1);
   pr.head_dim = p.key.size(2);

@@ -23,6 +23,7 @@ enum class StoreKind : uint8_t {
   fp8,           // encode(x / scale[h]) saturated, format k_format / v_format
   int8_dynamic,  // per (token, head) absmax / 127 scale, written to k_scale_cache
   int8_static,   // nearbyint(x / v_scale[h][c]) clamped to ±127
+  int8_given,    // int8 rows stored as given, key_scale[t, h] written to k_scale_cache
 };
 
 // reshape_and_cache after validation. Views are normalized to NHD.
@@ -38,6 +39,7 @@ struct CacheWriteProblem {
   OptTensor k_scale;                 // fp8 k: fp32 [H_kv] (stride 0 for a single scale)
   OptTensor v_scale;                 // fp8 v: fp32 [H_kv]; int8_static: fp32 [H_kv, Dv]
   OptTensor k_scale_cache;           // int8 k: fp32 [num_blocks, block_size, H_kv]
+  OptTensor key_scale;               // int8_given k: fp32 [>= num_tokens, H_kv]
 };
 
 CacheWriteProblem validate_cache_write(const CacheWriteParams& p);

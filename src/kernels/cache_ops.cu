@@ -1,5 +1,6 @@
 // CUDA kernels of the KV-cache maintenance calls (cache_ops.hpp): reshape_and_cache,
-// copy_blocks, swap_blocks, advance_step, quantize_int8. Same results as the CPU reference
+// copy_blocks, swap_blocks, advance_step, quantize_int8 (and the int8 rows given already
+// quantized, reshape_and_cache's int8_given form). Same results as the CPU reference
 // (src/reference/cache_ops.cpp, quantize.cpp), bit for bit: IEEE divisions (__fdiv_rn, whatever the
 // compiler's fast-math flags), round to nearest even, fp8 saturating.
 #include "kernels/cache_ops.hpp"
@@ -103,6 +104,8 @@ struct CacheWriteArgs {
   Side k, v;
   float* k_scale_cache;  // int8: [num_blocks, block_size, H_kv]; else null
   int64_t ksc_s_block, ksc_s_slot, ksc_s_head;
+  const float* key_scale;  // int8_given: [>= num_tokens, H_kv]; else null
+  int64_t ks_s_token, ks_s_head;
 };
 
 __device__ void write_row(const CacheWriteArgs& a, const Side& s, int64_t tok, int64_t h, int64_t block,
@@ -123,6 +126,12 @@ __device__ void write_row(const CacheWriteArgs& a, const Side& s, int64_t tok, i
       if (lane == 0) a.k_scale_cache[block * a.ksc_s_block + off * a.ksc_s_slot + h * a.ksc_s_head] = sc;
       return;
     }
+    case StoreKind::int8_given:  // int8 key as given, its scale from key_scale
+      warp_copy_bytes(y, x, s.width, lane);
+      if (lane == 0)
+        a.k_scale_cache[block * a.ksc_s_block + off * a.ksc_s_slot + h * a.ksc_s_head] =
+            a.key_scale[tok * a.ks_s_token + h * a.ks_s_head];
+      return;
     case StoreKind::int8_static: {
       const float* vs = s.scale + h * s.s_scale_head;  // [width], stride `step`
       const int64_t step = s.s_scale_chan;
@@ -410,6 +419,11 @@ void reshape_and_cache(const CacheWriteProblem& pr, void* stream) {
     a.ksc_s_block = pr.k_scale_cache->stride[0];
     a.ksc_s_slot = pr.k_scale_cache->stride[1];
     a.ksc_s_head = pr.k_scale_cache->stride[2];
+  }
+  if (pr.key_scale) {
+    a.key_scale = static_cast<const float*>(pr.key_scale->data);
+    a.ks_s_token = pr.key_scale->stride[0];
+    a.ks_s_head = pr.key_scale->stride[1];
   }
   const int warps = int(std::min<int64_t>(8, 2 * pr.num_kv_heads));
   reshape_and_cache_kernel<<<unsigned(std::min(pr.num_tokens, kMaxGrid)), warps * kWarp, 0, as_stream(stream)>>>(a);

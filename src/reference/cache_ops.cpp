@@ -38,6 +38,10 @@ void write_row(const CacheWriteProblem& pr, bool is_key, int64_t tok, int64_t h,
       *static_cast<float*>(pr.k_scale_cache->at(block, off, h)) =
           quantize_row_int8(x, src.dtype, n, static_cast<int8_t*>(y));
       return;
+    case StoreKind::int8_given:  // int8 key as given, its scale from key_scale
+      std::memcpy(y, x, size_t(n));
+      *static_cast<float*>(pr.k_scale_cache->at(block, off, h)) = *static_cast<const float*>(pr.key_scale->at(tok, h));
+      return;
     case StoreKind::int8_static: {
       const TensorRef& vs = *pr.v_scale;  // [H_kv, Dv]
       for (int64_t c = 0; c < n; ++c)

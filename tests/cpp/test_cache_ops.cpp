@@ -376,3 +376,86 @@ TEST(QuantizeInt8, PerTokenHeadScales) {
     EXPECT_EQ(m.count, 0) << fs::dtype_name(t) << ": " << m.first;
   }
 }
+
+namespace {
+
+// reshape_and_cache with int8 rows given already quantized (the int8 fork's
+// reshape_and_cache_flash_int8 / _mix): key rows and (K8V8) int8 value rows byte for byte,
+// (K8V16) 16-bit value rows as given, key_scale[t, h] (a transposed, strided view) into
+// k_scale_cache; padding slots (-1) and every other byte untouched.
+void run_given_int8(KvCacheDType mode, KvLayout layout, std::mt19937_64& rng) {
+  const bool k8v8 = mode == KvCacheDType::int8_k8v8;
+  const int64_t T = uniform_int(rng, 1, 12), pad = uniform_int(rng, 0, 3), H = uniform_int(rng, 1, 3);
+  const int64_t D = pick<int64_t>(rng, {8, 16, 40}), bs = pick<int64_t>(rng, {1, 4, 16});
+  const int64_t nb = (T + bs - 1) / bs + 2;
+  const DType vt = k8v8 ? DType::i8 : pick(rng, {DType::f16, DType::bf16});
+  HostTensor key = HostTensor::strided(DType::i8, {T + pad, H, D}, {H * D + 8, D, 1});
+  HostTensor value = HostTensor::zeros(vt, {T + pad, H, D});
+  for (auto& b : *key.bytes) b = static_cast<unsigned char>(uniform_int(rng, -127, 127));
+  if (k8v8) {
+    for (auto& b : *value.bytes) b = static_cast<unsigned char>(uniform_int(rng, -127, 127));
+  } else {
+    fstest::fill_uniform(value, rng, -3.0f, 3.0f);
+  }
+  HostTensor scale_store = HostTensor::zeros(DType::f32, {H, T + pad});  // head-major, passed as [T, H]
+  fstest::fill_uniform(scale_store, rng, 0.001f, 0.1f);
+  const TensorRef key_scale = scale_store.ref.permute({1, 0});
+  auto cache_of = [&](DType t) {
+    return layout == KvLayout::nhd ? HostTensor::zeros(t, {nb, bs, H, D}) : HostTensor::zeros(t, {nb, H, bs, D});
+  };
+  HostTensor kc = cache_of(DType::i8), vc = cache_of(vt), ksc = HostTensor::zeros(DType::f32, {nb, H, bs});
+  for (const HostTensor* t : {&kc, &vc, &ksc}) fstest::poison_storage(*t);
+  // distinct slots, some skipped
+  std::vector<int64_t> perm(size_t(nb * bs));
+  for (size_t i = 0; i < perm.size(); ++i) perm[i] = int64_t(i);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  HostTensor slots = HostTensor::zeros(DType::i64, {T});
+  for (int64_t i = 0; i < T; ++i)
+    *static_cast<int64_t*>(slots.ref.at(i)) = uniform_int(rng, 0, 4) == 0 ? -1 : perm[size_t(i)];
+  Tracker tk(kc), tv(vc), ts(ksc);
+  fs::CacheWriteParams p;
+  p.key = key;
+  p.value = value;
+  p.key_cache = kc;
+  p.value_cache = vc;
+  p.layout = layout;
+  p.slot_mapping = slots;
+  p.cache_dtype = mode;
+  p.k_scale_cache = ksc.ref;
+  p.key_scale = key_scale;
+  fs::reshape_and_cache(p);
+  Mismatches m;
+  const size_t vs = fs::dtype_size(vt);
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t slot = *static_cast<const int64_t*>(slots.ref.at(i));
+    if (slot < 0) continue;
+    const int64_t b = slot / bs, o = slot % bs;
+    for (int64_t h = 0; h < H; ++h) {
+      const void* kd = cache_at(kc.ref, layout, b, o, h, 0);
+      const void* vd = cache_at(vc.ref, layout, b, o, h, 0);
+      m.check(std::memcmp(kd, key.ref.at(i, h, 0), size_t(D)) == 0, "key row");
+      m.check(std::memcmp(vd, value.ref.at(i, h, 0), size_t(D) * vs) == 0, "value row");
+      const void* sd = ksc.ref.at(b, h, o);
+      m.check(*static_cast<const float*>(sd) == *static_cast<const float*>(key_scale.at(i, h)), "key scale");
+      tk.mark(kd, size_t(D));
+      tv.mark(vd, size_t(D) * vs);
+      ts.mark(sd, sizeof(float));
+    }
+  }
+  EXPECT_EQ(m.count, 0) << m.first;
+  EXPECT_EQ(tk.changed_unmarked(), 0);
+  EXPECT_EQ(tv.changed_unmarked(), 0);
+  EXPECT_EQ(ts.changed_unmarked(), 0);
+}
+
+}  // namespace
+
+TEST(ReshapeAndCache, Int8RowsGivenQuantized) {
+  auto rng = fstest::make_rng(0x18a1);
+  for (int rep = 0; rep < 6; ++rep)
+    for (KvCacheDType mode : {KvCacheDType::int8_k8v8, KvCacheDType::int8_k8v16})
+      for (KvLayout layout : {KvLayout::nhd, KvLayout::hnd}) {
+        SCOPED_TRACE(std::string(fs::kv_cache_dtype_name(mode)) + (layout == KvLayout::nhd ? " nhd" : " hnd"));
+        run_given_int8(mode, layout, rng);
+      }
+}

@@ -168,6 +168,74 @@ TEST(ValidationCache, ReshapeAndCache) {
 }
 
 namespace {
+// ---- reshape_and_cache with int8 rows given already quantized: T = 4, H_kv = 2, D = 8.
+struct GivenSetup {
+  HostTensor key = filled(DType::i8, {5, 2, 8}, -100, 100), value;
+  HostTensor kc = HostTensor::zeros(DType::i8, {3, 4, 2, 8}), vc;
+  HostTensor slots = ints(DType::i64, {4}, {0, 5, -1, 11});
+  HostTensor key_scale = filled(DType::f32, {5, 2}, 0.01f, 0.1f);
+  HostTensor ksc = HostTensor::zeros(DType::f32, {3, 2, 4});
+  HostTensor v_scale = filled(DType::f32, {2, 8}, 0.01f, 0.02f);
+  fs::CacheWriteParams p;
+
+  explicit GivenSetup(KvCacheDType mode) {
+    const bool k8v8 = mode == KvCacheDType::int8_k8v8;
+    value = k8v8 ? filled(DType::i8, {5, 2, 8}, -100, 100) : filled(DType::bf16, {5, 2, 8}, -2, 2);
+    vc = HostTensor::zeros(k8v8 ? DType::i8 : DType::bf16, {3, 4, 2, 8});
+    for (const HostTensor* t : {&kc, &vc, &ksc}) fstest::poison_storage(*t);
+    p.key = key;
+    p.value = value;
+    p.key_cache = kc;
+    p.value_cache = vc;
+    p.slot_mapping = slots;
+    p.cache_dtype = mode;
+    p.k_scale_cache = ksc.ref;
+    p.key_scale = key_scale.ref;
+  }
+  std::vector<const HostTensor*> all() const { return {&key, &value, &kc, &vc, &slots, &key_scale, &ksc, &v_scale}; }
+};
+}  // namespace
+
+TEST(ValidationCache, ReshapeAndCacheInt8Given) {
+  using K = KvCacheDType;
+  using B = Bad<GivenSetup>;
+  for (K m : {K::int8_k8v8, K::int8_k8v16}) {
+    GivenSetup s(m);
+    EXPECT_NO_THROW(fs::reshape_and_cache(s.p)) << fs::kv_cache_dtype_name(m);
+  }
+  const std::vector<std::pair<K, B>> cases = {
+      {K::int8_k8v8, {"no key_scale", "key_scale", [](GivenSetup& s) { s.p.key_scale.reset(); }}},
+      {K::int8_k8v16, {"key_scale float16", "key_scale", [](GivenSetup& s) { s.p.key_scale = with_dtype(s.key_scale, DType::f16); }}},
+      {K::int8_k8v8, {"key_scale rank 1", "key_scale", [](GivenSetup& s) { s.p.key_scale = reranked(s.key_scale, 1); }}},
+      {K::int8_k8v8, {"key_scale fewer rows", "key_scale", [](GivenSetup& s) { s.p.key_scale = s.key_scale.ref.slice(0, 0, 3); }}},
+      {K::int8_k8v16, {"key_scale heads", "key_scale", [](GivenSetup& s) { s.p.key_scale = s.key_scale.ref.slice(1, 0, 1); }}},
+      {K::int8_k8v8, {"key_scale on CUDA", "key_scale", [](GivenSetup& s) { s.p.key_scale = on_cuda(s.key_scale); }}},
+      {K::int8_k8v8, {"int8 key with an auto cache", "key", [](GivenSetup& s) { s.p.cache_dtype = K::auto_; }}},
+      {K::int8_k8v8, {"int8 key with an fp8 cache", "key", [](GivenSetup& s) { s.p.cache_dtype = K::fp8_e4m3; }}},
+      {K::int8_k8v8, {"k8v8 value bfloat16", "value", [](GivenSetup& s) { s.p.value = with_dtype(s.value, DType::bf16); }}},
+      {K::int8_k8v8, {"k8v8 value_cache uint8", "value_cache", [](GivenSetup& s) { s.p.value_cache = with_dtype(s.vc, DType::u8); }}},
+      {K::int8_k8v8, {"k8v8 v_scale given", "v_scale", [](GivenSetup& s) { s.p.v_scale = s.v_scale.ref; }}},
+      {K::int8_k8v16, {"k8v16 value int8", "value", [](GivenSetup& s) { s.p.value = with_dtype(s.value, DType::i8); }}},
+      {K::int8_k8v16, {"k8v16 value_cache float16", "value_cache", [](GivenSetup& s) { s.p.value_cache = with_dtype(s.vc, DType::f16); }}},
+      {K::int8_k8v16, {"key_cache bfloat16", "key_cache", [](GivenSetup& s) { s.p.key_cache = with_dtype(s.kc, DType::bf16); }}},
+      {K::int8_k8v8, {"no k_scale_cache", "k_scale_cache", [](GivenSetup& s) { s.p.k_scale_cache.reset(); }}},
+      {K::int8_k8v8, {"slot past the cache", "slot_mapping", [](GivenSetup& s) {
+         *static_cast<int64_t*>(s.slots.ref.at(3)) = 12; }}},
+  };
+  for (const auto& [mode, bad] : cases) {
+    GivenSetup s(mode);
+    expect_rejected<GivenSetup>(bad, s, [](GivenSetup& x) { fs::reshape_and_cache(x.p); });
+  }
+}
+
+TEST(ValidationCache, FloatKeyRejectsKeyScale) {
+  WriteSetup s(KvCacheDType::int8_k8v8);
+  HostTensor ks = filled(DType::f32, {5, 2}, 0.01f, 0.1f);
+  const Bad<WriteSetup> bad{"key_scale with a float key", "key_scale", [&](WriteSetup& x) { x.p.key_scale = ks.ref; }};
+  expect_rejected<WriteSetup>(bad, s, [](WriteSetup& x) { fs::reshape_and_cache(x.p); });
+}
+
+namespace {
 // ---- copy_blocks / swap_blocks: two caches of 4 blocks, mapping (0 -> 2), (1 -> 3).
 struct BlockSetup {
   HostTensor a = filled(DType::f16, {4, 3, 2, 8}, -1, 1), b = filled(DType::f16, {4, 3, 2, 8}, -1, 1);

@@ -5,7 +5,7 @@
 // path) caches, fp8 e4m3/e5m2 with scalar and per-head scales, int8 K8V8/K8V16, -1 and
 // out-of-range slots (skipped on CUDA); copy_blocks over many caches; swap_blocks in every
 // direction with pageable and pinned host memory; advance_step with padding rows;
-// quantize_int8; validate_only.
+// quantize_int8; validate_only; int8 rows given already quantized (key_scale).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -189,6 +189,66 @@ TEST(GpuReshapeAndCache, EqualsCpuInEveryModeLayoutAndBlockSize) {
   auto rng = fstest::make_rng(0x9e11);
   for (int rep = 0; rep < 2; ++rep)
     for (const WriteCase& wc : write_cases(rng)) run_write_case(wc, rng);
+}
+
+// int8 rows given already quantized (the int8 fork's reshape_and_cache_flash_int8 / _mix): key
+// rows and the strided key_scale (a transposed [H, T] buffer) into the caches, bit for bit as
+// the CPU, every other byte (poisoned) untouched; an out-of-range slot skipped on the device.
+TEST(GpuReshapeAndCache, Int8RowsGivenQuantizedEqualCpu) {
+  auto rng = fstest::make_rng(0x9e18);
+  for (int rep = 0; rep < 3; ++rep)
+    for (KvCacheDType mode : {KvCacheDType::int8_k8v8, KvCacheDType::int8_k8v16})
+      for (KvLayout layout : {KvLayout::nhd, KvLayout::hnd})
+        for (int64_t bs : {1, 5, 16}) {
+          const bool k8v8 = mode == KvCacheDType::int8_k8v8;
+          const int64_t H = pick<int64_t>(rng, {1, 2, 8}), D = pick<int64_t>(rng, {8, 40, 64, 128});
+          const int64_t T = uniform_int(rng, 4, 40), rows = T + uniform_int(rng, 0, 2);
+          const int64_t nb = (48 + bs - 1) / bs + 1;
+          const DType vt = k8v8 ? DType::i8 : pick(rng, {DType::f16, DType::bf16});
+          std::ostringstream label;
+          label << fs::kv_cache_dtype_name(mode) << (layout == KvLayout::nhd ? " nhd" : " hnd") << " bs " << bs
+                << " H " << H << " D " << D << " T " << T;
+          SCOPED_TRACE(label.str());
+          HostTensor key = kv_rows(DType::i8, rep == 0, rows, H, D, 5), value = kv_rows(vt, rep == 0, rows, H, D, 3);
+          fill_random_bytes(key, rng);
+          if (k8v8) fill_random_bytes(value, rng);
+          else fstest::fill_uniform(value, rng, -4.0f, 4.0f);
+          HostTensor scales = HostTensor::zeros(DType::f32, {H, rows});
+          fstest::fill_uniform(scales, rng, 0.001f, 0.1f);
+          const TensorRef key_scale = scales.ref.permute({1, 0});
+          auto cache = [&](DType t) {
+            return layout == KvLayout::nhd ? HostTensor::zeros(t, {nb, bs, H, D}) : HostTensor::zeros(t, {nb, H, bs, D});
+          };
+          HostTensor kc = cache(DType::i8), vc = cache(vt), ksc = HostTensor::zeros(DType::f32, {nb, H, bs});
+          HostTensor slot_cpu = fstest::slot_tensor(fstest::random_slots(rng, nb * bs, T));
+          HostTensor slot_gpu = slot_cpu.clone();
+          const int64_t bad = uniform_int(rng, 1, T - 1);
+          *static_cast<int64_t*>(slot_cpu.ref.at(bad)) = -1;
+          *static_cast<int64_t*>(slot_gpu.ref.at(bad)) = nb * bs + uniform_int(rng, 0, 1000);
+          DeviceTensor dkc = DeviceTensor::poisoned_mirror(kc), dvc = DeviceTensor::poisoned_mirror(vc);
+          DeviceTensor dksc = DeviceTensor::poisoned_mirror(ksc);
+          DeviceTensor dkey = DeviceTensor::mirror(key), dvalue = DeviceTensor::mirror(value);
+          DeviceTensor dscales = DeviceTensor::mirror(scales), dslots = DeviceTensor::mirror(slot_gpu);
+          auto params = [&](bool gpu) {
+            fs::CacheWriteParams p;
+            p.key = gpu ? dkey.ref : key.ref;
+            p.value = gpu ? dvalue.ref : value.ref;
+            p.key_cache = gpu ? dkc.ref : kc.ref;
+            p.value_cache = gpu ? dvc.ref : vc.ref;
+            p.layout = layout;
+            p.slot_mapping = gpu ? dslots.ref : slot_cpu.ref;
+            p.cache_dtype = mode;
+            p.k_scale_cache = gpu ? dksc.ref : ksc.ref;
+            p.key_scale = gpu ? on_device(key_scale, scales, dscales) : key_scale;
+            return p;
+          };
+          fs::reshape_and_cache(params(false));
+          fs::reshape_and_cache(params(true));
+          fsgpu::sync();
+          expect_same(label.str(), "key_cache", kc, dkc);
+          expect_same(label.str(), "value_cache", vc, dvc);
+          expect_same(label.str(), "k_scale_cache", ksc, dksc);
+        }
 }
 
 TEST(GpuReshapeAndCache, ValidateOnlyWritesNothing) {

@@ -137,7 +137,12 @@ void Builder::build_q() {
   p.q = q.ref;
   HostTensor qs, qd, qv;
   if (qt == DType::i8) {
-    qs = keep(alloc(c.batched() ? dense(DType::f32, {B, sq, H}) : dense(DType::f32, {total_q, H}), rows * H));
+    // varlen with a padded q: scales head-major ([H, total_q] storage read transposed, as the
+    // int8 fork passes them); else dense [total_q, H] / [B, sq, H]
+    const bool head_major = !c.batched() && c.q_pad % 2 == 1;
+    qs = keep(alloc(c.batched() ? dense(DType::f32, {B, sq, H})
+                    : head_major ? view(DType::f32, {total_q, H}, {1, total_q}) : dense(DType::f32, {total_q, H}),
+                    rows * H));
     p.q_scale = qs.ref;
   }
   if (flashserve::is_fp8(qt)) p.q_descale = (qd = descale()).ref;
