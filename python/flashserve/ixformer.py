@@ -163,7 +163,8 @@ def scaled_int8_quant_for_attn(x: Any, mode: int, transpose_scale: bool = False,
         xf = x.float()
         if scale is None:
             amax = xf.abs().amax(dim=0) if T > 0 else torch.zeros((H, D), dtype=torch.float32, device=x.device)
-            scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+            # a tensor divisor: torch divides by a Python scalar through its reciprocal on CUDA
+            scale = torch.where(amax > 0, amax / torch.full_like(amax, 127.0), torch.ones_like(amax))
         else:
             _dtype("scale", scale, (torch.float32,), "float32 [num_heads, head_size]")
             if tuple(scale.shape) != (H, D):
