@@ -249,8 +249,9 @@ FS_DEV int thread_row(int warp, int mb, int r, int g) {
   return S::kWarpRows * warp + 16 * mb + 8 * r + g;
 }
 
-// out = o / l and lse (natural log; m in units of exp_mul / ln 2) of the thread's valid rows;
-// with splits the fp32 partials. An out of q's dtype T (rows 16-byte aligned: select.cu) is
+// out = o / l and lse (natural log; m in units of exp_mul / ln 2) of the thread's valid rows,
+// the sink (SPEC.md §2.5) merged into both; with splits the fp32 partials, without the sink
+// (combine.cu applies it once). An out of q's dtype T (rows 16-byte aligned: select.cu) is
 // staged in the warp's own Q rows of shared memory (layout L; the caller makes sure no MMA
 // still reads them) and written in 16-byte chunks; an fp32 out (TOut = float) is written from
 // registers in 8-byte pairs.
@@ -271,8 +272,8 @@ FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int spl
       inv[mb][r] = empty ? 0.0f : 1.0f / l[mb][r];
       const int i = thread_row<S>(warp, mb, r, g);
       if (i >= w.rows) continue;
-      const float lse = empty ? kNegInf : m[mb][r] * exp_mul * kLn2 + logf(l[mb][r]);
-      if (p.num_splits > 1) {
+      float lse = empty ? kNegInf : m[mb][r] * exp_mul * kLn2 + logf(l[mb][r]);
+      if (p.num_splits > 1) {  // the partial without the sink: the combine merges it once
         const int64_t at = partial_index(p, split, w.row0 + i, h);
 #pragma unroll
         for (int dt = 0; dt < kD / 8; ++dt) {  // 4-byte stores: the workspace may be only 4-byte aligned
@@ -282,6 +283,7 @@ FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int spl
         if (t == 0) p.lse_partial[at] = lse;
         continue;
       }
+      inv[mb][r] *= apply_sink(p, h, lse);  // the sink's logit joins the denominator (and lse)
       if (t == 0) store_lse(p, w.qb, w.q_row0 + i, h, lse);
       if constexpr (std::is_same_v<TOut, float>) {
         float* out = static_cast<float*>(const_cast<void*>(p.out.data)) + w.qb * p.out.stride[0] +

@@ -1,7 +1,7 @@
 // The sm_90a tensor-core prefill kernel: the FlashAttention-2 loop of prefill_fwd.cuh with both
 // GEMMs on warpgroup MMA (wgmma.mma_async), operands read by the tensor cores straight from
 // 128-byte-swizzled shared memory (no ldmatrix). Serves what prefill_mma serves (select.cu:
-// f16/bf16, D == Dv in kPrefillWgmmaConfigs, causal / window / soft-cap, contiguous or paged KV
+// f16/bf16, D == Dv in kPrefillWgmmaConfigs, causal / window / soft-cap / sinks, contiguous or paged KV
 // of any block size, GQA, any split count) on compute capability 9.0 when the build has sm_90a.
 //
 // CTA: 128 query rows of one sequence x one query head x one KV split (the schedule of

@@ -66,8 +66,8 @@ bool rows_16b_aligned(const TensorRef& t) {
 
 // The scope of both tensor-core prefill kernels (prefill_common.cuh): f16/bf16 q/k/v of one
 // dtype, out of that dtype (or fp32 with `f32_out`), D == Dv, causal / window / soft-cap,
-// contiguous or paged KV (any block size), any split count; no q_v, quantization, ALiBi,
-// sinks, chunks or context parallelism. "" when the problem is in scope, else the reason
+// sinks, contiguous or paged KV (any block size), any split count; no q_v, quantization, ALiBi,
+// chunks or context parallelism. "" when the problem is in scope, else the reason
 // (prefixed by `what`).
 std::string prefill_scope(const detail::AttnProblem& pr, const char* what, bool f32_out) {
   const AttentionParams& p = *pr.params;
@@ -82,8 +82,8 @@ std::string prefill_scope(const detail::AttnProblem& pr, const char* what, bool 
   if (pr.head_dim != pr.head_dim_v) return detail::cat(what, "D == Dv, got ", pr.head_dim, "/", pr.head_dim_v);
   if (pr.q_v || pr.q_scale || pr.k_scale_cache || pr.v_scale || pr.q_descale || pr.k_descale || pr.v_descale)
     return detail::cat(what, "no q_v, scales or descales");
-  if (pr.alibi_slopes || pr.s_aux || p.chunk_size > 0 || p.cp_world_size > 1 || pr.cp_tot_seqused_k)
-    return detail::cat(what, "no ALiBi, sinks, chunked attention or context parallelism");
+  if (pr.alibi_slopes || p.chunk_size > 0 || p.cp_world_size > 1 || pr.cp_tot_seqused_k)
+    return detail::cat(what, "no ALiBi, chunked attention or context parallelism");
   if (!rows_16b_aligned(pr.q) || !rows_16b_aligned(pr.k) || !rows_16b_aligned(pr.v) || !rows_16b_aligned(pr.out))
     return detail::cat(what, "q, k, v, out with 16-byte aligned rows");
   const int64_t cols = pr.paged && pr.block_table ? pr.block_table->size(1) : 1;
