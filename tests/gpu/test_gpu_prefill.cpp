@@ -7,9 +7,10 @@
 // "prefill_mma"; ctest also runs this binary with FLASHSERVE_DISABLE_KERNELS=prefill_wgmma
 // (prefix mma80.), so the portable kernel is tested on Hopper too. f16, D = 64 and D = 256 may
 // be served by the generic kernel in dev builds. Varlen batches with uneven lengths, causal /
-// non-causal, GQA 1..8, paged caches of any block size, splits, window and soft-cap, fully
-// masked rows and zero-length sequences; problems outside the kernels' scope must fall back to
-// the generic kernel.
+// non-causal, GQA 1..8, paged caches of any block size, splits, the score modifiers (window,
+// soft-cap, sinks, ALiBi linear and sqrt, chunked local attention), fully masked rows and
+// zero-length sequences; problems outside the kernels' scope must fall back to the generic
+// kernel.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -220,6 +221,64 @@ TEST(GpuPrefill, Sinks) {
   expect_prefill_matches(b, 25);
 }
 
+// ALiBi (slopes [H] and [B, H], linear and sqrt; distances |i' - j| bottom-right aligned) on
+// the tensor-core kernels' ALiBi instantiations, alone and with every other modifier.
+TEST(GpuPrefill, Alibi) {
+  for (int alibi : {1, 2})
+    for (bool sqrt_dist : {false, true}) {
+      CaseConfig c = prefill_config(KvMode::varlen_contiguous, {300, 129, 40, 77}, {700, 129, 300, 20}, 8, 2);
+      c.causal = true;  // the last sequence's leading rows see no key
+      c.alibi = alibi;
+      c.alibi_sqrt = sqrt_dist;
+      c.num_splits = sqrt_dist ? 2 : 1;
+      expect_prefill_matches(c, 30 + uint64_t(2 * alibi + sqrt_dist));
+    }
+  // Non-causal (keys on both sides of i'), with soft-cap (prescaled scores), sinks, a
+  // two-sided window, a custom scale, a paged cache and splits.
+  for (bool sqrt_dist : {false, true}) {
+    CaseConfig c = prefill_config(KvMode::varlen_paged, {260, 17, 140}, {260, 400, 900}, 4, 1);
+    c.alibi = 2;
+    c.alibi_sqrt = sqrt_dist;
+    c.softcap = 25.0f;
+    c.sinks = true;
+    c.window = {300, 50};
+    c.softmax_scale = 0.05f;
+    c.block_size = 16;
+    c.random_block_ids = true;
+    c.num_splits = sqrt_dist ? 3 : 1;
+    expect_prefill_matches(c, 36 + uint64_t(sqrt_dist));
+  }
+  CaseConfig b = prefill_config(KvMode::batched_paged, {150}, {150, 400, 9}, 4, 4);
+  b.alibi = 1;
+  b.causal = true;
+  b.block_size = 32;
+  expect_prefill_matches(b, 38);
+}
+
+// Chunked local attention (chunk c: j and i' in the same chunk, floor division): chunks smaller
+// than a CTA's 128 rows, boundaries inside a CTA, chunked prefill with more keys than queries,
+// splits, and with ALiBi and sinks.
+TEST(GpuPrefill, ChunkedLocalAttention) {
+  for (int64_t chunk : {48, 200, 1000}) {
+    CaseConfig c = prefill_config(KvMode::varlen_paged, {600, 1, 300, 9}, {1500, 700, 300, 3}, 4, 2);
+    c.causal = true;
+    c.chunk = chunk;
+    c.num_splits = chunk == 200 ? 3 : 1;
+    c.random_block_ids = true;
+    expect_prefill_matches(c, 40 + uint64_t(chunk));
+  }
+  CaseConfig c = prefill_config(KvMode::varlen_contiguous, {500, 260}, {900, 260}, 8, 2);
+  c.chunk = 256;
+  c.causal = true;
+  c.alibi = 1;
+  c.alibi_sqrt = true;
+  c.sinks = true;
+  expect_prefill_matches(c, 41);
+  c.causal = false;  // chunks alone bound the keys on both sides
+  c.alibi = 0;
+  expect_prefill_matches(c, 42);
+}
+
 // Problems outside the kernel's scope stay on the generic kernel (and stay correct).
 TEST(GpuPrefill, OutOfScopeFallsBackToGeneric) {
   struct Variant {
@@ -227,8 +286,7 @@ TEST(GpuPrefill, OutOfScopeFallsBackToGeneric) {
     void (*apply)(CaseConfig&);
   };
   const Variant variants[] = {
-      {"alibi", [](CaseConfig& c) { c.alibi = 1; }},
-      {"chunk", [](CaseConfig& c) { c.chunk = 64; }},
+      {"alibi with fp32 out (not instantiated)", [](CaseConfig& c) { c.alibi = 1, c.out_dtype = DType::f32; }},
       {"q_pad 4 (8-byte rows)", [](CaseConfig& c) { c.q_pad = 4; }},
       {"fp8 kv", [](CaseConfig& c) { c.quant = fstest::QuantMode::fp8_kv, c.kv_dtype = DType::f8e4m3; }},
   };

@@ -14,6 +14,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "flashserve/plan.hpp"
 #include "kernels/attention/generic_fwd.cuh"
@@ -181,22 +182,85 @@ struct ScoreLog2 {
   }
 };
 
+// The score modifiers of the tensor-core prefill kernels, applied to a thread's part of a score
+// tile in s's units (ScoreLog2) before the mask and the online softmax. A kernel takes one as a
+// compile-time choice (its instantiation), so the plain kernel carries none of the modifiers'
+// code: NoBias is empty.
+struct NoBias {
+  template <int kN>
+  FS_DEV void operator()(float (&)[kN / 8][4], float) const {}
+};
+
+FS_DEV float sqrt_approx(float x) {
+  float y;
+  asm("sqrt.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ALiBi (SPEC.md §2 step 3): s -= slope_h |i' - j| (slopes [H] or [B, H]), or slope_h
+// sqrt(|i' - j|) with alibi_sqrt (a uniform whole-tile branch). The thread's distance at
+// element (nt, e) is d0 + 8 (e >> 1) - 8 nt - (e & 1), d0 = i' of its row g minus the key of its
+// column 2t in the tile (exact in fp32 below 2^24 positions), so the linear bias is one FADD and
+// one FFMA per score; row g + 8 at column block nt has row g's distance at nt - 1, so the sqrt
+// variant takes kN / 4 + 2 square roots (MUFU) for the thread's kN / 2 scores.
+struct AlibiBias {
+  float mul = 0.0f;  // -slope in s's units: x log2(e) when prescaled, / scale when not
+  bool sqrt_dist = false;
+  FS_DEV AlibiBias(const AttnParams& p, int64_t b, int64_t h, const ScoreLog2& score) {
+    const float slope = load_f32_2d(p.alibi, b, h, 0.0f);
+    mul = score.prescale ? -slope * kLog2e : -slope / p.softmax_scale;
+    sqrt_dist = p.alibi_sqrt;
+  }
+  template <int kN>
+  FS_DEV void operator()(float (&s)[kN / 8][4], float d0) const {
+    if (sqrt_dist) {
+      float prev0 = sqrt_approx(fabsf(d0 + 8.0f)), prev1 = sqrt_approx(fabsf(d0 + 7.0f));
+#pragma unroll
+      for (int nt = 0; nt < kN / 8; ++nt) {
+        const float c0 = sqrt_approx(fabsf(d0 - float(8 * nt))), c1 = sqrt_approx(fabsf(d0 - float(8 * nt + 1)));
+        s[nt][0] = fmaf(c0, mul, s[nt][0]);
+        s[nt][1] = fmaf(c1, mul, s[nt][1]);
+        s[nt][2] = fmaf(prev0, mul, s[nt][2]);
+        s[nt][3] = fmaf(prev1, mul, s[nt][3]);
+        prev0 = c0;
+        prev1 = c1;
+      }
+      return;
+    }
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = fmaf(fabsf(d0 - float(8 * nt - 8 * (e >> 1) + (e & 1))), mul, s[nt][e]);
+  }
+};
+
+// The bias functor of a kernel instantiation.
+template <bool kAlibi>
+using ScoreBias = std::conditional_t<kAlibi, AlibiBias, NoBias>;
+
+template <bool kAlibi>
+FS_DEV ScoreBias<kAlibi> make_score_bias(const AttnParams& p, int64_t b, int64_t h, const ScoreLog2& score) {
+  if constexpr (kAlibi) return AlibiBias(p, b, h, score);
+  else return NoBias{};
+}
+
 // Online softmax over one kN-key tile for one 16-row block, the thread's rows r = 0 (s[.][0..1])
 // and 1 (s[.][2..3]) with visible keys [lo[r], hi[r]) relative to the tile start (applied when
-// `masked`): s becomes exp2(score - max), m and l (per-thread partial sums) move on, and
+// `masked`), after the score bias (ALiBi; d0 as AlibiBias takes it): s becomes exp2(score - max), m and l (per-thread partial sums) move on, and
 // alpha[r] receives the factor the row's output accumulator must be scaled by (rescale_o)
 // before this tile's P V is added. Soft-cap and masking are whole-tile branches, so the plain
 // tile is straight-line code.
-template <int kN>
+template <int kN, class Bias = NoBias>
 FS_DEV void softmax_scores(const AttnParams& p, float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
                            float (&alpha)[2], const ScoreLog2& score, const int (&lo)[2], const int (&hi)[2],
-                           bool masked, int t) {
+                           bool masked, int t, const Bias& bias = {}, float bias_d0 = 0.0f) {
   if (score.prescale) {
 #pragma unroll
     for (int nt = 0; nt < kN / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = ScoreLog2::log2_units(p, s[nt][e]);
   }
+  bias.template operator()<kN>(s, bias_d0);
   if (masked) {
 #pragma unroll
     for (int nt = 0; nt < kN / 8; ++nt)
@@ -402,5 +466,12 @@ struct WarpKeys {
     }
   }
 };
+
+// d0 of the score bias (AlibiBias) for the thread's row g of row block mb at the CTA's first
+// tile: i' of the row minus the key of its column 2t; the tile at offset `off` takes d0 - off.
+template <class S>
+FS_DEV int64_t bias_d0(const CtaKeys& ck, int warp, int mb, int lane) {
+  return ck.rows.pos0 + thread_row<S>(warp, mb, 0, lane >> 2) - ck.n_begin - 2 * (lane & 3);
+}
 
 }  // namespace flashserve::kernels::prefill

@@ -122,8 +122,9 @@ FS_DEV void tile_barrier() {
 // wgmma otherwise), so a warpgroup also walks tiles none of its rows sees, fully masked (p = 0;
 // at most one such tile per CTA, on the causal diagonal).
 // kF32Out: out is fp32 (partial states merged later: cascade, MLA chunks); P V then adds the
-// residues of P's rounding too (issue_pv), so P is not rounded.
-template <class T, int kD, bool kF32Out>
+// residues of P's rounding too (issue_pv), so P is not rounded. kAlibi: the ALiBi score bias
+// (prefill_common.cuh: AlibiBias, linear or sqrt) on every tile.
+template <class T, int kD, bool kF32Out, bool kAlibi>
 __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_constant__ AttnParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = Wgmma90<kD>;
@@ -148,6 +149,8 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_c
 
   const WarpKeys<S> wk(ck.rows, ck.n_begin, w.rows, warp, lane, reinterpret_cast<int2*>(sm.ranges));
   const ScoreLog2 score(p);
+  const ScoreBias<kAlibi> bias = make_score_bias<kAlibi>(p, w.b, h, score);
+  const int64_t d0 = kAlibi ? bias_d0<S>(ck, warp, 0, lane) : 0;
   float o[1][kD / 8][4] = {};
   float s[kN / 8][4] = {};
   uint32_t pa[kN / 16][4];
@@ -166,7 +169,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_c
     const bool masked = wk.masks(off);
     int lo[2] = {0, 0}, hi[2] = {kN, kN};
     if (masked) wk.tile_rows(0, off, warp, lane, lo, hi);
-    softmax_scores<kN>(p, s, m[0], l[0], alpha, score, lo, hi, masked, lane & 3);
+    softmax_scores<kN>(p, s, m[0], l[0], alpha, score, lo, hi, masked, lane & 3, bias, float(d0 - off));
   };
   const auto pack_p = [&] {
 #pragma unroll

@@ -65,9 +65,9 @@ bool rows_16b_aligned(const TensorRef& t) {
 }
 
 // The scope of both tensor-core prefill kernels (prefill_common.cuh): f16/bf16 q/k/v of one
-// dtype, out of that dtype (or fp32 with `f32_out`), D == Dv, causal / window / soft-cap,
-// sinks, contiguous or paged KV (any block size), any split count; no q_v, quantization, ALiBi,
-// chunks or context parallelism. "" when the problem is in scope, else the reason
+// dtype, out of that dtype (or fp32 with `f32_out`), D == Dv, causal / window / chunked local
+// attention / soft-cap / ALiBi (linear or sqrt) / sinks, contiguous or paged KV (any block size),
+// any split count; no q_v, quantization or context parallelism. "" when the problem is in scope, else the reason
 // (prefixed by `what`).
 std::string prefill_scope(const detail::AttnProblem& pr, const char* what, bool f32_out) {
   const AttentionParams& p = *pr.params;
@@ -82,8 +82,7 @@ std::string prefill_scope(const detail::AttnProblem& pr, const char* what, bool 
   if (pr.head_dim != pr.head_dim_v) return detail::cat(what, "D == Dv, got ", pr.head_dim, "/", pr.head_dim_v);
   if (pr.q_v || pr.q_scale || pr.k_scale_cache || pr.v_scale || pr.q_descale || pr.k_descale || pr.v_descale)
     return detail::cat(what, "no q_v, scales or descales");
-  if (pr.alibi_slopes || p.chunk_size > 0 || p.cp_world_size > 1 || pr.cp_tot_seqused_k)
-    return detail::cat(what, "no ALiBi, chunked attention or context parallelism");
+  if (p.cp_world_size > 1 || pr.cp_tot_seqused_k) return detail::cat(what, "no context parallelism");
   if (!rows_16b_aligned(pr.q) || !rows_16b_aligned(pr.k) || !rows_16b_aligned(pr.v) || !rows_16b_aligned(pr.out))
     return detail::cat(what, "q, k, v, out with 16-byte aligned rows");
   const int64_t cols = pr.paged && pr.block_table ? pr.block_table->size(1) : 1;
@@ -122,6 +121,8 @@ std::string try_prefill_wgmma(const detail::AttnProblem& pr, const DeviceProps& 
     return detail::cat(what, "compute capability 9.0, got ", dev.cc_major, ".", dev.cc_minor);
   std::string why = prefill_scope(pr, what, true);
   if (!why.empty()) return why;
+  if (pr.alibi_slopes && pr.out.dtype == DType::f32)  // not instantiated (prefill_wgmma.cu)
+    return detail::cat(what, "no ALiBi with fp32 out");
   if (!prefill_wgmma_config_built(pr.q.dtype, pr.head_dim))
     return detail::cat(what, "D in the built configurations, got ", pr.head_dim);
   return take_prefill(AttnKernelId::prefill_wgmma, prefill_wgmma_smem_bytes(pr.head_dim), dev, what, pr, c);
