@@ -147,6 +147,11 @@ def all_configs() -> list[Config]:
                        ("window", s // 4)):
             out.append(Config(name=f"{plain}_{mod}", family="prefill_mods", op="prefill", B=16384 // s, H=16,
                               Hkv=16, D=128, S=s, causal=True, mod=mod, W=w, plain=plain, quick=s == 8192))
+    # Head sizes beyond the headline three: D = 96 and 192, and MLA prefill's 192/128 (H·D = 2048
+    # for D = Dv; MLA with 16 heads), S = 8k causal. flashserve only.
+    for d, dv, h in ((96, 0, 2048 // 96), (192, 0, 2048 // 192), (192, 128, 16)):
+        out.append(Config(name=f"prefill_d{d}{f'_dv{dv}' if dv else ''}_s8k_causal", family="prefill_heads",
+                          op="prefill", B=2, H=h, Hkv=h, D=d, Dv=dv, S=8192, causal=True))
     decode_shapes = ((1, 32768), (16, 8192), (64, 4096), (256, 1024))
     common = dict(op="decode", H=32, Hkv=8, D=128)
     for b, l in decode_shapes:

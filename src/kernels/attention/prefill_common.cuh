@@ -114,45 +114,54 @@ FS_DEV bool token_offsets(const AttnParams& p, const SeqKv& kv, int64_t t, int64
   return true;
 }
 
+// Item idx = kLanes step + lane of a walk over rows of kC 16-byte chunks: row idx / kC, chunk
+// idx % kC. When kC divides kLanes the chunk is the lane's own in every step (lane % kC) and the
+// row a constant stride on (kept so: the compiler does not know lane < kLanes).
+template <int kC, int kLanes>
+FS_DEV void walk_chunk(int step, int lane, int& row, int& c) {
+  if constexpr (kLanes % kC == 0) {
+    row = step * (kLanes / kC) + lane / kC;
+    c = lane % kC;
+  } else {
+    const int idx = step * kLanes + lane;
+    row = idx / kC;
+    c = idx % kC;
+  }
+}
+
 // Q [kM, D] of head h into shared memory (layout L); rows past the CTA's rows are zero-filled.
 template <class S, class L, class T, int kD>
 FS_DEV void load_q(const AttnParams& p, const CtaWork& w, int64_t h, uint32_t q_s) {
-  constexpr int kChunks = kD / 8, kRowsPerPass = S::kThreads / kChunks;
-  static_assert(S::kThreads % kChunks == 0, "whole rows per pass");
-  const int c = int(threadIdx.x) % kChunks;
+  constexpr int kChunks = kD / 8;
+  static_assert(S::kM * kChunks % S::kThreads == 0, "whole passes");
   const T* q = static_cast<const T*>(p.q.data);
 #pragma unroll
-  for (int row = int(threadIdx.x) / kChunks; row < S::kM; row += kRowsPerPass) {
+  for (int it = 0; it < S::kM * kChunks / S::kThreads; ++it) {
+    int row, c;
+    walk_chunk<kChunks, S::kThreads>(it, int(threadIdx.x), row, c);
     const bool valid = row < w.rows;
     const T* src = q + (valid ? w.qb * p.q.stride[0] + (w.q_row0 + row) * p.q.stride[1] + h * p.q.stride[2] + c * 8 : 0);
     cp_async_16(q_s + L::at(row, c), src, valid);
   }
 }
 
-// KV tokens [n0, n0 + kN) into one stage (layout L; only K or only V with kV or kK false):
-// tokens >= kv_end zero-filled; tokens outside the cache NaN keys and zero values (plain
-// stores; visible after the same barrier). Warp w copies rows [R w, R w + R), R = kN / kWarps: lane l locates row R w + l % R once
-// (token_offsets: 64-bit products, a block-table load), and each copy step takes its rows'
-// offsets by shuffle, so a row is located once per tile instead of once per 16-byte chunk.
-template <class S, class L, class T, int kD, bool kK = true, bool kV = true>
-FS_DEV void load_kv(const AttnParams& p, const SeqKv& kv, int64_t n0, int64_t kv_end, uint32_t k_s, uint32_t v_s) {
-  constexpr int kChunks = kD / 8, kRowsPerStep = 32 / kChunks, kR = S::kN / S::kWarps;
-  static_assert(S::kN % S::kWarps == 0 && kR <= 32 && kChunks <= 32 && kR % kRowsPerStep == 0,
-                "a warp copies whole rows, located by its lanes");
-  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, c = lane % kChunks;
+// The copies of load_kv: rows of kC 16-byte chunks of K (kK) and/or V (kV) at the offsets the
+// lanes located (k_off, v_off): step i of lane l copies chunk (32 i + l) % kC of warp row
+// (32 i + l) / kC, whose offsets the lane locating it (src) gives by shuffle.
+template <class S, class L, class T, int kC, bool kK, bool kV>
+FS_DEV void copy_kv_rows(const AttnParams& p, int64_t k_off, int64_t v_off, uint32_t in_mask, uint32_t bad_mask,
+                         uint32_t k_s, uint32_t v_s, int warp, int lane) {
+  constexpr int kR = S::kN / S::kWarps;
+  static_assert(kR * kC % 32 == 0, "whole copy steps per warp");
   const T* k = static_cast<const T*>(p.k.data);
   const T* v = static_cast<const T*>(p.v.data);
-  int64_t k_off = 0, v_off = 0;
-  const int my_row = kR * warp + lane % kR;
-  const bool my_in = n0 + my_row < kv_end;
-  const bool my_bad = my_in && !token_offsets(p, kv, n0 + my_row, k_off, v_off);
-  const uint32_t in_mask = __ballot_sync(kFullMask, my_in), bad_mask = __ballot_sync(kFullMask, my_bad);
 #pragma unroll
-  for (int i = 0; i < kR / kRowsPerStep; ++i) {
-    const int src = i * kRowsPerStep + lane / kChunks, row = kR * warp + src;
-    const uint32_t at = L::at(row, c);
-    const int64_t ko = __shfl_sync(kFullMask, k_off, src), vo = __shfl_sync(kFullMask, v_off, src);
-    if ((bad_mask >> src) & 1u) {
+  for (int i = 0; i < kR * kC / 32; ++i) {
+    int src, c;
+    walk_chunk<kC, 32>(i, lane, src, c);
+    const uint32_t at = L::at(kR * warp + src, c);
+    const int64_t ko = kK ? __shfl_sync(kFullMask, k_off, src) : 0, vo = kV ? __shfl_sync(kFullMask, v_off, src) : 0;
+    if ((bad_mask >> src) & 1u) {  // outside the cache: NaN keys, zero values
       const uint32_t nan2 = std::is_same_v<T, __half> ? 0x7e007e00u : 0x7fc07fc0u;
       if (kK) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(k_s + at), "r"(nan2) : "memory");
       if (kV) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(v_s + at), "r"(0u) : "memory");
@@ -161,6 +170,30 @@ FS_DEV void load_kv(const AttnParams& p, const SeqKv& kv, int64_t n0, int64_t kv
     const bool in_range = (in_mask >> src) & 1u;  // offsets 0 when not: an in-bounds address, nothing read
     if (kK) cp_async_16(k_s + at, k + ko + c * 8, in_range);
     if (kV) cp_async_16(v_s + at, v + vo + c * 8, in_range);
+  }
+}
+
+// KV tokens [n0, n0 + kN) into one stage (layout L; K rows kD wide, V rows kDv): tokens >=
+// kv_end zero-filled; tokens outside the cache NaN keys and zero values (plain stores; visible
+// after the same barrier). Warp w copies rows [R w, R w + R), R = kN / kWarps: lane l locates row
+// R w + l % R once (token_offsets: 64-bit products, a block-table load), and each copy step
+// takes its rows' offsets by shuffle, so a row is located once per tile instead of once per
+// 16-byte chunk.
+template <class S, class L, class T, int kD, int kDv = kD>
+FS_DEV void load_kv(const AttnParams& p, const SeqKv& kv, int64_t n0, int64_t kv_end, uint32_t k_s, uint32_t v_s) {
+  constexpr int kR = S::kN / S::kWarps;
+  static_assert(S::kN % S::kWarps == 0 && kR <= 32, "a warp copies whole rows, located by its lanes");
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  int64_t k_off = 0, v_off = 0;
+  const int my_row = kR * warp + lane % kR;
+  const bool my_in = n0 + my_row < kv_end;
+  const bool my_bad = my_in && !token_offsets(p, kv, n0 + my_row, k_off, v_off);
+  const uint32_t in_mask = __ballot_sync(kFullMask, my_in), bad_mask = __ballot_sync(kFullMask, my_bad);
+  if constexpr (kD == kDv) {  // K and V rows together
+    copy_kv_rows<S, L, T, kD / 8, true, true>(p, k_off, v_off, in_mask, bad_mask, k_s, v_s, warp, lane);
+  } else {
+    copy_kv_rows<S, L, T, kD / 8, true, false>(p, k_off, v_off, in_mask, bad_mask, k_s, v_s, warp, lane);
+    copy_kv_rows<S, L, T, kDv / 8, false, true>(p, k_off, v_off, in_mask, bad_mask, k_s, v_s, warp, lane);
   }
 }
 
@@ -313,17 +346,19 @@ FS_DEV int thread_row(int warp, int mb, int r, int g) {
   return S::kWarpRows * warp + 16 * mb + 8 * r + g;
 }
 
-// out = o / l and lse (natural log; m in units of exp_mul / ln 2) of the thread's valid rows,
+// out = o / l and lse (natural log; m in units of exp_mul / ln 2) of the thread's valid rows
+// (o kDo channels wide, the first kDv of them stored),
 // the sink (SPEC.md §2.5) merged into both; with splits the fp32 partials, without the sink
 // (combine.cu applies it once). An out of q's dtype T (rows 16-byte aligned: select.cu) is
 // staged in the warp's own Q rows of shared memory (layout L; the caller makes sure no MMA
 // still reads them) and written in 16-byte chunks; an fp32 out (TOut = float) is written from
 // registers in 8-byte pairs.
-template <class S, class L, class T, int kD, class TOut = T>
-FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int split, const float (&o)[S::kMB][kD / 8][4],
+template <class S, class L, class T, int kDo, int kDv = kDo, class TOut = T>
+FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int split, const float (&o)[S::kMB][kDo / 8][4],
                        const float (&m)[S::kMB][2], float (&l)[S::kMB][2], float exp_mul, uint32_t q_s, int warp,
                        int lane) {
-  constexpr int kChunks = kD / 8;
+  constexpr int kChunks = kDv / 8;
+  static_assert(kDv <= kDo && S::kWarpRows * kChunks % 32 == 0, "whole 16-byte chunks of the stored channels");
   const int g = lane >> 2, t = lane & 3;
   float inv[S::kMB][2];
 #pragma unroll
@@ -340,9 +375,9 @@ FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int spl
       if (p.num_splits > 1) {  // the partial without the sink: the combine merges it once
         const int64_t at = partial_index(p, split, w.row0 + i, h);
 #pragma unroll
-        for (int dt = 0; dt < kD / 8; ++dt) {  // 4-byte stores: the workspace may be only 4-byte aligned
-          p.o_partial[at * kD + 8 * dt + 2 * t] = o[mb][dt][2 * r] * inv[mb][r];
-          p.o_partial[at * kD + 8 * dt + 2 * t + 1] = o[mb][dt][2 * r + 1] * inv[mb][r];
+        for (int dt = 0; dt < kDv / 8; ++dt) {  // 4-byte stores: the workspace may be only 4-byte aligned
+          p.o_partial[at * kDv + 8 * dt + 2 * t] = o[mb][dt][2 * r] * inv[mb][r];
+          p.o_partial[at * kDv + 8 * dt + 2 * t + 1] = o[mb][dt][2 * r + 1] * inv[mb][r];
         }
         if (t == 0) p.lse_partial[at] = lse;
         continue;
@@ -353,7 +388,7 @@ FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int spl
         float* out = static_cast<float*>(const_cast<void*>(p.out.data)) + w.qb * p.out.stride[0] +
                      (w.q_row0 + i) * p.out.stride[1] + h * p.out.stride[2];
 #pragma unroll
-        for (int dt = 0; dt < kD / 8; ++dt)
+        for (int dt = 0; dt < kDv / 8; ++dt)
           *reinterpret_cast<float2*>(out + 8 * dt + 2 * t) =
               make_float2(o[mb][dt][2 * r] * inv[mb][r], o[mb][dt][2 * r + 1] * inv[mb][r]);
       }
@@ -366,7 +401,7 @@ FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int spl
     for (int r = 0; r < 2; ++r) {
       const int row = thread_row<S>(warp, mb, r, g);
 #pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
+      for (int dt = 0; dt < kDv / 8; ++dt) {
         const uint32_t x = pack2<T>(o[mb][dt][2 * r] * inv[mb][r], o[mb][dt][2 * r + 1] * inv[mb][r]);
         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(q_s + L::at(row, dt) + 4u * t), "r"(x) : "memory");
       }

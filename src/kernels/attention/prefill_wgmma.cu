@@ -12,15 +12,16 @@ void launch_prefill_wgmma(const AttnParams& p, const AttnKernelChoice& choice, v
   const auto s = static_cast<cudaStream_t>(stream);
   const bool f32_out = p.out.dtype == DType::f32, alibi = p.alibi.data != nullptr;
   if (f32_out && alibi) throw RuntimeError("prefill_wgmma: no instantiation for ALiBi with fp32 out");
-  const bool built = with_prefill_config<kPrefillWgmmaConfigs>(p.q.dtype, choice.dv_bucket, [&]<class T, int kD>() {
-    const size_t smem = prefill_wgmma_smem_bytes(kD);
-    if (f32_out) launch_row_tiles<&prefill::prefill_wgmma<T, kD, true, false>>(p, smem, kWgmmaThreads, s);
-    else if (alibi) launch_row_tiles<&prefill::prefill_wgmma<T, kD, false, true>>(p, smem, kWgmmaThreads, s);
-    else launch_row_tiles<&prefill::prefill_wgmma<T, kD, false, false>>(p, smem, kWgmmaThreads, s);
+  const bool built = with_prefill_config<kPrefillWgmmaConfigs>(p.q.dtype, p.head_dim, p.head_dim_v,
+                                                               [&]<class T, int kD, int kDv>() {
+    const size_t smem = prefill_wgmma_smem_bytes(kD, kDv);
+    if (f32_out) launch_row_tiles<&prefill::prefill_wgmma<T, kD, kDv, true, false>>(p, smem, kWgmmaThreads, s);
+    else if (alibi) launch_row_tiles<&prefill::prefill_wgmma<T, kD, kDv, false, true>>(p, smem, kWgmmaThreads, s);
+    else launch_row_tiles<&prefill::prefill_wgmma<T, kD, kDv, false, false>>(p, smem, kWgmmaThreads, s);
   });
   if (!built)
-    throw RuntimeError(detail::cat("prefill_wgmma: no instantiation for ", dtype_name(p.q.dtype), " D=",
-                                   choice.dv_bucket));
+    throw RuntimeError(detail::cat("prefill_wgmma: no instantiation for ", dtype_name(p.q.dtype), " D=", p.head_dim,
+                                   " Dv=", p.head_dim_v));
 }
 
 }  // namespace flashserve::kernels
