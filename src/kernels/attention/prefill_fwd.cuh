@@ -1,6 +1,6 @@
 // The tensor-core prefill kernel: FlashAttention-2 structure on mma.sync m16n8k16 (sm80+).
-// Serves f16/bf16 q/k/v (one dtype), D == Dv in kPrefillConfigs, causal / window / soft-cap / sinks,
-// contiguous or paged KV (any block size: every KV row is located on its own), GQA and any
+// Serves f16/bf16 q/k/v (one dtype), D == Dv in kPrefillConfigs, causal / window / chunked local
+// attention / soft-cap / ALiBi (linear, sqrt) / sinks, contiguous or paged KV (any block size: every KV row is located on its own), GQA and any
 // split count; select.cu declines everything else (the generic kernel serves it).
 //
 // CTA: 128 query rows of one sequence x one query head x one KV split; 4 warps, 32 rows (two

@@ -1,12 +1,14 @@
 // The sm_90a tensor-core prefill kernel: the FlashAttention-2 loop of prefill_fwd.cuh with both
 // GEMMs on warpgroup MMA (wgmma.mma_async), operands read by the tensor cores straight from
 // 128-byte-swizzled shared memory (no ldmatrix). Serves what prefill_mma serves (select.cu:
-// f16/bf16, D == Dv in kPrefillWgmmaConfigs, causal / window / soft-cap / sinks, contiguous or paged KV
-// of any block size, GQA, any split count) on compute capability 9.0 when the build has sm_90a.
+// f16/bf16, causal / window / chunked local attention / soft-cap / ALiBi (linear, sqrt) / sinks,
+// contiguous or paged KV of any block size, GQA, any split count) and more head sizes ((D, Dv)
+// in kPrefillWgmmaConfigs: 64, 96, 128, 192, 256 and MLA's 192/128) on compute capability 9.0
+// when the build has sm_90a.
 //
 // CTA: 128 query rows of one sequence x one query head x one KV split (the schedule of
 // prefill_common.cuh); 2 warpgroups of 64 rows, 256 threads, one CTA per SM. KV tiles of N keys
-// (128; 64 for D > 128), K double- and V triple-buffered, copied by all 256 threads with
+// (128; 64 when D or Dv > 128), K double- and V triple-buffered, copied by all 256 threads with
 // cp.async (each KV row located on its own, as prefill_mma), one barrier per tile after the
 // async-proxy fence. Per tile each warpgroup:
 //   S [64, N] = Q K^T:  D / 16 wgmma m64nNk16, A = Q and B = K from shared memory (K-major);
