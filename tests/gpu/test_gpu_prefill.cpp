@@ -304,6 +304,48 @@ TEST(GpuPrefill, ChunkedLocalAttention) {
   expect_prefill_matches(c, 42);
 }
 
+// Context parallelism (rank r of W holds global keys r, r + W, ...; positions, masks and the
+// causal diagonal in global terms): the tensor-core kernels against the CPU reference under the
+// same plan (the oracle knows no context parallelism), causal and windowed, splits, sinks, paged
+// and contiguous. ALiBi with it stays on the generic kernel (checked too).
+TEST(GpuPrefill, ContextParallel) {
+  const std::vector<int64_t> global = {700, 9, 300};
+  for (int world : {2, 3})
+    for (int rank : {0, world - 1})
+      for (int variant = 0; variant < 3; ++variant) {
+        std::vector<int64_t> local;
+        for (int64_t g : global) local.push_back(g > rank ? (g - rank + world - 1) / world : 0);
+        CaseConfig c = prefill_config(variant == 1 ? KvMode::varlen_paged : KvMode::varlen_contiguous, {200, 3, 130},
+                                      local, 4, 2);
+        c.causal = variant != 1;
+        if (variant == 1) c.window = {150, 20}, c.num_splits = 2, c.sinks = true, c.random_block_ids = true;
+        if (variant == 2) c.alibi = 1;
+        auto rng = fstest::make_rng(60 + uint64_t(world * 10 + rank * 3 + variant));
+        fstest::AttentionCase ac = fstest::build_case(c, rng);
+        const fstest::HostTensor tot = fstest::HostTensor::zeros(DType::i32, {int64_t(global.size())});
+        for (size_t b = 0; b < global.size(); ++b) tot.ref.ptr<int32_t>()[b] = int32_t(global[b]);
+        ac.storage.push_back(tot);
+        ac.params.cp_world_size = world;
+        ac.params.cp_rank = rank;
+        ac.params.cp_tot_seqused_k = tot.ref;
+        fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
+        const std::string kernel = selected_kernel(ac, dc.params);
+        const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
+        const auto cpu = fsgpu::run_cpu(ac, plan);
+        const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
+        fs::ExecContext ctx;
+        ctx.workspace = ws.get();
+        ctx.workspace_bytes = plan.workspace.total_bytes;
+        ctx.plan = &plan;
+        fsgpu::run_gpu(ac, dc, ctx);
+        const std::string what = "world " + std::to_string(world) + " rank " + std::to_string(rank) + " variant " +
+                                 std::to_string(variant) + " kernel " + kernel + "\n" + fstest::describe(c);
+        EXPECT_EQ(fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(kernel, c)), "") << what;
+        EXPECT_LT(relative_error(ac, cpu.first), 1e-2) << what;
+        EXPECT_EQ(kernel, variant == 2 ? "generic" : expected_prefill_kernel()) << what;
+      }
+}
+
 // Problems outside the kernel's scope stay on the generic kernel (and stay correct).
 TEST(GpuPrefill, OutOfScopeFallsBackToGeneric) {
   struct Variant {

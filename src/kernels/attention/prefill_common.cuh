@@ -422,15 +422,17 @@ FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int spl
 
 // Visible local keys of tile row i: visibility (masks.cuh) within the split's range, bounded
 // to the tokens the metadata can place in the cache (generic_fwd.cuh). lo and hi are
-// non-decreasing in i, so a group's first and last rows bound the group's keys.
+// non-decreasing in i, so a group's first and last rows bound the group's keys. Under context
+// parallelism positions are global (the sequence's global KV length aligns them) and the
+// visible global keys map to this rank's local ones (Visibility).
 struct RowKeys {
   Visibility vis;
   KvRange range;
   KeyRange cache;
-  int64_t pos0;  // aligned position of tile row 0: i0 + sk - sq
-  int64_t sk;
+  int64_t pos0;       // aligned global position of tile row 0: i0 + sk_global - sq
+  int64_t sk_global;  // the sequence's global KV length (= the local one without CP)
   FS_DEV KeyRange operator()(int64_t i) const {
-    const KeyRange k = vis(pos0 + i, sk);
+    const KeyRange k = vis(pos0 + i, sk_global);
     return generic::bound_to_cache({imax(k.lo, range.begin), imin(k.hi, range.end)}, cache);
   }
 };
@@ -445,9 +447,9 @@ struct CtaKeys {
 
 template <int kN>
 FS_DEV CtaKeys cta_keys(const AttnParams& p, const CtaWork& w, const SeqKv& kv, int split) {
-  const int64_t sk = kv_len(p, w.b);
+  const int64_t sk = kv_len(p, w.b), sk_global = kv_len_global(p, w.b, sk);
   CtaKeys c{{make_visibility(p), split_kv_range(sk, p.num_splits, split, p.split_granularity),
-             generic::cache_tokens(p, kv), w.i0 + sk - w.sq, sk}};
+             generic::cache_tokens(p, kv), w.i0 + sk_global - w.sq, sk_global}};
   const KeyRange first = c.rows(0), last = c.rows(w.rows - 1);
   c.n_begin = c.rows.range.begin + floor_div(first.lo - c.rows.range.begin, kN) * kN;
   c.end = last.hi;
@@ -504,6 +506,8 @@ struct WarpKeys {
 
 // d0 of the score bias (AlibiBias) for the thread's row g of row block mb at the CTA's first
 // tile: i' of the row minus the key of its column 2t; the tile at offset `off` takes d0 - off.
+// Keys one apart are one position apart: no context parallelism (select.cu keeps ALiBi with it
+// on the generic kernel).
 template <class S>
 FS_DEV int64_t bias_d0(const CtaKeys& ck, int warp, int mb, int lane) {
   return ck.rows.pos0 + thread_row<S>(warp, mb, 0, lane >> 2) - ck.n_begin - 2 * (lane & 3);

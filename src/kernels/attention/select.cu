@@ -66,8 +66,8 @@ bool rows_16b_aligned(const TensorRef& t) {
 
 // The scope of both tensor-core prefill kernels (prefill_common.cuh): f16/bf16 q/k/v of one
 // dtype, out of that dtype (or fp32 with `f32_out`), causal / window / chunked local
-// attention / soft-cap / ALiBi (linear or sqrt) / sinks, contiguous or paged KV (any block size),
-// any split count; no q_v, quantization or context parallelism. "" when the problem is in scope, else the reason
+// attention / soft-cap / ALiBi (linear or sqrt) / sinks, context parallelism (not with ALiBi),
+// contiguous or paged KV (any block size), any split count; no q_v or quantization. "" when the problem is in scope, else the reason
 // (prefixed by `what`).
 std::string prefill_scope(const detail::AttnProblem& pr, const char* what, bool f32_out) {
   const AttentionParams& p = *pr.params;
@@ -81,7 +81,8 @@ std::string prefill_scope(const detail::AttnProblem& pr, const char* what, bool 
     return detail::cat(what, f32_out ? "out of q's dtype or fp32" : "out of q's dtype (fp32 out needs fp32 P)");
   if (pr.q_v || pr.q_scale || pr.k_scale_cache || pr.v_scale || pr.q_descale || pr.k_descale || pr.v_descale)
     return detail::cat(what, "no q_v, scales or descales");
-  if (p.cp_world_size > 1 || pr.cp_tot_seqused_k) return detail::cat(what, "no context parallelism");
+  if (pr.alibi_slopes && (p.cp_world_size > 1 || pr.cp_tot_seqused_k))  // AlibiBias: keys one position apart
+    return detail::cat(what, "no ALiBi with context parallelism");
   if (!rows_16b_aligned(pr.q) || !rows_16b_aligned(pr.k) || !rows_16b_aligned(pr.v) || !rows_16b_aligned(pr.out))
     return detail::cat(what, "q, k, v, out with 16-byte aligned rows");
   const int64_t cols = pr.paged && pr.block_table ? pr.block_table->size(1) : 1;
