@@ -9,9 +9,9 @@
 // be served by the generic kernel in dev builds; D = 192/128 (and 96, 192 in the full set) must
 // get prefill_wgmma on Hopper (generic elsewhere). Varlen batches with uneven lengths, causal /
 // non-causal, GQA 1..8, paged caches of any block size, splits, the score modifiers (window,
-// soft-cap, sinks, ALiBi linear and sqrt, chunked local attention), fully masked rows and
-// zero-length sequences; problems outside the kernels' scope must fall back to the generic
-// kernel.
+// soft-cap, sinks, ALiBi linear and sqrt, chunked local attention), context parallelism, fully
+// masked rows and zero-length sequences; problems outside the kernels' scope must fall back to
+// the generic kernel.
 #include <gtest/gtest.h>
 
 #include <cmath>
