@@ -5,11 +5,14 @@
 //   attn_bench [--device I] [--warmup N] [--min-iters N] [--max-iters N] [--target-s S]
 //              [--row-budget-s S] [--seed N] SPEC...
 //   SPEC  name=prefill_d128_s2k_causal,op=prefill,B=8,S=2048,H=16,Hkv=16,D=128,causal=1
+//         name=prefill_d128_s8k_causal_chunk,op=prefill,B=2,S=8192,H=16,Hkv=16,D=128,causal=1,mod=chunk,W=2048
 //         name=decode_b64_l4k_bs16,op=decode,B=64,L=4096,H=32,Hkv=8,D=128,block=16,kv=bf16
 //         name=shared_b64_p4k,op=shared_prefix,B=64,L=4352,P=4096,H=32,Hkv=8,D=128,cascade=1
 //         name=mixed_b64,op=mixed_step,B=64,L=4096,NP=2,S=2048,C=8192,H=32,Hkv=8,D=128
 //
-// prefill: varlen_attention, q/k/v [B*S, H(kv), D] bf16, cu_seqlens every S tokens.
+// prefill: varlen_attention, q/k/v [B*S, H(kv), D] bf16 (v and out Dv with Dv=), cu_seqlens every
+//          S tokens; mod= one score modifier: sinks, alibi, alibi_sqrt, softcap (30), chunk or
+//          window (size W; window (W, 0) causal, (W, W) not).
 // decode:  kvcache_attention, q [B, 1, H, D] bf16, paged NHD caches [blocks, block, Hkv, D]
 //          (kv = bf16 or fp8 e4m3, descales absent), block tables shuffled over the pool.
 // shared_prefix: one decode step of B requests through the backend layer (MetadataBuilder with
@@ -62,6 +65,9 @@ struct Spec {
   int64_t C = 0, NP = 2; // mixed_step: cached tokens of each of the NP chunked prefills (S new)
   bool causal = false;
   bool cascade = true;   // shared_prefix: let the builder take the cascade path
+  std::string mod;       // prefill: a score modifier (see make_prefill), "" for none
+  int64_t W = 0;         // prefill: chunk size (mod=chunk) or left window (mod=window)
+  int64_t Dv = 0;        // prefill: V head size (0: D; MLA prefill 192/128)
 };
 
 Spec parse_spec(const std::string& text) {
@@ -81,7 +87,8 @@ Spec parse_spec(const std::string& text) {
     if (auto it = kv.find(key); it != kv.end()) dst = it->second, kv.erase(it);
   };
   int64_t causal = 0, cascade = 1;
-  str("name", s.name), str("op", s.op), str("kv", s.kv);
+  str("name", s.name), str("op", s.op), str("kv", s.kv), str("mod", s.mod);
+  num("W", s.W), num("Dv", s.Dv);
   num("B", s.B), num("S", s.S), num("L", s.L), num("H", s.H), num("Hkv", s.Hkv), num("D", s.D);
   num("block", s.block), num("causal", causal), num("P", s.P), num("cascade", cascade);
   num("C", s.C), num("NP", s.NP);
@@ -96,6 +103,12 @@ Spec parse_spec(const std::string& text) {
   if (s.op == "shared_prefix" && (s.P < 0 || s.P % s.block != 0 || s.P >= s.L))
     throw std::invalid_argument("P: expected whole blocks shorter than L, got " + std::to_string(s.P));
   if (s.kv != "bf16" && s.kv != "fp8") throw std::invalid_argument("kv: expected bf16 or fp8, got " + s.kv);
+  static const char* const kMods[] = {"", "sinks", "alibi", "alibi_sqrt", "softcap", "chunk", "window"};
+  if (std::find(std::begin(kMods), std::end(kMods), s.mod) == std::end(kMods))
+    throw std::invalid_argument("mod: expected sinks, alibi, alibi_sqrt, softcap, chunk or window, got " + s.mod);
+  if ((s.mod == "chunk" || s.mod == "window") && s.W <= 0)
+    throw std::invalid_argument("mod=" + s.mod + ": expected W > 0 (chunk size or left window)");
+  if (s.Dv == 0) s.Dv = s.D;
   const bool bad = s.B <= 0 || s.H <= 0 || s.Hkv <= 0 || s.D <= 0 || s.block <= 0 ||
                    (s.op == "prefill" ? s.S <= 0 : s.L <= 0);
   if (bad) throw std::invalid_argument("spec with a non-positive size: " + text);
@@ -185,7 +198,29 @@ int choose_sets(size_t set_bytes, size_t l2_bytes, size_t budget) {
 
 size_t prefill_set_bytes(const Spec& s) {
   const size_t tokens = size_t(s.B * s.S);
-  return tokens * size_t(2 * s.H + 2 * s.Hkv) * size_t(s.D) * 2;
+  return tokens * size_t(s.H * (s.D + s.Dv) + s.Hkv * (s.D + s.Dv)) * 2;
+}
+
+// The modifier's parameters (the same in every input set): sinks f32 [H] in [-2, 2), ALiBi
+// slopes f32 [H] = 2^(-8 (h + 1) / H) (the ALiBi paper's), soft-cap 30, chunk or left window W.
+void set_modifier(const Spec& s, BenchCase& c, AttentionParams& p, Device dev) {
+  if (s.mod == "sinks" || s.mod == "alibi" || s.mod == "alibi_sqrt") {
+    std::vector<float> v(static_cast<size_t>(s.H));
+    for (int64_t h = 0; h < s.H; ++h)
+      v[size_t(h)] = s.mod == "sinks" ? float(int64_t(splitmix64(uint64_t(h)) % 4096) - 2048) / 1024.0f
+                                      : std::exp2(-8.0f * float(h + 1) / float(s.H));
+    void* d = alloc(c, v.size() * 4);
+    cuda_ok(cudaMemcpy(d, v.data(), v.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy (modifier)");
+    const TensorRef t = TensorRef::contiguous(d, DType::f32, {s.H}, dev);
+    if (s.mod == "sinks") p.s_aux = t;
+    else p.alibi_slopes = t, p.alibi_sqrt = s.mod == "alibi_sqrt";
+  } else if (s.mod == "softcap") {
+    p.softcap = 30.0f;
+  } else if (s.mod == "chunk") {
+    p.chunk_size = s.W;
+  } else if (s.mod == "window") {
+    p.window = {int(s.W), s.causal ? 0 : int(s.W)};
+  }
 }
 
 size_t decode_set_bytes(const Spec& s) {
@@ -204,19 +239,20 @@ BenchCase make_prefill(const Spec& s, int nsets, Device dev) {
   const TensorRef cu_ref = TensorRef::contiguous(cu_dev, DType::i32, {s.B + 1}, dev);
   for (int i = 0; i < nsets; ++i) {
     AttentionParams p;
-    auto random_bf16_tensor = [&](int64_t heads) {
-      return TensorRef::contiguous(alloc_random(c, tokens * heads * s.D, DType::bf16), DType::bf16,
-                                   {tokens, heads, s.D}, dev);
+    auto random_bf16_tensor = [&](int64_t heads, int64_t d) {
+      return TensorRef::contiguous(alloc_random(c, tokens * heads * d, DType::bf16), DType::bf16,
+                                   {tokens, heads, d}, dev);
     };
-    p.q = random_bf16_tensor(s.H);
-    p.k = random_bf16_tensor(s.Hkv);
-    p.v = random_bf16_tensor(s.Hkv);
-    p.out = TensorRef::contiguous(alloc(c, size_t(tokens * s.H * s.D) * 2), DType::bf16, {tokens, s.H, s.D}, dev);
+    p.q = random_bf16_tensor(s.H, s.D);
+    p.k = random_bf16_tensor(s.Hkv, s.D);
+    p.v = random_bf16_tensor(s.Hkv, s.Dv);
+    p.out = TensorRef::contiguous(alloc(c, size_t(tokens * s.H * s.Dv) * 2), DType::bf16, {tokens, s.H, s.Dv}, dev);
     p.cu_seqlens_q = cu_ref;
     p.cu_seqlens_k = cu_ref;
     p.max_seqlen_q = s.S;
     p.max_seqlen_k = s.S;
     p.causal = s.causal;
+    set_modifier(s, c, p, dev);
     c.sets.push_back(p);
   }
   c.out0 = c.sets[0].out;

@@ -49,14 +49,33 @@ class Config:
     C: int = 0           # mixed_step: cached tokens of each chunked prefill (S new ones)
     NP: int = 0          # mixed_step: chunked prefills beside the B decodes
     causal: bool = False
+    mod: str = ""        # prefill: score modifier (sinks, alibi, alibi_sqrt, softcap, chunk, window)
+    W: int = 0           # prefill: chunk size (mod chunk) or left window (mod window)
+    Dv: int = 0          # prefill: V head size when it differs from D (MLA prefill 192/128)
+    plain: str = ""      # prefill_mods: the unmodified configuration of the same shape (vs_plain)
     peers: tuple = ()    # peers (besides flashserve) that run it
     quick: bool = False  # part of --quick
 
     @property
+    def pairs(self) -> float:
+        """Visible (query, key) pairs per sequence and head of a prefill: S² (÷2 causal); with a
+        chunk c, S·c (÷2 causal); with a left window w, S·(w + 1) - w(w + 1)/2 (causal; two-sided
+        non-causal: 2 S w + S - w(w + 1))."""
+        s, w = self.S, self.W
+        if self.mod == "chunk":
+            return s * min(w, s) / (2 if self.causal else 1)
+        if self.mod == "window":
+            w = min(w, s - 1)
+            one_side = s * (w + 1) - w * (w + 1) / 2
+            return one_side if self.causal else 2 * one_side - s
+        return s * s / (2 if self.causal else 1)
+
+    @property
     def flops(self) -> float:
-        """4·B·H·S²·D (÷2 causal) for prefill; 4·B·H·L·D for decode."""
+        """2·B·H·pairs·(D + Dv) for prefill (4·B·H·S²·D, ÷2 causal, when D = Dv and no chunk or
+        window); 4·B·H·L·D for decode."""
         if self.op == "prefill":
-            return 4.0 * self.B * self.H * self.S * self.S * self.D / (2 if self.causal else 1)
+            return 2.0 * self.B * self.H * self.pairs * (self.D + (self.Dv or self.D))
         decode = 4.0 * self.B * self.H * self.L * self.D
         if self.op == "mixed_step":  # each prefill row i of S sees C + i + 1 keys
             return decode + self.NP * 4.0 * self.H * self.D * self.S * (self.C + (self.S + 1) / 2)
@@ -80,7 +99,9 @@ class Config:
 
     def shape(self) -> str:
         if self.op == "prefill":
-            return f"B={self.B} S={self.S} H={self.H} D={self.D}{' causal' if self.causal else ''}"
+            dv = f"/{self.Dv}" if self.Dv and self.Dv != self.D else ""
+            mod = f" {self.mod}" + (f" {self.W}" if self.W else "") if self.mod else ""
+            return f"B={self.B} S={self.S} H={self.H} D={self.D}{dv}{' causal' if self.causal else ''}{mod}"
         if self.op == "shared_prefix":
             return (f"B={self.B} L={self.L} (prefix {self.P}) H={self.H}/{self.Hkv} D={self.D} block={self.block}"
                     f" {'cascade' if self.cascade else 'split-KV'}")
@@ -93,7 +114,9 @@ class Config:
         """The attn_bench argument for this configuration."""
         common = f"name={self.name},op={self.op},B={self.B},H={self.H},Hkv={self.Hkv},D={self.D}"
         if self.op == "prefill":
-            return f"{common},S={self.S},causal={int(self.causal)}"
+            extra = (f",mod={self.mod}" if self.mod else "") + (f",W={self.W}" if self.W else "")
+            extra += f",Dv={self.Dv}" if self.Dv else ""
+            return f"{common},S={self.S},causal={int(self.causal)}{extra}"
         if self.op == "shared_prefix":
             return f"{common},L={self.L},P={self.P},block={self.block},cascade={int(self.cascade)}"
         if self.op == "mixed_step":
@@ -115,6 +138,20 @@ def all_configs() -> list[Config]:
                     name=f"prefill_d{d}_s{_k(s)}{'_causal' if causal else ''}", family="prefill",
                     op="prefill", B=16384 // s, H=2048 // d, Hkv=2048 // d, D=d, S=s, causal=causal,
                     peers=("cudnn", "fa2", "flex"), quick=d == 128 and s >= 2048))
+    # Score modifiers on the prefill shape (bf16 D = 128, causal): each against the plain row of
+    # the same shape (vs_plain: TFLOP/s over the plain row's; chunk and window count only the
+    # visible pairs). flashserve only: the SDPA peers take none of them.
+    for s in (2048, 8192):
+        plain = f"prefill_d128_s{_k(s)}_causal"
+        for mod, w in (("sinks", 0), ("alibi", 0), ("alibi_sqrt", 0), ("softcap", 0), ("chunk", s // 4),
+                       ("window", s // 4)):
+            out.append(Config(name=f"{plain}_{mod}", family="prefill_mods", op="prefill", B=16384 // s, H=16,
+                              Hkv=16, D=128, S=s, causal=True, mod=mod, W=w, plain=plain, quick=s == 8192))
+    # Head sizes beyond the headline three: D = 96 and 192, and MLA prefill's 192/128 (H·D = 2048
+    # for D = Dv; MLA with 16 heads), S = 8k causal. flashserve only.
+    for d, dv, h in ((96, 0, 2048 // 96), (192, 0, 2048 // 192), (192, 128, 16)):
+        out.append(Config(name=f"prefill_d{d}{f'_dv{dv}' if dv else ''}_s8k_causal", family="prefill_heads",
+                          op="prefill", B=2, H=h, Hkv=h, D=d, Dv=dv, S=8192, causal=True))
     decode_shapes = ((1, 32768), (16, 8192), (64, 4096), (256, 1024))
     common = dict(op="decode", H=32, Hkv=8, D=128)
     for b, l in decode_shapes:
@@ -157,10 +194,10 @@ def select_configs(quick: bool, only: str | None) -> list[Config]:
 # ---------------------------------------------------------------- plan (dry run)
 
 def print_plan(configs: list[Config], peers: tuple) -> None:
-    print(f"{'config':28} {'family':13} {'shape':44} {'GFLOP':>9} {'KV MB':>8}  peers")
+    print(f"{'config':36} {'family':13} {'shape':44} {'GFLOP':>9} {'KV MB':>8}  peers")
     for c in configs:
         ps = ",".join(["flashserve"] + [p for p in c.peers if p in peers])
-        print(f"{c.name:28} {c.family:13} {c.shape():44} {c.flops / 1e9:9.1f} {c.kv_bytes / 1e6:8.1f}  {ps}")
+        print(f"{c.name:36} {c.family:13} {c.shape():44} {c.flops / 1e9:9.1f} {c.kv_bytes / 1e6:8.1f}  {ps}")
     rows = sum(1 + len([p for p in c.peers if p in peers]) for c in configs)
     print(f"{len(configs)} configurations, {rows} rows; figures: prefill TFLOP/s = 4·B·H·S²·D (÷2 causal) / t "
           f"vs the bf16 GEMM ceiling; decode GB/s = KV bytes read / t vs the copy ceiling")
@@ -242,6 +279,10 @@ def add_figures(rows: list[dict], configs: list[Config], header: dict) -> None:
                 bf16 = c.name.replace("decode_fp8_", "decode_")
                 if (bf16, "flashserve") in times:
                     r["vs_bf16"] = times[(bf16, "flashserve")] / r["time_ms"]
+            if c.plain and (c.plain, "flashserve") in times:
+                p = by_name.get(c.plain)
+                if p is not None:
+                    r["vs_plain"] = (c.flops / times[(c.name, "flashserve")]) / (p.flops / times[(c.plain, "flashserve")])
             if c.op == "shared_prefix" and c.cascade:
                 split = c.name.replace("_cascade", "_split")
                 if (split, "flashserve") in times:
@@ -268,11 +309,11 @@ def print_table(header: dict, configs: list[Config], rows: list[dict]) -> None:
           f"commit {header.get('commit', '?')}  torch {header.get('torch', '?')} cuDNN {header.get('cudnn', '?')}")
     print(f"ceilings: copy {ceil.get('copy_gbps', 0):.0f} GB/s (read+write), bf16 GEMM 8192^3 "
           f"{ceil.get('gemm_tflops', 0):.0f} TFLOP/s; prefill and mixed step in TFLOP/s, decode in GB/s of KV read")
-    print(f"{'config':28}" + "".join(f"{p:>11}" for p in ALL_PEERS) + f"{'fs/best':>9}{'fs%ceil':>9}  fs kernel")
+    print(f"{'config':36}" + "".join(f"{p:>11}" for p in ALL_PEERS) + f"{'fs/best':>9}{'fs%ceil':>9}  fs kernel")
     for c in configs:
-        line = f"{c.name:28}" + "".join(f"{figure(cell.get((c.name, p))):>11}" for p in ALL_PEERS)
+        line = f"{c.name:36}" + "".join(f"{figure(cell.get((c.name, p))):>11}" for p in ALL_PEERS)
         fs = cell.get((c.name, "flashserve"), {})
-        ratio = fs.get("vs_best_peer", fs.get("vs_bf16", fs.get("vs_split")))
+        ratio = fs.get("vs_best_peer", fs.get("vs_bf16", fs.get("vs_split", fs.get("vs_plain"))))
         line += f"{ratio:9.2f}" if ratio is not None else f"{'-':>9}"
         frac = fs.get("frac_ceiling")
         line += f"{100 * frac:8.0f}%" if frac is not None else f"{'-':>9}"
@@ -285,7 +326,8 @@ def print_table(header: dict, configs: list[Config], rows: list[dict]) -> None:
         print("decode GQA: " + ", ".join(f"{p} {'/'.join(sorted(v))}" for p, v in gqa.items()))
     print("n/i: not implemented in flashserve; err: error in results.json; skip: time budget; n/a: infeasible "
           "formulation; !: flashserve output non-finite or all zeros;\nfs/best: best peer time / flashserve time "
-          "(fp8 rows: bf16 time / fp8 time; shared *_cascade rows: split-KV time / cascade time);\nfs%ceil: of the "
+          "(fp8 rows: bf16 time / fp8 time; shared *_cascade rows: split-KV time / cascade time;\nprefill_mods rows: "
+          "TFLOP/s over the plain row's of the same shape);\nfs%ceil: of the "
           "GEMM (prefill) or copy (decode) ceiling")
 
 

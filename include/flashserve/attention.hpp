@@ -113,7 +113,8 @@ std::string attention_unsupported_reason(const AttentionParams& p, bool batched,
                                          const DeviceProps& dev);
 
 // Which kernel serves this problem on `dev`: "reference" on the CPU; on CUDA the selection's
-// name ("decode", "prefill_mma", "generic"). Validates like the call (throws the same errors);
+// name ("decode", "prefill_wgmma", "prefill_mma", "generic"; the tensor-core prefill kernels
+// serve every score modifier: window, chunk, soft-cap, ALiBi and sqrt-ALiBi, sinks). Validates like the call (throws the same errors);
 // throws NotImplemented when no kernel serves it.
 std::string attention_kernel_name(const AttentionParams& p, bool batched, const DeviceProps& dev);
 

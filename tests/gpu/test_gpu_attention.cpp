@@ -10,10 +10,13 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <string>
+#include <vector>
 
 #include "flashserve/status.hpp"
 #include "gpu_attention_case.hpp"
+#include "kernels/attention/select.hpp"
 #include "kernels/device_info.hpp"
 
 using flashserve::DType;
@@ -94,6 +97,61 @@ TEST(GpuAttentionFuzz, MatchesOracleAndReference) {
   std::printf("[gpu fuzz] %d cases (%d with forced splits) in %.1f s, %d failed, seed %llu\n", ran, split_cases,
               secs, failed, static_cast<unsigned long long>(fstest::test_seed()));
   if (!count && last - first > 1 && failed == 0) EXPECT_GE(ran, 1000);
+}
+
+namespace {
+
+// The instantiation table of the tensor-core prefill kernel the selection tries first on device 0
+// (empty when neither applies).
+std::vector<fs::kernels::PrefillConfig> prefill_table() {
+  const fs::DeviceProps dev = fs::kernels::cuda_device_props(0);
+  using fs::kernels::AttnKernelId;
+  if (FLASHSERVE_SM90A && dev.cc_major == 9 && dev.cc_minor == 0 &&
+      !fs::kernels::kernel_disabled(AttnKernelId::prefill_wgmma))
+    return {std::begin(fs::kernels::kPrefillWgmmaConfigs), std::end(fs::kernels::kPrefillWgmmaConfigs)};
+  if (dev.cc_major >= 8 && !fs::kernels::kernel_disabled(AttnKernelId::prefill_mma))
+    return {std::begin(fs::kernels::kPrefillConfigs), std::end(fs::kernels::kPrefillConfigs)};
+  return {};
+}
+
+// A fuzz configuration pulled into the tensor-core prefill kernels' scope: a built (dtype, D, Dv),
+// unquantized, no q_v, out of q's dtype (fp32 out, the cascade's and MLA chunks' partials, is
+// test_gpu_prefill's: its precision is checked there against the oracle), 16-byte aligned rows
+// (paddings in whole 8-element steps); lengths, layouts, splits and every score modifier as drawn.
+void into_prefill_scope(CaseConfig& c, const fs::kernels::PrefillConfig& e) {
+  c.quant = fstest::QuantMode::none;
+  c.has_qv = false;
+  c.q_dtype = c.kv_dtype = c.out_dtype = e.dtype;
+  c.D = e.head_dim, c.Dv = e.dv();
+  auto whole = [](int64_t pad) { return (pad + 7) / 8 * 8; };
+  c.q_pad = whole(c.q_pad), c.out_pad = whole(c.out_pad), c.kv_pad = whole(c.kv_pad);
+}
+
+}  // namespace
+
+// The tensor-core prefill kernels' instantiations (each head size of the device's table, plain
+// and ALiBi) under the fuzz's random batches and score modifiers (soft-cap,
+// ALiBi linear and sqrt, causal, window, chunk, sinks, splits): 300 configurations drawn as the
+// fuzz draws them and pulled into the kernels' scope, each served by a tensor-core kernel (or
+// decode) and checked as the fuzz checks.
+TEST(GpuAttentionFuzz, PrefillKernelsMatchOracleAndReference) {
+  const std::vector<fs::kernels::PrefillConfig> table = prefill_table();
+  if (table.empty()) GTEST_SKIP() << "no tensor-core prefill kernel on this device";
+  int failed = 0, generic = 0;
+  for (int i = 0; i < 300 && failed < kMaxReported; ++i) {
+    auto rng = fstest::make_rng((kSalt ^ 0x7e5f11ull) + uint64_t(i) * 0x9e3779b97f4a7c15ull);
+    CaseConfig cfg = fstest::random_case_config(rng);
+    into_prefill_scope(cfg, table[size_t(i) % table.size()]);
+    fstest::AttentionCase ac = fstest::build_case(cfg, rng);
+    const std::string kernel = fs::attention_kernel_name(ac.params, cfg.batched(), fs::kernels::cuda_device_props(0));
+    if (kernel == "generic" && generic++ < kMaxReported)
+      ADD_FAILURE() << "case " << i << " served by the generic kernel\n  " << fstest::describe(cfg);
+    const std::string err = run_and_check(ac);
+    if (err.empty()) continue;
+    ++failed;
+    ADD_FAILURE() << "case " << i << " (kernel " << kernel << "; rerun: FLASHSERVE_SEED=" << fstest::test_seed()
+                  << ")\n  " << fstest::describe(cfg) << "\n" << err;
+  }
 }
 
 TEST(GpuAttentionEdge, ZeroLengthSequences) {

@@ -6,8 +6,10 @@
 // every configuration) must get "prefill_wgmma" on a 9.0 device of an sm_90a build, else
 // "prefill_mma"; ctest also runs this binary with FLASHSERVE_DISABLE_KERNELS=prefill_wgmma
 // (prefix mma80.), so the portable kernel is tested on Hopper too. f16, D = 64 and D = 256 may
-// be served by the generic kernel in dev builds. Varlen batches with uneven lengths, causal /
-// non-causal, GQA 1..8, paged caches of any block size, splits, window and soft-cap, fully
+// be served by the generic kernel in dev builds; D = 192/128 (and 96, 192 in the full set) must
+// get prefill_wgmma on Hopper (generic elsewhere). Varlen batches with uneven lengths, causal /
+// non-causal, GQA 1..8, paged caches of any block size, splits, the score modifiers (window,
+// soft-cap, sinks, ALiBi linear and sqrt, chunked local attention), context parallelism, fully
 // masked rows and zero-length sequences; problems outside the kernels' scope must fall back to
 // the generic kernel.
 #include <gtest/gtest.h>
@@ -180,6 +182,30 @@ TEST(GpuPrefill, HeadDims64To256AndF16) {
     }
 }
 
+// D = 96 and 192 (D == Dv) and MLA prefill's D = 192, Dv = 128 on the wgmma kernel where built
+// (bf16; MLA in every build, 96 and 192 in the full set; the portable paths serve them with the
+// generic kernel): causal new tokens, non-causal context chunks with LSE into fp32 out (merged
+// later), splits, sinks and ALiBi.
+TEST(GpuPrefill, HeadDims96And192AndMla) {
+  struct Heads { int64_t D, Dv; };
+  for (Heads hd : {Heads{96, 96}, Heads{192, 192}, Heads{192, 128}})
+    for (int variant = 0; variant < 4; ++variant) {
+      const bool built = fs::kernels::prefill_wgmma_config_built(DType::bf16, hd.D, hd.Dv);
+      const std::string expected = expected_prefill_kernel() == "prefill_wgmma" && built ? "prefill_wgmma" : "generic";
+      CaseConfig c = prefill_config(KvMode::varlen_contiguous, {333, 90, 1}, {333, 700, 40}, 8, 2);
+      c.D = hd.D, c.Dv = hd.Dv;
+      c.causal = variant != 2;
+      if (variant == 1) c.num_splits = 3, c.sinks = true, c.mode = KvMode::varlen_paged, c.block_size = 16;
+      if (variant == 2) c.out_dtype = DType::f32;  // a context chunk: non-causal, fp32 partial state
+      if (variant == 3) c.alibi = 1, c.alibi_sqrt = hd.D == 96, c.chunk = 128;
+      auto rng = fstest::make_rng(50 + uint64_t(hd.D + hd.Dv + variant));
+      fstest::AttentionCase ac = fstest::build_case(c, rng);
+      std::string kernel;
+      EXPECT_EQ(run_and_check(ac, kernel), "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
+      EXPECT_EQ(kernel, expected) << fstest::describe(c);
+    }
+}
+
 TEST(GpuPrefill, FullyMaskedRowsAndZeroLengthSequences) {
   // Causal with sq > sk: the leading rows see no key (out 0, lse -inf).
   CaseConfig c = prefill_config(KvMode::varlen_contiguous, {300, 0, 150, 0}, {100, 50, 0, 0}, 4, 2);
@@ -193,6 +219,133 @@ TEST(GpuPrefill, FullyMaskedRowsAndZeroLengthSequences) {
   expect_prefill_matches(w, 11);
 }
 
+// Sinks (gpt-oss s_aux, SPEC.md §2.5): one extra logit per head with no value row, merged into
+// the final normalisation by the kernel's epilogue, or once by the combine with splits; rows
+// that see no key get out 0 and lse = the sink. Every sink dtype, fp32 out (P hi + lo), paged
+// and batched.
+TEST(GpuPrefill, Sinks) {
+  for (int splits : {1, 3})
+    for (DType sink : {DType::f32, DType::bf16, DType::f16}) {
+      CaseConfig c = prefill_config(KvMode::varlen_paged, {300, 0, 129, 77}, {700, 40, 129, 20}, 8, 2);
+      c.causal = true;  // the last sequence's leading rows see no key
+      c.sinks = true;
+      c.sink_dtype = sink;
+      c.num_splits = splits;
+      c.random_block_ids = true;
+      expect_prefill_matches(c, 20 + uint64_t(splits));
+    }
+  CaseConfig f = prefill_config(KvMode::varlen_contiguous, {640, 33}, {1500, 33}, 4, 4);
+  f.sinks = true;
+  f.out_dtype = DType::f32;
+  expect_prefill_matches(f, 24);
+  CaseConfig b = prefill_config(KvMode::batched_paged, {200}, {200, 450}, 4, 1);
+  b.sinks = true;
+  b.causal = true;
+  b.window = {150, 0};
+  b.softcap = 20.0f;
+  expect_prefill_matches(b, 25);
+}
+
+// ALiBi (slopes [H] and [B, H], linear and sqrt; distances |i' - j| bottom-right aligned) on
+// the tensor-core kernels' ALiBi instantiations, alone and with every other modifier.
+TEST(GpuPrefill, Alibi) {
+  for (int alibi : {1, 2})
+    for (bool sqrt_dist : {false, true}) {
+      CaseConfig c = prefill_config(KvMode::varlen_contiguous, {300, 129, 40, 77}, {700, 129, 300, 20}, 8, 2);
+      c.causal = true;  // the last sequence's leading rows see no key
+      c.alibi = alibi;
+      c.alibi_sqrt = sqrt_dist;
+      c.num_splits = sqrt_dist ? 2 : 1;
+      expect_prefill_matches(c, 30 + uint64_t(2 * alibi + sqrt_dist));
+    }
+  // Non-causal (keys on both sides of i'), with soft-cap (prescaled scores), sinks, a
+  // two-sided window, a custom scale, a paged cache and splits.
+  for (bool sqrt_dist : {false, true}) {
+    CaseConfig c = prefill_config(KvMode::varlen_paged, {260, 17, 140}, {260, 400, 900}, 4, 1);
+    c.alibi = 2;
+    c.alibi_sqrt = sqrt_dist;
+    c.softcap = 25.0f;
+    c.sinks = true;
+    c.window = {300, 50};
+    c.softmax_scale = 0.05f;
+    c.block_size = 16;
+    c.random_block_ids = true;
+    c.num_splits = sqrt_dist ? 3 : 1;
+    expect_prefill_matches(c, 36 + uint64_t(sqrt_dist));
+  }
+  CaseConfig b = prefill_config(KvMode::batched_paged, {150}, {150, 400, 9}, 4, 4);
+  b.alibi = 1;
+  b.causal = true;
+  b.block_size = 32;
+  expect_prefill_matches(b, 38);
+}
+
+// Chunked local attention (chunk c: j and i' in the same chunk, floor division): chunks smaller
+// than a CTA's 128 rows, boundaries inside a CTA, chunked prefill with more keys than queries,
+// splits, and with ALiBi and sinks.
+TEST(GpuPrefill, ChunkedLocalAttention) {
+  for (int64_t chunk : {48, 200, 1000}) {
+    CaseConfig c = prefill_config(KvMode::varlen_paged, {600, 1, 300, 9}, {1500, 700, 300, 3}, 4, 2);
+    c.causal = true;
+    c.chunk = chunk;
+    c.num_splits = chunk == 200 ? 3 : 1;
+    c.random_block_ids = true;
+    expect_prefill_matches(c, 40 + uint64_t(chunk));
+  }
+  CaseConfig c = prefill_config(KvMode::varlen_contiguous, {500, 260}, {900, 260}, 8, 2);
+  c.chunk = 256;
+  c.causal = true;
+  c.alibi = 1;
+  c.alibi_sqrt = true;
+  c.sinks = true;
+  expect_prefill_matches(c, 41);
+  c.causal = false;  // chunks alone bound the keys on both sides
+  c.alibi = 0;
+  expect_prefill_matches(c, 42);
+}
+
+// Context parallelism (rank r of W holds global keys r, r + W, ...; positions, masks and the
+// causal diagonal in global terms): the tensor-core kernels against the CPU reference under the
+// same plan (the oracle knows no context parallelism), causal and windowed, splits, sinks, paged
+// and contiguous. ALiBi with it stays on the generic kernel (checked too).
+TEST(GpuPrefill, ContextParallel) {
+  const std::vector<int64_t> global = {700, 9, 300};
+  for (int world : {2, 3})
+    for (int rank : {0, world - 1})
+      for (int variant = 0; variant < 3; ++variant) {
+        std::vector<int64_t> local;
+        for (int64_t g : global) local.push_back(g > rank ? (g - rank + world - 1) / world : 0);
+        CaseConfig c = prefill_config(variant == 1 ? KvMode::varlen_paged : KvMode::varlen_contiguous, {200, 3, 130},
+                                      local, 4, 2);
+        c.causal = variant != 1;
+        if (variant == 1) c.window = {150, 20}, c.num_splits = 2, c.sinks = true, c.random_block_ids = true;
+        if (variant == 2) c.alibi = 1;
+        auto rng = fstest::make_rng(60 + uint64_t(world * 10 + rank * 3 + variant));
+        fstest::AttentionCase ac = fstest::build_case(c, rng);
+        const fstest::HostTensor tot = fstest::HostTensor::zeros(DType::i32, {int64_t(global.size())});
+        for (size_t b = 0; b < global.size(); ++b) tot.ref.ptr<int32_t>()[b] = int32_t(global[b]);
+        ac.storage.push_back(tot);
+        ac.params.cp_world_size = world;
+        ac.params.cp_rank = rank;
+        ac.params.cp_tot_seqused_k = tot.ref;
+        fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
+        const std::string kernel = selected_kernel(ac, dc.params);
+        const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
+        const auto cpu = fsgpu::run_cpu(ac, plan);
+        const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
+        fs::ExecContext ctx;
+        ctx.workspace = ws.get();
+        ctx.workspace_bytes = plan.workspace.total_bytes;
+        ctx.plan = &plan;
+        fsgpu::run_gpu(ac, dc, ctx);
+        const std::string what = "world " + std::to_string(world) + " rank " + std::to_string(rank) + " variant " +
+                                 std::to_string(variant) + " kernel " + kernel + "\n" + fstest::describe(c);
+        EXPECT_EQ(fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(kernel, c)), "") << what;
+        EXPECT_LT(relative_error(ac, cpu.first), 1e-2) << what;
+        EXPECT_EQ(kernel, variant == 2 ? "generic" : expected_prefill_kernel()) << what;
+      }
+}
+
 // Problems outside the kernel's scope stay on the generic kernel (and stay correct).
 TEST(GpuPrefill, OutOfScopeFallsBackToGeneric) {
   struct Variant {
@@ -200,9 +353,7 @@ TEST(GpuPrefill, OutOfScopeFallsBackToGeneric) {
     void (*apply)(CaseConfig&);
   };
   const Variant variants[] = {
-      {"alibi", [](CaseConfig& c) { c.alibi = 1; }},
-      {"sinks", [](CaseConfig& c) { c.sinks = true; }},
-      {"chunk", [](CaseConfig& c) { c.chunk = 64; }},
+      {"alibi with fp32 out (not instantiated)", [](CaseConfig& c) { c.alibi = 1, c.out_dtype = DType::f32; }},
       {"q_pad 4 (8-byte rows)", [](CaseConfig& c) { c.q_pad = 4; }},
       {"fp8 kv", [](CaseConfig& c) { c.quant = fstest::QuantMode::fp8_kv, c.kv_dtype = DType::f8e4m3; }},
   };

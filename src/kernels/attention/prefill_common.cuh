@@ -14,6 +14,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "flashserve/plan.hpp"
 #include "kernels/attention/generic_fwd.cuh"
@@ -113,45 +114,54 @@ FS_DEV bool token_offsets(const AttnParams& p, const SeqKv& kv, int64_t t, int64
   return true;
 }
 
+// Item idx = kLanes step + lane of a walk over rows of kC 16-byte chunks: row idx / kC, chunk
+// idx % kC. When kC divides kLanes the chunk is the lane's own in every step (lane % kC) and the
+// row a constant stride on (kept so: the compiler does not know lane < kLanes).
+template <int kC, int kLanes>
+FS_DEV void walk_chunk(int step, int lane, int& row, int& c) {
+  if constexpr (kLanes % kC == 0) {
+    row = step * (kLanes / kC) + lane / kC;
+    c = lane % kC;
+  } else {
+    const int idx = step * kLanes + lane;
+    row = idx / kC;
+    c = idx % kC;
+  }
+}
+
 // Q [kM, D] of head h into shared memory (layout L); rows past the CTA's rows are zero-filled.
 template <class S, class L, class T, int kD>
 FS_DEV void load_q(const AttnParams& p, const CtaWork& w, int64_t h, uint32_t q_s) {
-  constexpr int kChunks = kD / 8, kRowsPerPass = S::kThreads / kChunks;
-  static_assert(S::kThreads % kChunks == 0, "whole rows per pass");
-  const int c = int(threadIdx.x) % kChunks;
+  constexpr int kChunks = kD / 8;
+  static_assert(S::kM * kChunks % S::kThreads == 0, "whole passes");
   const T* q = static_cast<const T*>(p.q.data);
 #pragma unroll
-  for (int row = int(threadIdx.x) / kChunks; row < S::kM; row += kRowsPerPass) {
+  for (int it = 0; it < S::kM * kChunks / S::kThreads; ++it) {
+    int row, c;
+    walk_chunk<kChunks, S::kThreads>(it, int(threadIdx.x), row, c);
     const bool valid = row < w.rows;
     const T* src = q + (valid ? w.qb * p.q.stride[0] + (w.q_row0 + row) * p.q.stride[1] + h * p.q.stride[2] + c * 8 : 0);
     cp_async_16(q_s + L::at(row, c), src, valid);
   }
 }
 
-// KV tokens [n0, n0 + kN) into one stage (layout L; only K or only V with kV or kK false):
-// tokens >= kv_end zero-filled; tokens outside the cache NaN keys and zero values (plain
-// stores; visible after the same barrier). Warp w copies rows [R w, R w + R), R = kN / kWarps: lane l locates row R w + l % R once
-// (token_offsets: 64-bit products, a block-table load), and each copy step takes its rows'
-// offsets by shuffle, so a row is located once per tile instead of once per 16-byte chunk.
-template <class S, class L, class T, int kD, bool kK = true, bool kV = true>
-FS_DEV void load_kv(const AttnParams& p, const SeqKv& kv, int64_t n0, int64_t kv_end, uint32_t k_s, uint32_t v_s) {
-  constexpr int kChunks = kD / 8, kRowsPerStep = 32 / kChunks, kR = S::kN / S::kWarps;
-  static_assert(S::kN % S::kWarps == 0 && kR <= 32 && kChunks <= 32 && kR % kRowsPerStep == 0,
-                "a warp copies whole rows, located by its lanes");
-  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32, c = lane % kChunks;
+// The copies of load_kv: rows of kC 16-byte chunks of K (kK) and/or V (kV) at the offsets the
+// lanes located (k_off, v_off): step i of lane l copies chunk (32 i + l) % kC of warp row
+// (32 i + l) / kC, whose offsets the lane locating it (src) gives by shuffle.
+template <class S, class L, class T, int kC, bool kK, bool kV>
+FS_DEV void copy_kv_rows(const AttnParams& p, int64_t k_off, int64_t v_off, uint32_t in_mask, uint32_t bad_mask,
+                         uint32_t k_s, uint32_t v_s, int warp, int lane) {
+  constexpr int kR = S::kN / S::kWarps;
+  static_assert(kR * kC % 32 == 0, "whole copy steps per warp");
   const T* k = static_cast<const T*>(p.k.data);
   const T* v = static_cast<const T*>(p.v.data);
-  int64_t k_off = 0, v_off = 0;
-  const int my_row = kR * warp + lane % kR;
-  const bool my_in = n0 + my_row < kv_end;
-  const bool my_bad = my_in && !token_offsets(p, kv, n0 + my_row, k_off, v_off);
-  const uint32_t in_mask = __ballot_sync(kFullMask, my_in), bad_mask = __ballot_sync(kFullMask, my_bad);
 #pragma unroll
-  for (int i = 0; i < kR / kRowsPerStep; ++i) {
-    const int src = i * kRowsPerStep + lane / kChunks, row = kR * warp + src;
-    const uint32_t at = L::at(row, c);
-    const int64_t ko = __shfl_sync(kFullMask, k_off, src), vo = __shfl_sync(kFullMask, v_off, src);
-    if ((bad_mask >> src) & 1u) {
+  for (int i = 0; i < kR * kC / 32; ++i) {
+    int src, c;
+    walk_chunk<kC, 32>(i, lane, src, c);
+    const uint32_t at = L::at(kR * warp + src, c);
+    const int64_t ko = kK ? __shfl_sync(kFullMask, k_off, src) : 0, vo = kV ? __shfl_sync(kFullMask, v_off, src) : 0;
+    if ((bad_mask >> src) & 1u) {  // outside the cache: NaN keys, zero values
       const uint32_t nan2 = std::is_same_v<T, __half> ? 0x7e007e00u : 0x7fc07fc0u;
       if (kK) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(k_s + at), "r"(nan2) : "memory");
       if (kV) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(v_s + at), "r"(0u) : "memory");
@@ -161,6 +171,44 @@ FS_DEV void load_kv(const AttnParams& p, const SeqKv& kv, int64_t n0, int64_t kv
     if (kK) cp_async_16(k_s + at, k + ko + c * 8, in_range);
     if (kV) cp_async_16(v_s + at, v + vo + c * 8, in_range);
   }
+}
+
+// KV tokens [n0, n0 + kN) into one stage (layout L; K rows kD wide, V rows kDv): tokens >=
+// kv_end zero-filled; tokens outside the cache NaN keys and zero values (plain stores; visible
+// after the same barrier). Warp w copies rows [R w, R w + R), R = kN / kWarps: lane l locates row
+// R w + l % R once (token_offsets: 64-bit products, a block-table load), and each copy step
+// takes its rows' offsets by shuffle, so a row is located once per tile instead of once per
+// 16-byte chunk.
+template <class S, class L, class T, int kD, int kDv = kD>
+FS_DEV void load_kv(const AttnParams& p, const SeqKv& kv, int64_t n0, int64_t kv_end, uint32_t k_s, uint32_t v_s) {
+  constexpr int kR = S::kN / S::kWarps;
+  static_assert(S::kN % S::kWarps == 0 && kR <= 32, "a warp copies whole rows, located by its lanes");
+  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
+  int64_t k_off = 0, v_off = 0;
+  const int my_row = kR * warp + lane % kR;
+  const bool my_in = n0 + my_row < kv_end;
+  const bool my_bad = my_in && !token_offsets(p, kv, n0 + my_row, k_off, v_off);
+  const uint32_t in_mask = __ballot_sync(kFullMask, my_in), bad_mask = __ballot_sync(kFullMask, my_bad);
+  if constexpr (kD == kDv) {  // K and V rows together
+    copy_kv_rows<S, L, T, kD / 8, true, true>(p, k_off, v_off, in_mask, bad_mask, k_s, v_s, warp, lane);
+  } else {
+    copy_kv_rows<S, L, T, kD / 8, true, false>(p, k_off, v_off, in_mask, bad_mask, k_s, v_s, warp, lane);
+    copy_kv_rows<S, L, T, kDv / 8, false, true>(p, k_off, v_off, in_mask, bad_mask, k_s, v_s, warp, lane);
+  }
+}
+
+// c tanh(x) for the soft-cap with one MUFU op (ex2) where tanhf takes two (ex2, rcp) and a
+// polynomial branch: tanh|x| = (1 - e) / (1 + e), e = exp(-2|x|) in (0, 1] (no overflow; NaN
+// stays NaN), the reciprocal of 1 + e in [1, 2] by Newton from the minimax line 24/17 - 8/17 y
+// (relative error 1/17, then 3e-3, 1e-5, fp32) on the FMA pipe. Off by at most 1.6x tanhf's
+// error (CPU sweep over x, c = 30 log2(e): 9e-6 vs 7e-6 on the score in log2 units).
+FS_DEV float softcap_tanh(float x, float c) {
+  const float e = fast_exp2(fabsf(x) * (-2.0f * kLog2e));
+  const float y = 1.0f + e;
+  float r = fmaf(-8.0f / 17.0f, y, 24.0f / 17.0f);
+#pragma unroll
+  for (int i = 0; i < 3; ++i) r = fmaf(r, fmaf(-y, r, 1.0f), r);
+  return copysignf(fmaf(-e, c, c) * r, x);
 }
 
 // Scores in log2 units: dot * scale * log2(e), or softcap * tanh(dot * scale / softcap) * log2(e).
@@ -176,27 +224,90 @@ struct ScoreLog2 {
   }
   // s in log2 units (the prescale branch; reads the scale from the parameters).
   static FS_DEV float log2_units(const AttnParams& p, float dot) {
-    if (p.softcap > 0.0f) return tanhf(dot * (p.softmax_scale / p.softcap)) * (p.softcap * kLog2e);
+    if (p.softcap > 0.0f) return softcap_tanh(dot * (p.softmax_scale / p.softcap), p.softcap * kLog2e);
     return dot * (p.softmax_scale * kLog2e);
   }
 };
 
+// The score modifiers of the tensor-core prefill kernels, applied to a thread's part of a score
+// tile in s's units (ScoreLog2) before the mask and the online softmax. A kernel takes one as a
+// compile-time choice (its instantiation), so the plain kernel carries none of the modifiers'
+// code: NoBias is empty.
+struct NoBias {
+  template <int kN>
+  FS_DEV void operator()(float (&)[kN / 8][4], float) const {}
+};
+
+FS_DEV float sqrt_approx(float x) {
+  float y;
+  asm("sqrt.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ALiBi (SPEC.md §2 step 3): s -= slope_h |i' - j| (slopes [H] or [B, H]), or slope_h
+// sqrt(|i' - j|) with alibi_sqrt (a uniform whole-tile branch). The thread's distance at
+// element (nt, e) is d0 + 8 (e >> 1) - 8 nt - (e & 1), d0 = i' of its row g minus the key of its
+// column 2t in the tile (exact in fp32 below 2^24 positions), so the linear bias is one FADD and
+// one FFMA per score; row g + 8 at column block nt has row g's distance at nt - 1, so the sqrt
+// variant takes kN / 4 + 2 square roots (MUFU) for the thread's kN / 2 scores.
+struct AlibiBias {
+  float mul = 0.0f;  // -slope in s's units: x log2(e) when prescaled, / scale when not
+  bool sqrt_dist = false;
+  FS_DEV AlibiBias(const AttnParams& p, int64_t b, int64_t h, const ScoreLog2& score) {
+    const float slope = load_f32_2d(p.alibi, b, h, 0.0f);
+    mul = score.prescale ? -slope * kLog2e : -slope / p.softmax_scale;
+    sqrt_dist = p.alibi_sqrt;
+  }
+  template <int kN>
+  FS_DEV void operator()(float (&s)[kN / 8][4], float d0) const {
+    if (sqrt_dist) {
+      float prev0 = sqrt_approx(fabsf(d0 + 8.0f)), prev1 = sqrt_approx(fabsf(d0 + 7.0f));
+#pragma unroll
+      for (int nt = 0; nt < kN / 8; ++nt) {
+        const float c0 = sqrt_approx(fabsf(d0 - float(8 * nt))), c1 = sqrt_approx(fabsf(d0 - float(8 * nt + 1)));
+        s[nt][0] = fmaf(c0, mul, s[nt][0]);
+        s[nt][1] = fmaf(c1, mul, s[nt][1]);
+        s[nt][2] = fmaf(prev0, mul, s[nt][2]);
+        s[nt][3] = fmaf(prev1, mul, s[nt][3]);
+        prev0 = c0;
+        prev1 = c1;
+      }
+      return;
+    }
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = fmaf(fabsf(d0 - float(8 * nt - 8 * (e >> 1) + (e & 1))), mul, s[nt][e]);
+  }
+};
+
+// The bias functor of a kernel instantiation.
+template <bool kAlibi>
+using ScoreBias = std::conditional_t<kAlibi, AlibiBias, NoBias>;
+
+template <bool kAlibi>
+FS_DEV ScoreBias<kAlibi> make_score_bias(const AttnParams& p, int64_t b, int64_t h, const ScoreLog2& score) {
+  if constexpr (kAlibi) return AlibiBias(p, b, h, score);
+  else return NoBias{};
+}
+
 // Online softmax over one kN-key tile for one 16-row block, the thread's rows r = 0 (s[.][0..1])
 // and 1 (s[.][2..3]) with visible keys [lo[r], hi[r]) relative to the tile start (applied when
-// `masked`): s becomes exp2(score - max), m and l (per-thread partial sums) move on, and
+// `masked`), after the score bias (ALiBi; d0 as AlibiBias takes it): s becomes exp2(score - max), m and l (per-thread partial sums) move on, and
 // alpha[r] receives the factor the row's output accumulator must be scaled by (rescale_o)
 // before this tile's P V is added. Soft-cap and masking are whole-tile branches, so the plain
 // tile is straight-line code.
-template <int kN>
+template <int kN, class Bias = NoBias>
 FS_DEV void softmax_scores(const AttnParams& p, float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
                            float (&alpha)[2], const ScoreLog2& score, const int (&lo)[2], const int (&hi)[2],
-                           bool masked, int t) {
+                           bool masked, int t, const Bias& bias = {}, float bias_d0 = 0.0f) {
   if (score.prescale) {
 #pragma unroll
     for (int nt = 0; nt < kN / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[nt][e] = ScoreLog2::log2_units(p, s[nt][e]);
   }
+  bias.template operator()<kN>(s, bias_d0);
   if (masked) {
 #pragma unroll
     for (int nt = 0; nt < kN / 8; ++nt)
@@ -249,16 +360,19 @@ FS_DEV int thread_row(int warp, int mb, int r, int g) {
   return S::kWarpRows * warp + 16 * mb + 8 * r + g;
 }
 
-// out = o / l and lse (natural log; m in units of exp_mul / ln 2) of the thread's valid rows;
-// with splits the fp32 partials. An out of q's dtype T (rows 16-byte aligned: select.cu) is
+// out = o / l and lse (natural log; m in units of exp_mul / ln 2) of the thread's valid rows
+// (o kDo channels wide, the first kDv of them stored),
+// the sink (SPEC.md §2.5) merged into both; with splits the fp32 partials, without the sink
+// (combine.cu applies it once). An out of q's dtype T (rows 16-byte aligned: select.cu) is
 // staged in the warp's own Q rows of shared memory (layout L; the caller makes sure no MMA
 // still reads them) and written in 16-byte chunks; an fp32 out (TOut = float) is written from
 // registers in 8-byte pairs.
-template <class S, class L, class T, int kD, class TOut = T>
-FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int split, const float (&o)[S::kMB][kD / 8][4],
+template <class S, class L, class T, int kDo, int kDv = kDo, class TOut = T>
+FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int split, const float (&o)[S::kMB][kDo / 8][4],
                        const float (&m)[S::kMB][2], float (&l)[S::kMB][2], float exp_mul, uint32_t q_s, int warp,
                        int lane) {
-  constexpr int kChunks = kD / 8;
+  constexpr int kChunks = kDv / 8;
+  static_assert(kDv <= kDo && S::kWarpRows * kChunks % 32 == 0, "whole 16-byte chunks of the stored channels");
   const int g = lane >> 2, t = lane & 3;
   float inv[S::kMB][2];
 #pragma unroll
@@ -271,23 +385,24 @@ FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int spl
       inv[mb][r] = empty ? 0.0f : 1.0f / l[mb][r];
       const int i = thread_row<S>(warp, mb, r, g);
       if (i >= w.rows) continue;
-      const float lse = empty ? kNegInf : m[mb][r] * exp_mul * kLn2 + logf(l[mb][r]);
-      if (p.num_splits > 1) {
+      float lse = empty ? kNegInf : m[mb][r] * exp_mul * kLn2 + logf(l[mb][r]);
+      if (p.num_splits > 1) {  // the partial without the sink: the combine merges it once
         const int64_t at = partial_index(p, split, w.row0 + i, h);
 #pragma unroll
-        for (int dt = 0; dt < kD / 8; ++dt) {  // 4-byte stores: the workspace may be only 4-byte aligned
-          p.o_partial[at * kD + 8 * dt + 2 * t] = o[mb][dt][2 * r] * inv[mb][r];
-          p.o_partial[at * kD + 8 * dt + 2 * t + 1] = o[mb][dt][2 * r + 1] * inv[mb][r];
+        for (int dt = 0; dt < kDv / 8; ++dt) {  // 4-byte stores: the workspace may be only 4-byte aligned
+          p.o_partial[at * kDv + 8 * dt + 2 * t] = o[mb][dt][2 * r] * inv[mb][r];
+          p.o_partial[at * kDv + 8 * dt + 2 * t + 1] = o[mb][dt][2 * r + 1] * inv[mb][r];
         }
         if (t == 0) p.lse_partial[at] = lse;
         continue;
       }
+      inv[mb][r] *= apply_sink(p, h, lse);  // the sink's logit joins the denominator (and lse)
       if (t == 0) store_lse(p, w.qb, w.q_row0 + i, h, lse);
       if constexpr (std::is_same_v<TOut, float>) {
         float* out = static_cast<float*>(const_cast<void*>(p.out.data)) + w.qb * p.out.stride[0] +
                      (w.q_row0 + i) * p.out.stride[1] + h * p.out.stride[2];
 #pragma unroll
-        for (int dt = 0; dt < kD / 8; ++dt)
+        for (int dt = 0; dt < kDv / 8; ++dt)
           *reinterpret_cast<float2*>(out + 8 * dt + 2 * t) =
               make_float2(o[mb][dt][2 * r] * inv[mb][r], o[mb][dt][2 * r + 1] * inv[mb][r]);
       }
@@ -300,7 +415,7 @@ FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int spl
     for (int r = 0; r < 2; ++r) {
       const int row = thread_row<S>(warp, mb, r, g);
 #pragma unroll
-      for (int dt = 0; dt < kD / 8; ++dt) {
+      for (int dt = 0; dt < kDv / 8; ++dt) {
         const uint32_t x = pack2<T>(o[mb][dt][2 * r] * inv[mb][r], o[mb][dt][2 * r + 1] * inv[mb][r]);
         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(q_s + L::at(row, dt) + 4u * t), "r"(x) : "memory");
       }
@@ -321,15 +436,17 @@ FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int spl
 
 // Visible local keys of tile row i: visibility (masks.cuh) within the split's range, bounded
 // to the tokens the metadata can place in the cache (generic_fwd.cuh). lo and hi are
-// non-decreasing in i, so a group's first and last rows bound the group's keys.
+// non-decreasing in i, so a group's first and last rows bound the group's keys. Under context
+// parallelism positions are global (the sequence's global KV length aligns them) and the
+// visible global keys map to this rank's local ones (Visibility).
 struct RowKeys {
   Visibility vis;
   KvRange range;
   KeyRange cache;
-  int64_t pos0;  // aligned position of tile row 0: i0 + sk - sq
-  int64_t sk;
+  int64_t pos0;       // aligned global position of tile row 0: i0 + sk_global - sq
+  int64_t sk_global;  // the sequence's global KV length (= the local one without CP)
   FS_DEV KeyRange operator()(int64_t i) const {
-    const KeyRange k = vis(pos0 + i, sk);
+    const KeyRange k = vis(pos0 + i, sk_global);
     return generic::bound_to_cache({imax(k.lo, range.begin), imin(k.hi, range.end)}, cache);
   }
 };
@@ -344,9 +461,9 @@ struct CtaKeys {
 
 template <int kN>
 FS_DEV CtaKeys cta_keys(const AttnParams& p, const CtaWork& w, const SeqKv& kv, int split) {
-  const int64_t sk = kv_len(p, w.b);
+  const int64_t sk = kv_len(p, w.b), sk_global = kv_len_global(p, w.b, sk);
   CtaKeys c{{make_visibility(p), split_kv_range(sk, p.num_splits, split, p.split_granularity),
-             generic::cache_tokens(p, kv), w.i0 + sk - w.sq, sk}};
+             generic::cache_tokens(p, kv), w.i0 + sk_global - w.sq, sk_global}};
   const KeyRange first = c.rows(0), last = c.rows(w.rows - 1);
   c.n_begin = c.rows.range.begin + floor_div(first.lo - c.rows.range.begin, kN) * kN;
   c.end = last.hi;
@@ -400,5 +517,14 @@ struct WarpKeys {
     }
   }
 };
+
+// d0 of the score bias (AlibiBias) for the thread's row g of row block mb at the CTA's first
+// tile: i' of the row minus the key of its column 2t; the tile at offset `off` takes d0 - off.
+// Keys one apart are one position apart: no context parallelism (select.cu keeps ALiBi with it
+// on the generic kernel).
+template <class S>
+FS_DEV int64_t bias_d0(const CtaKeys& ck, int warp, int mb, int lane) {
+  return ck.rows.pos0 + thread_row<S>(warp, mb, 0, lane >> 2) - ck.n_begin - 2 * (lane & 3);
+}
 
 }  // namespace flashserve::kernels::prefill

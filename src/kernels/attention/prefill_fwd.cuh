@@ -1,6 +1,6 @@
 // The tensor-core prefill kernel: FlashAttention-2 structure on mma.sync m16n8k16 (sm80+).
-// Serves f16/bf16 q/k/v (one dtype), D == Dv in kPrefillConfigs, causal / window / soft-cap,
-// contiguous or paged KV (any block size: every KV row is located on its own), GQA and any
+// Serves f16/bf16 q/k/v (one dtype), D == Dv in kPrefillConfigs, causal / window / chunked local
+// attention / soft-cap / ALiBi (linear, sqrt) / sinks, contiguous or paged KV (any block size: every KV row is located on its own), GQA and any
 // split count; select.cu declines everything else (the generic kernel serves it).
 //
 // CTA: 128 query rows of one sequence x one query head x one KV split; 4 warps, 32 rows (two
@@ -150,7 +150,8 @@ FS_DEV void pv_tile(const float (&s)[kMB][kN / 8][4], uint32_t v_s, const LaneAd
   }
 }
 
-template <class T, int kD>
+// kAlibi: the ALiBi score bias (prefill_common.cuh: AlibiBias, linear or sqrt) on every tile.
+template <class T, int kD, bool kAlibi>
 __global__ void __launch_bounds__(kThreads, kPrefillCtasPerSm) prefill_fwd(const __grid_constant__ AttnParams p) {
   extern __shared__ __align__(1024) unsigned char smem_raw[];  // no static shared memory: at the window start (LaneAddr)
   static_assert(Smem<kD>::kBytes + kM * sizeof(int2) == prefill_smem_bytes(kD), "select.hpp sizes shared memory");
@@ -172,6 +173,7 @@ __global__ void __launch_bounds__(kThreads, kPrefillCtasPerSm) prefill_fwd(const
   const LaneAddr<kD> la(sm.q, warp, lane);
   const WarpKeys<Mma80> wk(ck.rows, ck.n_begin, w.rows, warp, lane, reinterpret_cast<int2*>(smem_raw + Smem<kD>::kBytes));
   const ScoreLog2 score(p);
+  const ScoreBias<kAlibi> bias = make_score_bias<kAlibi>(p, w.b, h, score);
   float o[kMB][kD / 8][4] = {};
   float m[kMB][2], l[kMB][2] = {};
 #pragma unroll
@@ -191,7 +193,8 @@ __global__ void __launch_bounds__(kThreads, kPrefillCtasPerSm) prefill_fwd(const
       int lo[2] = {0, 0}, hi[2] = {kN, kN};
       if (masked) wk.tile_rows(mb, off, warp, lane, lo, hi);
       float alpha[2];
-      softmax_scores<kN>(p, s[mb], m[mb], l[mb], alpha, score, lo, hi, masked, lane & 3);
+      const float d0 = kAlibi ? float(bias_d0<Mma80>(ck, warp, mb, lane) - off) : 0.0f;
+      softmax_scores<kN>(p, s[mb], m[mb], l[mb], alpha, score, lo, hi, masked, lane & 3, bias, d0);
       rescale_o<kD>(o[mb], alpha);
     }
     pv_tile<T, kD>(s, sm.v(j), la, o);

@@ -21,14 +21,15 @@ namespace flashserve::kernels {
 template <DType t>
 using half_type = std::conditional_t<t == DType::bf16, __nv_bfloat16, __half>;
 
-// Calls f.template operator()<T, D>() for the entry of kConfigs (PrefillConfig[]) matching
-// (t, d); false when none does.
+// Calls f.template operator()<T, D, Dv>() for the entry of kConfigs (PrefillConfig[]) matching
+// (t, d, dv); false when none does.
 template <const auto& kConfigs, class F>
-bool with_prefill_config(DType t, int d, F&& f) {
-  return dispatch_built<kConfigs>([&](const PrefillConfig& c) { return c.dtype == t && c.head_dim == d; },
-                                  [&]<size_t I>() {
-                                    f.template operator()<half_type<kConfigs[I].dtype>, kConfigs[I].head_dim>();
-                                  });
+bool with_prefill_config(DType t, int64_t d, int64_t dv, F&& f) {
+  return dispatch_built<kConfigs>(
+      [&](const PrefillConfig& c) { return c.dtype == t && c.head_dim == d && c.dv() == dv; },
+      [&]<size_t I>() {
+        f.template operator()<half_type<kConfigs[I].dtype>, kConfigs[I].head_dim, kConfigs[I].dv()>();
+      });
 }
 
 // kKernel over the CTA schedule of prefill_common.cuh: 128-row tiles (varlen: total_q / 128 +

@@ -1,12 +1,14 @@
 // The sm_90a tensor-core prefill kernel: the FlashAttention-2 loop of prefill_fwd.cuh with both
 // GEMMs on warpgroup MMA (wgmma.mma_async), operands read by the tensor cores straight from
 // 128-byte-swizzled shared memory (no ldmatrix). Serves what prefill_mma serves (select.cu:
-// f16/bf16, D == Dv in kPrefillWgmmaConfigs, causal / window / soft-cap, contiguous or paged KV
-// of any block size, GQA, any split count) on compute capability 9.0 when the build has sm_90a.
+// f16/bf16, causal / window / chunked local attention / soft-cap / ALiBi (linear, sqrt) / sinks,
+// contiguous or paged KV of any block size, GQA, any split count) and more head sizes ((D, Dv)
+// in kPrefillWgmmaConfigs: 64, 96, 128, 192, 256 and MLA's 192/128) on compute capability 9.0
+// when the build has sm_90a.
 //
 // CTA: 128 query rows of one sequence x one query head x one KV split (the schedule of
 // prefill_common.cuh); 2 warpgroups of 64 rows, 256 threads, one CTA per SM. KV tiles of N keys
-// (128; 64 for D > 128), K double- and V triple-buffered, copied by all 256 threads with
+// (128; 64 when D or Dv > 128), K double- and V triple-buffered, copied by all 256 threads with
 // cp.async (each KV row located on its own, as prefill_mma), one barrier per tile after the
 // async-proxy fence. Per tile each warpgroup:
 //   S [64, N] = Q K^T:  D / 16 wgmma m64nNk16, A = Q and B = K from shared memory (K-major);
@@ -47,20 +49,22 @@
 
 namespace flashserve::kernels::prefill {
 
-template <int kD>
-using Wgmma90 = TileShape<kWgmmaRowsPerCta, wgmma_tile_keys(kD), kWgmmaWarps, 64>;
+template <int kD, int kDv>
+using Wgmma90 = TileShape<kWgmmaRowsPerCta, wgmma_tile_keys(kD, kDv), kWgmmaWarps, 64>;
 
 // Shared memory: [Q | K stage 0, 1 | V stage 0, 1, 2 | rows' key ranges], the tiles
 // SwizzledTile (wgmma.cuh) from a 1024-byte-aligned base. V has a third stage: P V of tile j - 1
 // still reads V j-1 while the copies of tile j + 1 fill the stages of tile j - 1 (K) and
-// j - 2 (V).
-template <int kD>
+// j - 2 (V). Q and K span wgmma_tile_width(D) channels, V wgmma_tile_width(Dv) (whole
+// 64-channel column blocks: D = 96 takes 128, of which QK^T reads 96).
+template <int kD, int kDv>
 struct WgmmaSmem {
-  static constexpr int kN = wgmma_tile_keys(kD);
+  static constexpr int kN = wgmma_tile_keys(kD, kDv);
   using QL = SwizzledTile<kWgmmaRowsPerCta>;
   using KvL = SwizzledTile<kN>;
-  static constexpr uint32_t kQBytes = kWgmmaRowsPerCta * kD * 2, kTileBytes = kN * kD * 2;
-  static constexpr uint32_t kBytes = kQBytes + 5 * kTileBytes;
+  static constexpr uint32_t kQBytes = kWgmmaRowsPerCta * wgmma_tile_width(kD) * 2;
+  static constexpr uint32_t kKBytes = kN * wgmma_tile_width(kD) * 2, kVBytes = kN * wgmma_tile_width(kDv) * 2;
+  static constexpr uint32_t kBytes = kQBytes + 2 * kKBytes + 3 * kVBytes;
   uint32_t q;
   unsigned char* ranges;  // int2 [128]
   FS_DEV explicit WgmmaSmem(unsigned char* raw) {
@@ -68,9 +72,9 @@ struct WgmmaSmem {
     q = aligned;
     ranges = raw + (aligned - base) + kBytes;
   }
-  FS_DEV uint32_t k(int j) const { return q + kQBytes + uint32_t(j & 1) * kTileBytes; }
+  FS_DEV uint32_t k(int j) const { return q + kQBytes + uint32_t(j & 1) * kKBytes; }
   // V stage of tile j, given vs = j % 3.
-  FS_DEV uint32_t v(int vs) const { return q + kQBytes + uint32_t(2 + vs) * kTileBytes; }
+  FS_DEV uint32_t v(int vs) const { return q + kQBytes + 2 * kKBytes + uint32_t(vs) * kVBytes; }
 };
 
 FS_DEV int mod3_next(int vs) { return vs == 2 ? 0 : vs + 1; }
@@ -122,16 +126,20 @@ FS_DEV void tile_barrier() {
 // wgmma otherwise), so a warpgroup also walks tiles none of its rows sees, fully masked (p = 0;
 // at most one such tile per CTA, on the causal diagonal).
 // kF32Out: out is fp32 (partial states merged later: cascade, MLA chunks); P V then adds the
-// residues of P's rounding too (issue_pv), so P is not rounded.
-template <class T, int kD, bool kF32Out>
+// residues of P's rounding too (issue_pv), so P is not rounded. kAlibi: the ALiBi score bias
+// (prefill_common.cuh: AlibiBias, linear or sqrt) on every tile.
+// kD, kDv: the head sizes of q/k and v/out (MLA prefill: 192/128); P V accumulates kDo =
+// wgmma_tile_width(kDv) channels, the first kDv stored.
+template <class T, int kD, int kDv, bool kF32Out, bool kAlibi>
 __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_constant__ AttnParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = Wgmma90<kD>;
-  using Sm = WgmmaSmem<kD>;
+  using S = Wgmma90<kD, kDv>;
+  using Sm = WgmmaSmem<kD, kDv>;
   using QL = typename Sm::QL;
   using KvL = typename Sm::KvL;
-  constexpr int kN = S::kN;
-  static_assert(Sm::kBytes + 1024 + S::kM * sizeof(int2) == prefill_wgmma_smem_bytes(kD), "select.hpp sizes it");
+  constexpr int kN = S::kN, kDo = wgmma_tile_width(kDv);
+  static_assert(kD % 16 == 0 && kDv % 8 == 0 && kDv <= wgmma_tile_width(kD), "k16 steps; out staged in Q's rows");
+  static_assert(Sm::kBytes + 1024 + S::kM * sizeof(int2) == prefill_wgmma_smem_bytes(kD, kDv), "select.hpp sizes it");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   int64_t h;
   const CtaWork w = cta_of_block<S::kM>(p, h);
@@ -143,12 +151,14 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_c
   const CtaKeys ck = cta_keys<kN>(p, w, kv, split);
 
   load_q<S, QL, T, kD>(p, w, h, sm.q);
-  if (ck.tiles > 0) load_kv<S, KvL, T, kD>(p, kv, ck.n_begin, ck.end, sm.k(0), sm.v(0));
+  if (ck.tiles > 0) load_kv<S, KvL, T, kD, kDv>(p, kv, ck.n_begin, ck.end, sm.k(0), sm.v(0));
   cp_async_commit();
 
   const WarpKeys<S> wk(ck.rows, ck.n_begin, w.rows, warp, lane, reinterpret_cast<int2*>(sm.ranges));
   const ScoreLog2 score(p);
-  float o[1][kD / 8][4] = {};
+  const ScoreBias<kAlibi> bias = make_score_bias<kAlibi>(p, w.b, h, score);
+  const int64_t d0 = kAlibi ? bias_d0<S>(ck, warp, 0, lane) : 0;
+  float o[1][kDo / 8][4] = {};
   float s[kN / 8][4] = {};
   uint32_t pa[kN / 16][4];
   uint32_t pl[kF32Out ? kN / 16 : 1][4];  // P's rounding residues (kF32Out)
@@ -157,7 +167,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_c
   const auto next_tile = [&](int j, int vs_next) {
     tile_barrier();
     if (j + 1 < ck.tiles)
-      load_kv<S, KvL, T, kD>(p, kv, ck.n_begin + int64_t(j + 1) * kN, ck.end, sm.k(j + 1), sm.v(vs_next));
+      load_kv<S, KvL, T, kD, kDv>(p, kv, ck.n_begin + int64_t(j + 1) * kN, ck.end, sm.k(j + 1), sm.v(vs_next));
     cp_async_commit();
   };
   // The softmax of tile j on s (completed), masked where some row of the warpgroup sees only part.
@@ -166,7 +176,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_c
     const bool masked = wk.masks(off);
     int lo[2] = {0, 0}, hi[2] = {kN, kN};
     if (masked) wk.tile_rows(0, off, warp, lane, lo, hi);
-    softmax_scores<kN>(p, s, m[0], l[0], alpha, score, lo, hi, masked, lane & 3);
+    softmax_scores<kN>(p, s, m[0], l[0], alpha, score, lo, hi, masked, lane & 3, bias, float(d0 - off));
   };
   const auto pack_p = [&] {
 #pragma unroll
@@ -188,24 +198,24 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_c
       const int vs_j = mod3_next(vs);
       next_tile(j, mod3_next(vs_j));
       issue_qk<T, kD, kN>(sm.q, sm.k(j), wg, s);
-      issue_pv<T, kD, kN, kF32Out>(pa, pl, sm.v(vs), o[0]);
+      issue_pv<T, kDo, kN, kF32Out>(pa, pl, sm.v(vs), o[0]);
       wgmma_wait<1>();
       fence_operands(s);
       softmax_tile(j, alpha);
       wgmma_wait<0>();  // P(j-1) V(j-1) added: pa free, o final for it
       fence_operands(o[0]);
-      rescale_o<kD>(o[0], alpha);
+      rescale_o<kDo>(o[0], alpha);
       pack_p();
       vs = vs_j;
     }
-    issue_pv<T, kD, kN, kF32Out>(pa, pl, sm.v(vs), o[0]);
+    issue_pv<T, kDo, kN, kF32Out>(pa, pl, sm.v(vs), o[0]);
     wgmma_wait<0>();
     fence_operands(o[0]);
   }
   cp_async_wait<0>();
   __syncthreads();  // Q landed (no tiles); no warpgroup's MMA still reads Q rows
-  store_rows<S, QL, T, kD, std::conditional_t<kF32Out, float, T>>(p, w, h, split, o, m, l, score.exp_mul, sm.q,
-                                                                  warp, lane);
+  store_rows<S, QL, T, kDo, kDv, std::conditional_t<kF32Out, float, T>>(p, w, h, split, o, m, l, score.exp_mul, sm.q,
+                                                                        warp, lane);
 #endif
 }
 

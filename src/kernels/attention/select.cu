@@ -65,9 +65,9 @@ bool rows_16b_aligned(const TensorRef& t) {
 }
 
 // The scope of both tensor-core prefill kernels (prefill_common.cuh): f16/bf16 q/k/v of one
-// dtype, out of that dtype (or fp32 with `f32_out`), D == Dv, causal / window / soft-cap,
-// contiguous or paged KV (any block size), any split count; no q_v, quantization, ALiBi,
-// sinks, chunks or context parallelism. "" when the problem is in scope, else the reason
+// dtype, out of that dtype (or fp32 with `f32_out`), causal / window / chunked local
+// attention / soft-cap / ALiBi (linear or sqrt) / sinks, context parallelism (not with ALiBi),
+// contiguous or paged KV (any block size), any split count; no q_v or quantization. "" when the problem is in scope, else the reason
 // (prefixed by `what`).
 std::string prefill_scope(const detail::AttnProblem& pr, const char* what, bool f32_out) {
   const AttentionParams& p = *pr.params;
@@ -79,11 +79,10 @@ std::string prefill_scope(const detail::AttnProblem& pr, const char* what, bool 
   // mma.sync one does not.
   if (pr.out.dtype != t && !(f32_out && pr.out.dtype == DType::f32))
     return detail::cat(what, f32_out ? "out of q's dtype or fp32" : "out of q's dtype (fp32 out needs fp32 P)");
-  if (pr.head_dim != pr.head_dim_v) return detail::cat(what, "D == Dv, got ", pr.head_dim, "/", pr.head_dim_v);
   if (pr.q_v || pr.q_scale || pr.k_scale_cache || pr.v_scale || pr.q_descale || pr.k_descale || pr.v_descale)
     return detail::cat(what, "no q_v, scales or descales");
-  if (pr.alibi_slopes || pr.s_aux || p.chunk_size > 0 || p.cp_world_size > 1 || pr.cp_tot_seqused_k)
-    return detail::cat(what, "no ALiBi, sinks, chunked attention or context parallelism");
+  if (pr.alibi_slopes && (p.cp_world_size > 1 || pr.cp_tot_seqused_k))  // AlibiBias: keys one position apart
+    return detail::cat(what, "no ALiBi with context parallelism");
   if (!rows_16b_aligned(pr.q) || !rows_16b_aligned(pr.k) || !rows_16b_aligned(pr.v) || !rows_16b_aligned(pr.out))
     return detail::cat(what, "q, k, v, out with 16-byte aligned rows");
   const int64_t cols = pr.paged && pr.block_table ? pr.block_table->size(1) : 1;
@@ -104,7 +103,7 @@ std::string take_prefill(AttnKernelId id, size_t smem, const DeviceProps& dev, c
   if (smem > max_smem_per_block(dev))
     return detail::cat(what, smem, " bytes of shared memory per block, the device allows ", max_smem_per_block(dev));
   c.kernel = id;
-  c.dv_bucket = int(pr.head_dim);
+  c.dv_bucket = int(pr.head_dim_v);
   c.rows_per_cta = kPrefillRowsPerCta;
   c.heads_per_cta = 1;
   c.head_slices = 1;
@@ -113,7 +112,7 @@ std::string take_prefill(AttnKernelId id, size_t smem, const DeviceProps& dev, c
 }
 
 // The sm_90a wgmma prefill kernel (prefill_wgmma.cuh): the prefill scope with fp32 out too, on
-// compute capability 9.0 in builds with sm_90a code, D in kPrefillWgmmaConfigs.
+// compute capability 9.0 in builds with sm_90a code, (D, Dv) in kPrefillWgmmaConfigs.
 std::string try_prefill_wgmma(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
   const char* what = "prefill_wgmma kernel: ";
   if (kernel_disabled(AttnKernelId::prefill_wgmma)) return detail::cat(what, "disabled by FLASHSERVE_DISABLE_KERNELS");
@@ -122,18 +121,22 @@ std::string try_prefill_wgmma(const detail::AttnProblem& pr, const DeviceProps& 
     return detail::cat(what, "compute capability 9.0, got ", dev.cc_major, ".", dev.cc_minor);
   std::string why = prefill_scope(pr, what, true);
   if (!why.empty()) return why;
-  if (!prefill_wgmma_config_built(pr.q.dtype, pr.head_dim))
-    return detail::cat(what, "D in the built configurations, got ", pr.head_dim);
-  return take_prefill(AttnKernelId::prefill_wgmma, prefill_wgmma_smem_bytes(pr.head_dim), dev, what, pr, c);
+  if (pr.alibi_slopes && pr.out.dtype == DType::f32)  // not instantiated (prefill_wgmma.cu)
+    return detail::cat(what, "no ALiBi with fp32 out");
+  if (!prefill_wgmma_config_built(pr.q.dtype, pr.head_dim, pr.head_dim_v))
+    return detail::cat(what, "D/Dv in the built configurations, got ", pr.head_dim, "/", pr.head_dim_v);
+  return take_prefill(AttnKernelId::prefill_wgmma, prefill_wgmma_smem_bytes(pr.head_dim, pr.head_dim_v), dev, what,
+                      pr, c);
 }
 
-// The sm80+ mma.sync prefill kernel (prefill_fwd.cuh): the prefill scope, D in kPrefillConfigs.
+// The sm80+ mma.sync prefill kernel (prefill_fwd.cuh): the prefill scope, D == Dv in kPrefillConfigs.
 std::string try_prefill_mma(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
   const char* what = "prefill_mma kernel: ";
   if (kernel_disabled(AttnKernelId::prefill_mma)) return detail::cat(what, "disabled by FLASHSERVE_DISABLE_KERNELS");
   if (dev.cc_major < 8) return detail::cat(what, "compute capability >= 8.0, got ", dev.cc_major, ".", dev.cc_minor);
   std::string why = prefill_scope(pr, what, false);
   if (!why.empty()) return why;
+  if (pr.head_dim != pr.head_dim_v) return detail::cat(what, "D == Dv, got ", pr.head_dim, "/", pr.head_dim_v);
   if (!prefill_config_built(pr.q.dtype, pr.head_dim))
     return detail::cat(what, "D in the built configurations, got ", pr.head_dim);
   return take_prefill(AttnKernelId::prefill_mma, prefill_smem_bytes(pr.head_dim), dev, what, pr, c);

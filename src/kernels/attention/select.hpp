@@ -62,11 +62,13 @@ inline constexpr int kPrefillCtasPerSm = 2;     // launch bounds: <= 255 registe
 // of slack) in int32: select.cu bounds the span (4 of the largest tile: 128 keys).
 inline constexpr int64_t kPrefillMaxCacheTokens = (int64_t(1) << 31) - 4 * 128;
 
-// The instantiated prefill configurations (q/k/v dtype, D == Dv): the one table read by the
-// selection and by prefill_fwd.cu's dispatch.
+// The instantiated prefill configurations (q/k/v dtype, D, Dv: 0 for Dv == D): the one table
+// read by the selection and by prefill_fwd.cu's dispatch (prefill_mma: D == Dv only).
 struct PrefillConfig {
   DType dtype;
   int head_dim;
+  int head_dim_v = 0;
+  constexpr int dv() const { return head_dim_v ? head_dim_v : head_dim; }
 };
 #if FLASHSERVE_DEV_CONFIGS
 inline constexpr PrefillConfig kPrefillConfigs[] = {{DType::bf16, 128}};
@@ -94,35 +96,47 @@ constexpr size_t prefill_smem_bytes(int64_t d) {
 inline constexpr int kWgmmaRowsPerCta = 128;  // 2 warpgroups x 64 query rows
 inline constexpr int kWgmmaWarps = 8;
 inline constexpr int kWgmmaThreads = 32 * kWgmmaWarps;
-// Keys per KV tile: 128, or 64 for D > 128 (registers: O [64, D] and S [64, N] per warpgroup).
-constexpr int wgmma_tile_keys(int64_t d) { return d <= 128 ? 128 : 64; }
+// Keys per KV tile: 128, or 64 when D or Dv > 128 (registers: O [64, Dv] and S [64, N] per
+// warpgroup; shared memory).
+constexpr int wgmma_tile_keys(int64_t d, int64_t dv) { return d <= 128 && dv <= 128 ? 128 : 64; }
+// Channels a swizzled tile of d channels spans: whole 64-channel column blocks (wgmma.cuh). The
+// QK^T reduction reads D exactly (k16 steps); P V runs over the padded width (N-major operands
+// of the 128-byte swizzle come in whole 64-channel atoms), whose extra channels are not stored.
+constexpr int wgmma_tile_width(int64_t d) { return int((d + 63) / 64 * 64); }
 
-#if FLASHSERVE_DEV_CONFIGS  // the three head sizes of the benchmark (8 s of compile for all three)
-inline constexpr PrefillConfig kPrefillWgmmaConfigs[] = {{DType::bf16, 64}, {DType::bf16, 128}, {DType::bf16, 256}};
+// D 64/128/256 (the benchmark's), 96 and 192 (D = Dv), and MLA prefill's 192/128; the dev set
+// (three instantiations each, ~3 s of nvcc apiece) leaves out 96, 192 and f16.
+#if FLASHSERVE_DEV_CONFIGS
+inline constexpr PrefillConfig kPrefillWgmmaConfigs[] = {
+    {DType::bf16, 64}, {DType::bf16, 128}, {DType::bf16, 256}, {DType::bf16, 192, 128}};
 #else
 inline constexpr PrefillConfig kPrefillWgmmaConfigs[] = {
-    {DType::bf16, 64}, {DType::bf16, 128}, {DType::bf16, 256},
-    {DType::f16, 64},  {DType::f16, 128},  {DType::f16, 256}};
+    {DType::bf16, 64}, {DType::bf16, 96}, {DType::bf16, 128}, {DType::bf16, 192}, {DType::bf16, 256},
+    {DType::bf16, 192, 128},
+    {DType::f16, 64},  {DType::f16, 96},  {DType::f16, 128},  {DType::f16, 192},  {DType::f16, 256},
+    {DType::f16, 192, 128}};
 #endif
 
-constexpr bool prefill_wgmma_config_built(DType t, int64_t d) {
+constexpr bool prefill_wgmma_config_built(DType t, int64_t d, int64_t dv) {
   if (!FLASHSERVE_SM90A) return false;
   for (const PrefillConfig& c : kPrefillWgmmaConfigs)
-    if (c.dtype == t && c.head_dim == d) return true;
+    if (c.dtype == t && c.head_dim == d && c.dv() == dv) return true;
   return false;
 }
 
 // Dynamic shared memory of the wgmma kernel: 1 KB of alignment slack (the swizzled tiles sit
-// on 1024-byte boundaries), Q [128, D] + K [2 stages, N, D] + V [3 stages, N, D], 16-bit, then
-// the rows' visible key ranges (int32 pairs [128]). 226 KB at D = 128 and 256.
-constexpr size_t prefill_wgmma_smem_bytes(int64_t d) {
-  return 1024 + size_t(kWgmmaRowsPerCta + 5 * wgmma_tile_keys(d)) * size_t(d) * 2 + size_t(kWgmmaRowsPerCta) * 8;
+// on 1024-byte boundaries), Q [128, D] + K [2 stages, N, D] + V [3 stages, N, Dv], 16-bit, D
+// and Dv padded to whole 64-channel blocks, then the rows' visible key ranges (int32 pairs
+// [128]). 194 KB at D = 96 and 128, 226 KB at 256, 170 KB at 192, 146 KB at 192/128.
+constexpr size_t prefill_wgmma_smem_bytes(int64_t d, int64_t dv) {
+  const int64_t n = wgmma_tile_keys(d, dv), wd = wgmma_tile_width(d), wdv = wgmma_tile_width(dv);
+  return 1024 + size_t(kWgmmaRowsPerCta * wd + 2 * n * wd + 3 * n * wdv) * 2 + size_t(kWgmmaRowsPerCta) * 8;
 }
 
 struct AttnKernelChoice {
   AttnKernelId kernel = AttnKernelId::none;
   int dv_bucket = 0;        // generic: accumulator channels per row (a built bucket >= Dv);
-                            // prefill_mma / prefill_wgmma: D (== Dv)
+                            // prefill_mma / prefill_wgmma: Dv
   int rows_per_cta = 0;     // query rows per CTA
   int heads_per_cta = 0;    // query heads (of one KV head's group) per CTA
   int head_slices = 0;      // ceil(group / heads_per_cta)
