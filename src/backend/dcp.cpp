@@ -1,21 +1,27 @@
-// Decode context parallelism (SPEC.md §6). Rank r of W holds KV tokens r, r + W, ... of every
-// sequence and H_local query heads. Per layer:
+// Decode context parallelism (SPEC.md §6; the phases in backend_variants.hpp). Rank r of W
+// holds the KV positions t with (t / I) % W == r (common/cp_layout.hpp) and H_local query
+// heads. Per layer:
 //
+//   write_kv                    key/value at md.slot_mapping (this rank's local slots, -1 else)
 //   q_all [W, T, H_local, D]    = all_gather(q): slice s holds rank s's heads, i.e. global heads
 //                                 s * H_local + j (rank-major)
 //   out_all[s], lse_local[s*H_local : (s+1)*H_local, :] = attention(q_all[s], local KV shard)
-//                                 (one call per slice s, over the KV heads that slice reads)
+//                                 (one call per slice s, over the KV heads that slice reads; the
+//                                 cp arguments put the queries at their global positions)
 //   lse_all [W, H, T]           = all_gather(lse_local [H, T])
 //   out_all[s, t, j] *= exp(lse_all[rank, h, t] - logsumexp_ranks lse_all[:, h, t]),  h = s*H_local + j
 //                                 (lse_correct, out_all in its slice-major layout)
-//   out [T, H_local, Dv]        = reduce_scatter(out_all): the sum over ranks of slice `rank`
+//   out [T, H_local, Dv]        = reduce_scatter(out_all): the sum over ranks of slice `rank`,
+//                                 in fp32, then converted to out's dtype
 //
 // The sink of a head enters once: only on the rank that owns the head (slice s == rank).
 #include <algorithm>
 
 #include "api/check.hpp"
 #include "backend/layer_ops.hpp"
+#include "common/cp_layout.hpp"
 #include "flashserve/backend_variants.hpp"
+#include "flashserve/merge.hpp"
 #include "flashserve/status.hpp"
 #include "flashserve/variants_ops.hpp"
 
@@ -25,25 +31,36 @@ using namespace layer;
 
 namespace {
 
-
 struct DcpBuffers {
   TensorRef q_all;      // [W, T, H_local, D]
-  TensorRef out_all;    // [W, T, H_local, Dv]
+  TensorRef out_all;    // fp32 [W, T, H_local, Dv]
+  TensorRef out_sum;    // fp32 [T, H_local, Dv]: the reduce-scatter's result (out of another dtype)
   TensorRef lse_local;  // fp32 [H, T]
   TensorRef lse_all;    // fp32 [W, H, T]
-  QueryBuffers query;   // int8 caches: q_all quantized as [W * T, H_local, D]
-  void* split = nullptr;
-  size_t split_bytes = 0;
+  LayerWorkspace rest;  // attend's
 };
 
-DcpBuffers carve(Carver& ws, const LayerSpec& spec, DType act, int64_t W, int64_t T, size_t split_bytes) {
+DcpBuffers carve(Carver& ws, const LayerSpec& spec, DType act, int64_t W, int64_t T) {
   const int64_t Hl = spec.num_heads, H = W * Hl, D = spec.head_size, Dv = head_size_v(spec);
   DcpBuffers b;
   b.q_all = ws.take("dcp_q_all", act, {W, T, Hl, D}, DType::f32);
   b.out_all = ws.take("dcp_out_all", DType::f32, {W, T, Hl, Dv});
+  b.out_sum = ws.take("dcp_out_sum", DType::f32, {T, Hl, Dv});
   b.lse_local = ws.take("dcp_lse_local", DType::f32, {H, T});
   b.lse_all = ws.take("dcp_lse_all", DType::f32, {W, H, T});
-  b.query = take_query_buffers(ws, spec.kv_cache_dtype, W * T, Hl, D);
+  b.rest = ws.rest();
+  return b;
+}
+
+struct AttendBuffers {
+  QueryBuffers query;  // int8 caches: q_all quantized as [W * T, H_local, D]
+  void* split = nullptr;
+  size_t split_bytes = 0;
+};
+
+AttendBuffers carve_attend(Carver& ws, const LayerSpec& spec, int64_t W, int64_t T, size_t split_bytes) {
+  AttendBuffers b;
+  b.query = take_query_buffers(ws, spec.kv_cache_dtype, W * T, spec.num_heads, spec.head_size);
   b.split = ws.take_bytes("split_kv", split_bytes);
   b.split_bytes = split_bytes;
   return b;
@@ -58,32 +75,149 @@ void slice_kv_range(int64_t s, int64_t Hl, int64_t group, int64_t& begin, int64_
   end = begin + std::max<int64_t>(1, Hl / group);
 }
 
+void check_spec(const LayerSpec& spec, int W, int rank) {
+  const int64_t H = int64_t(W) * spec.num_heads;
+  if (W < 1) fail_arg("world_size", ">= 1", W);
+  if (rank < 0 || rank >= W) fail_arg("rank", detail::cat("a rank in [0, ", W, ")"), rank);
+  if (spec.num_heads < 1) fail_arg("num_heads", ">= 1 (query heads of this rank)", spec.num_heads);
+  if (spec.num_kv_heads < 1 || H % spec.num_kv_heads != 0)
+    fail_arg("num_kv_heads", detail::cat("a divisor of the gathered head count ", H), spec.num_kv_heads);
+  if (spec.type != AttnType::decoder) fail_not_implemented("decode context parallelism for a non-decoder layer");
+  if (spec.alibi_slopes || spec.sliding_window > 0 || spec.attention_chunk_size > 0)
+    fail_not_implemented("decode context parallelism with ALiBi, a sliding window or chunked local attention");
+  int64_t b, e;
+  slice_kv_range(0, spec.num_heads, H / spec.num_kv_heads, b, e);
+}
+
 }  // namespace
 
 DcpAttentionLayer::DcpAttentionLayer(const LayerSpec& local_spec, Communicator& comm)
-    : spec_(local_spec), comm_(&comm) {
-  const int64_t W = comm.world_size(), H = W * spec_.num_heads;
-  if (spec_.num_heads < 1) fail_arg("num_heads", ">= 1 (query heads of this rank)", spec_.num_heads);
-  if (spec_.num_kv_heads < 1 || H % spec_.num_kv_heads != 0)
-    fail_arg("num_kv_heads", detail::cat("a divisor of the gathered head count ", H), spec_.num_kv_heads);
-  if (spec_.type != AttnType::decoder) fail_not_implemented("decode context parallelism for a non-decoder layer");
-  if (spec_.alibi_slopes || spec_.sliding_window > 0 || spec_.attention_chunk_size > 0)
-    fail_not_implemented("decode context parallelism with ALiBi, a sliding window or chunked local attention");
-  int64_t b, e;
-  slice_kv_range(0, spec_.num_heads, H / spec_.num_kv_heads, b, e);
+    : spec_(local_spec), comm_(&comm), world_(comm.world_size()), rank_(comm.rank()) {
+  check_spec(spec_, world_, rank_);
+}
+
+DcpAttentionLayer::DcpAttentionLayer(const LayerSpec& local_spec, int world_size, int rank)
+    : spec_(local_spec), world_(world_size), rank_(rank) {
+  check_spec(spec_, world_, rank_);
+}
+
+int64_t DcpAttentionLayer::local_len(int64_t global_len, int world, int rank, int64_t interleave) {
+  return cp_local_len(global_len, world, rank, interleave);
+}
+int DcpAttentionLayer::owner(int64_t pos, int world, int64_t interleave) {
+  return int(cp_owner(pos, world, interleave));
+}
+int64_t DcpAttentionLayer::local_index(int64_t pos, int world, int64_t interleave) {
+  return cp_local_index(pos, world, interleave);
+}
+
+size_t DcpAttentionLayer::attend_workspace_bytes(const BuilderConfig& config) const {
+  Carver dry;
+  carve_attend(dry, spec_, world_, config.max_num_tokens,
+               split_kv_bound(config, world_ * spec_.num_heads, head_size_v(spec_)));
+  return dry.used();
 }
 
 size_t DcpAttentionLayer::workspace_bytes(const BuilderConfig& config) const {
   Carver dry;
-  carve(dry, spec_, spec_.dtype, comm_->world_size(), config.max_num_tokens,
-        split_kv_bound(config, spec_.num_heads, head_size_v(spec_)));
-  return dry.used();
+  carve(dry, spec_, spec_.dtype, world_, config.max_num_tokens);
+  return dry.used() + attend_workspace_bytes(config);
 }
 
-void DcpAttentionLayer::forward(const AttentionMetadata& md, const TensorRef& q, const KvCache& cache,
-                                const TensorRef& out, const LayerWorkspace& ws, const ExecContext& ctx) const {
-  const int64_t W = comm_->world_size(), rank = comm_->rank(), T = md.num_actual_tokens;
-  const int64_t Hl = spec_.num_heads, group = W * Hl / spec_.num_kv_heads;
+void DcpAttentionLayer::check_md(const AttentionMetadata& md) const {
+  if (md.dcp_world_size != world_ || md.dcp_rank != rank_)
+    fail_arg("md", detail::cat("metadata of DCP rank ", rank_, " of ", world_, " (a builder with dcp_world_size=", world_,
+                               ", dcp_rank=", rank_, ")"),
+             detail::cat("rank ", md.dcp_rank, " of ", md.dcp_world_size));
+  if (md.cascade.enabled || md.local.enabled || md.tree.enabled)
+    fail_not_implemented("decode context parallelism with cascade, chunked local or tree-verify metadata");
+}
+
+void DcpAttentionLayer::write_kv(const AttentionMetadata& md, const TensorRef& key, const TensorRef& value,
+                                 const KvCache& cache, const ExecContext& ctx) const {
+  check_md(md);
+  if (md.slot_mapping.ndim == 0) fail_arg("md.slot_mapping", "this rank's slots of the new tokens", "none");
+  write_cache(cache, spec_, key, value, md.slot_mapping, ctx);
+}
+
+void DcpAttentionLayer::attend(const AttentionMetadata& md, const TensorRef& q_all_in, const KvCache& cache,
+                               const TensorRef& out_all, const TensorRef& lse_local, const LayerWorkspace& ws,
+                               const ExecContext& ctx) const {
+  check_md(md);
+  const int64_t W = world_, T = md.num_actual_tokens, Hl = spec_.num_heads, H = W * Hl;
+  const int64_t group = H / spec_.num_kv_heads, D = spec_.head_size, Dv = head_size_v(spec_);
+  TensorRef q_all = q_all_in;
+  if (q_all.ndim == 3) {  // [W * T, H_local, D], contiguous
+    if (q_all.size(0) != W * T || !q_all.is_contiguous())
+      fail_arg("q_all", detail::cat("[W, T, H_local, D] or a contiguous [W * T = ", W * T, ", H_local, D]"),
+               q_all.shape_str());
+    q_all = TensorRef::contiguous(q_all.data, q_all.dtype, {W, T, Hl, D}, q_all.device);
+  }
+  detail::check_rank(q_all, "q_all", 4);
+  detail::check_dim(q_all, "q_all", 0, W, "world_size");
+  detail::check_dim(q_all, "q_all", 2, Hl, "num_heads of this rank");
+  detail::check_dim(q_all, "q_all", 3, D, "head_size");
+  detail::check_rank(out_all, "out_all", 4);
+  detail::check_dim(out_all, "out_all", 0, W, "world_size");
+  detail::check_dim(out_all, "out_all", 2, Hl, "num_heads of this rank");
+  detail::check_dim(out_all, "out_all", 3, Dv, "head_size_v");
+  detail::check_rank(lse_local, "lse_local", 2);
+  detail::check_dim(lse_local, "lse_local", 0, H, "world_size x num_heads");
+  if (out_all.dtype != DType::f32) fail_arg("out_all", "fp32", dtype_name(out_all.dtype));
+  if (lse_local.dtype != DType::f32) fail_arg("lse_local", "fp32", dtype_name(lse_local.dtype));
+  if (q_all.size(1) < T || out_all.size(1) < T || lse_local.size(1) < T)
+    fail_arg(q_all.size(1) < T ? "q_all" : out_all.size(1) < T ? "out_all" : "lse_local",
+             detail::cat("at least num_actual_tokens=", T, " tokens"),
+             (q_all.size(1) < T ? q_all : out_all.size(1) < T ? out_all : lse_local).shape_str());
+
+  const size_t split_bytes = std::max(md.decode.plan.workspace.total_bytes, md.prefill.plan.workspace.total_bytes);
+  Carver carver(ws);
+  const AttendBuffers buf = carve_attend(carver, spec_, W, T, split_bytes);
+  ExecContext base = ctx;
+  base.workspace = buf.split;
+  base.workspace_bytes = buf.split_bytes;
+  base.plan = nullptr;
+
+  const CacheView view = cache_view(cache, spec_);
+  const Modifiers m = modifiers_of(spec_);
+  for (int64_t s = 0; s < W; ++s) {
+    int64_t g0, g1;
+    slice_kv_range(s, Hl, group, g0, g1);
+    const CacheView kv = slice_kv_heads(view, g0, g1);
+    QueryBuffers qb;
+    if (buf.query.q8) qb.q8 = buf.query.q8->slice(0, s * T, (s + 1) * T);
+    if (buf.query.scale) qb.scale = buf.query.scale->slice(0, s * T, (s + 1) * T);
+    const Query qs = prepare_query(q_all.select(0, s), T, qb, base);
+    const TensorRef lse = lse_local.slice(0, s * Hl, (s + 1) * Hl);
+    for (const PartMetadata* part : {&md.decode, &md.prefill}) {
+      if (part->empty()) continue;
+      PassExtras extras;
+      if (part->cp_tot_seqused_k.ndim > 0) {
+        extras = PassExtras{int(W), rank_, md.dcp_interleave, part->cp_tot_seqused_k};
+      } else if (W > 1) {
+        fail_arg("cp_tot_seqused_k", "the part's global KV lengths (metadata of a DCP builder)", "none");
+      }
+      paged_pass(m, qs, kv, Pass{part, part->causal, s == rank_, out_all.select(0, s), lse}, base, extras);
+    }
+  }
+}
+
+void DcpAttentionLayer::correct(const TensorRef& out_all, const TensorRef& lse_all, const ExecContext& ctx) const {
+  LseCorrectParams lc;
+  lc.out = out_all;
+  lc.lse_all = lse_all;
+  lc.rank = rank_;
+  lse_correct(lc, ctx);
+}
+
+void DcpAttentionLayer::forward(const AttentionMetadata& md, const TensorRef& q, const OptTensor& key,
+                                const OptTensor& value, const KvCache& cache, const TensorRef& out,
+                                const LayerWorkspace& ws, const ExecContext& ctx) const {
+  if (comm_ == nullptr)
+    fail_arg("communicator", "a DcpAttentionLayer made with a Communicator (forward runs the collectives)",
+             "a phases-only layer");
+  check_md(md);
+  const int64_t W = world_, T = md.num_actual_tokens, Hl = spec_.num_heads;
   detail::check_rank(q, "q", 3);
   detail::check_dim(q, "q", 1, Hl, "num_heads of this rank");
   detail::check_dim(q, "q", 2, spec_.head_size, "head_size");
@@ -93,49 +227,45 @@ void DcpAttentionLayer::forward(const AttentionMetadata& md, const TensorRef& q,
   if (q.size(0) < T || out.size(0) < T)
     fail_arg(q.size(0) < T ? "q" : "out", detail::cat("at least num_actual_tokens=", T, " rows"),
              (q.size(0) < T ? q : out).shape_str());
-  if (md.cascade.enabled || md.local.enabled || md.tree.enabled)
-    fail_not_implemented("decode context parallelism with cascade, chunked local or tree-verify metadata");
+  if (q.dtype != spec_.dtype && !is_fp8(spec_.kv_cache_dtype))
+    fail_arg("q", detail::cat(dtype_name(spec_.dtype), " (the spec's dtype)"), dtype_name(q.dtype));
 
-  size_t split_bytes = std::max(md.decode.plan.workspace.total_bytes, md.prefill.plan.workspace.total_bytes);
   Carver carver(ws);
-  const DcpBuffers buf = carve(carver, spec_, q.dtype, W, T, split_bytes);
-  ExecContext base = ctx;
-  base.workspace = buf.split;
-  base.workspace_bytes = buf.split_bytes;
-  base.plan = nullptr;
-
-  comm_->all_gather(q.slice(0, 0, T), buf.q_all);
-  const Query all = prepare_query(
-      TensorRef::contiguous(buf.q_all.data, buf.q_all.dtype, {W * T, Hl, spec_.head_size}, buf.q_all.device), W * T,
-      buf.query, base);
-  const CacheView view = cache_view(cache, spec_);
-  const Modifiers m = modifiers_of(spec_);
-  for (int64_t s = 0; s < W; ++s) {
-    int64_t g0, g1;
-    slice_kv_range(s, Hl, group, g0, g1);
-    const CacheView kv = slice_kv_heads(view, g0, g1);
-    Query qs{all.q.slice(0, s * T, (s + 1) * T), std::nullopt};
-    if (all.q_scale) qs.q_scale = all.q_scale->slice(0, s * T, (s + 1) * T);
-    const TensorRef lse = buf.lse_local.slice(0, s * Hl, (s + 1) * Hl);
-    for (const PartMetadata* part : {&md.decode, &md.prefill}) {
-      if (part->empty()) continue;
-      PassExtras extras;
-      if (part->cp_tot_seqused_k.ndim > 0) {
-        extras = PassExtras{int(W), int(rank), part->cp_tot_seqused_k};
-      } else if (W > 1 && part->max_query_len > 1) {
-        fail_arg("cp_tot_seqused_k", "the part's global KV lengths (query_len > 1 under decode context parallelism)",
-                 "none");
-      }
-      paged_pass(m, qs, kv, Pass{part, part->causal, s == rank, buf.out_all.select(0, s), lse}, base, extras);
-    }
+  const DcpBuffers buf = carve(carver, spec_, q.dtype, W, T);
+  const bool write = spec_.writes_kv_cache && key && value;
+  // Every call is checked (dry run) before the cache is written and before the first
+  // collective: a rejected forward writes nothing and leaves the group in step.
+  ExecContext dry = ctx;
+  dry.validate_only = true;
+  if (write) write_kv(md, *key, *value, cache, dry);
+  attend(md, buf.q_all, cache, buf.out_all, buf.lse_local, buf.rest, dry);
+  if (out.dtype != DType::f32) {
+    MergeParams cv;
+    cv.out = out.slice(0, 0, T);
+    cv.a_out = cv.b_out = buf.out_sum;
+    cv.a_lse = cv.b_lse = buf.lse_local.slice(0, 0, Hl);
+    cv.prefill_tokens_with_context = 0;
+    merge_states(cv, dry);
   }
-  comm_->all_gather(buf.lse_local.slice(1, 0, T), buf.lse_all);
-  LseCorrectParams lc;
-  lc.out = buf.out_all;
-  lc.lse_all = buf.lse_all;
-  lc.rank = rank;
-  lse_correct(lc, base);
-  comm_->reduce_scatter(buf.out_all, out.slice(0, 0, T));
+
+  if (write) write_kv(md, *key, *value, cache, ctx);
+  comm_->all_gather(q.slice(0, 0, T), buf.q_all, ctx.stream);
+  attend(md, buf.q_all, cache, buf.out_all, buf.lse_local, buf.rest, ctx);
+  comm_->all_gather(buf.lse_local, buf.lse_all, ctx.stream);
+  correct(buf.out_all, buf.lse_all, ctx);
+  if (out.dtype == DType::f32) {
+    comm_->reduce_scatter(buf.out_all, out.slice(0, 0, T), ctx.stream);
+    return;
+  }
+  // The sum in fp32, then out's dtype: merge_states copies the second state raw for rows at
+  // or past prefill_tokens_with_context (0: every row), converting to out's dtype.
+  comm_->reduce_scatter(buf.out_all, buf.out_sum, ctx.stream);
+  MergeParams cv;
+  cv.out = out.slice(0, 0, T);
+  cv.a_out = cv.b_out = buf.out_sum;
+  cv.a_lse = cv.b_lse = buf.lse_local.slice(0, 0, Hl);
+  cv.prefill_tokens_with_context = 0;
+  merge_states(cv, ctx);
 }
 
 }  // namespace flashserve::backend
