@@ -68,6 +68,7 @@ class FlashServeImpl:
                  attention_chunk_size: Optional[int] = None, kv_cache_layout: Optional[str] = None,
                  kv_cache_shape_layout: Optional[str] = None, use_sqrt_alibi: bool = False,
                  forward_includes_kv_cache_update: Optional[bool] = None,
+                 dcp_world_size: int = 1,
                  dtype: Any = "bfloat16") -> None:
         if torch is None:
             raise ImportError("FlashServeImpl needs torch")
@@ -114,7 +115,15 @@ class FlashServeImpl:
         self.dtype = dtype_name(dtype)
         self._cache_dtype = cache_dtype_name(kv_cache_dtype)
         self._layers: dict = {}
-        self._make_layer(None, self.use_sqrt_alibi)  # validates every argument now
+        # vLLM's impl knows its dcp world size (get_dcp_group()); under DCP the KV heads of this
+        # rank need only divide the heads of the whole group (e.g. GQA 32/8 over 8 GPUs: 4 query
+        # heads and 8 KV heads per rank).
+        self.dcp_world_size = check_positive("dcp_world_size", dcp_world_size)
+        if self.dcp_world_size > 1:  # validates every argument now
+            _C.DcpAttentionLayer(self._layer_spec(None, self.use_sqrt_alibi, True),
+                                 world_size=self.dcp_world_size, rank=0)
+        else:
+            self._make_layer(None, self.use_sqrt_alibi)
         self._ws_builder: Any = None
         self._ws_bytes = 0
 
@@ -291,7 +300,10 @@ class FlashServeImpl:
             k_scale, v_scale, k_scale_cache = self._scales(layer, kv_cache_scale)
             if q.dtype in _FP8:
                 q_descale = getattr(layer, "_q_scale", None)
-        if builder.dcp_world_size > 1:
+        if builder.dcp_world_size > 1 or self.dcp_world_size > 1:
+            if builder.dcp_world_size != self.dcp_world_size and self.dcp_world_size > 1:
+                raise ValueError(f"attn_metadata: expected a builder of dcp_world_size={self.dcp_world_size} "
+                                 f"(the layer's), got {builder.dcp_world_size}")
             return self._forward_dcp(md, q, key, value, key_cache, value_cache, out, output, sqrt_alibi,
                                      kv_cache_updated, k_scale, v_scale, k_scale_cache, q_descale)
         c_layer = self._layer_on(q.device, sqrt_alibi, not kv_cache_updated)

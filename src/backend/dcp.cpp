@@ -16,6 +16,7 @@
 //
 // The sink of a head enters once: only on the rank that owns the head (slice s == rank).
 #include <algorithm>
+#include <vector>
 
 #include "api/check.hpp"
 #include "backend/layer_ops.hpp"
@@ -66,13 +67,27 @@ AttendBuffers carve_attend(Carver& ws, const LayerSpec& spec, int64_t W, int64_t
   return b;
 }
 
-// The KV heads [begin, end) that the query heads of slice s read (GQA: head h reads h / group).
-void slice_kv_range(int64_t s, int64_t Hl, int64_t group, int64_t& begin, int64_t& end) {
-  if (Hl % group != 0 && group % Hl != 0)
-    fail_not_implemented("decode context parallelism with ", Hl, " query heads per rank and ", group,
-                         " query heads per KV head (one must divide the other)");
-  begin = s * Hl / group;
-  end = begin + std::max<int64_t>(1, Hl / group);
+// One attention call of slice s: its query heads [j0, j1) (of the slice's H_local) read the KV
+// heads [g0, g1) (GQA: global head h reads KV head h / group).
+struct HeadRun {
+  int64_t j0, j1, g0, g1;
+};
+
+// The calls of slice s: one when the slice's heads cover whole KV-head groups or share one KV
+// head; else one per KV head the slice touches (e.g. 2 heads per rank, 3 per KV head).
+std::vector<HeadRun> head_runs(int64_t s, int64_t Hl, int64_t group) {
+  const int64_t h0 = s * Hl, h1 = h0 + Hl;
+  if (Hl % group == 0 || (group % Hl == 0)) {
+    const int64_t g0 = h0 / group;
+    return {HeadRun{0, Hl, g0, g0 + std::max<int64_t>(1, Hl / group)}};
+  }
+  std::vector<HeadRun> runs;
+  for (int64_t h = h0; h < h1;) {
+    const int64_t g = h / group, e = std::min(h1, (g + 1) * group);
+    runs.push_back(HeadRun{h - h0, e - h0, g, g + 1});
+    h = e;
+  }
+  return runs;
 }
 
 void check_spec(const LayerSpec& spec, int W, int rank) {
@@ -85,8 +100,6 @@ void check_spec(const LayerSpec& spec, int W, int rank) {
   if (spec.type != AttnType::decoder) fail_not_implemented("decode context parallelism for a non-decoder layer");
   if (spec.alibi_slopes || spec.sliding_window > 0 || spec.attention_chunk_size > 0)
     fail_not_implemented("decode context parallelism with ALiBi, a sliding window or chunked local attention");
-  int64_t b, e;
-  slice_kv_range(0, spec.num_heads, H / spec.num_kv_heads, b, e);
 }
 
 }  // namespace
@@ -181,23 +194,32 @@ void DcpAttentionLayer::attend(const AttentionMetadata& md, const TensorRef& q_a
   const CacheView view = cache_view(cache, spec_);
   const Modifiers m = modifiers_of(spec_);
   for (int64_t s = 0; s < W; ++s) {
-    int64_t g0, g1;
-    slice_kv_range(s, Hl, group, g0, g1);
-    const CacheView kv = slice_kv_heads(view, g0, g1);
     QueryBuffers qb;
     if (buf.query.q8) qb.q8 = buf.query.q8->slice(0, s * T, (s + 1) * T);
     if (buf.query.scale) qb.scale = buf.query.scale->slice(0, s * T, (s + 1) * T);
     const Query qs = prepare_query(q_all.select(0, s), T, qb, base);
-    const TensorRef lse = lse_local.slice(0, s * Hl, (s + 1) * Hl);
-    for (const PartMetadata* part : {&md.decode, &md.prefill}) {
-      if (part->empty()) continue;
-      PassExtras extras;
-      if (part->cp_tot_seqused_k.ndim > 0) {
-        extras = PassExtras{int(W), rank_, md.dcp_interleave, part->cp_tot_seqused_k};
-      } else if (W > 1) {
-        fail_arg("cp_tot_seqused_k", "the part's global KV lengths (metadata of a DCP builder)", "none");
+    for (const HeadRun& run : head_runs(s, Hl, group)) {
+      const CacheView kv = slice_kv_heads(view, run.g0, run.g1);
+      const bool whole = run.j0 == 0 && run.j1 == Hl;
+      Query qr = qs;
+      Modifiers mr = m;
+      if (!whole) {
+        qr.q = qs.q.slice(1, run.j0, run.j1);
+        if (qs.q_scale) qr.q_scale = qs.q_scale->slice(1, run.j0, run.j1);
+        if (m.sinks) mr.sinks = m.sinks->slice(0, run.j0, run.j1);
       }
-      paged_pass(m, qs, kv, Pass{part, part->causal, s == rank_, out_all.select(0, s), lse}, base, extras);
+      const TensorRef lse = lse_local.slice(0, s * Hl + run.j0, s * Hl + run.j1);
+      const TensorRef o = out_all.select(0, s).slice(1, run.j0, run.j1);
+      for (const PartMetadata* part : {&md.decode, &md.prefill}) {
+        if (part->empty()) continue;
+        PassExtras extras;
+        if (part->cp_tot_seqused_k.ndim > 0) {
+          extras = PassExtras{int(W), rank_, md.dcp_interleave, part->cp_tot_seqused_k};
+        } else if (W > 1) {
+          fail_arg("cp_tot_seqused_k", "the part's global KV lengths (metadata of a DCP builder)", "none");
+        }
+        paged_pass(mr, qr, kv, Pass{part, part->causal, s == rank_, o, lse}, base, extras);
+      }
     }
   }
 }

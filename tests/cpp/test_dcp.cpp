@@ -221,8 +221,8 @@ void run_case(const DcpCase& c) {
   }
 }
 
-// Cases: {world, heads per rank, H_kv, q_len, sinks}. The builder needs H_kv to divide the
-// heads per rank.
+// Cases: {world, heads per rank, H_kv, q_len, sinks, interleave, out dtype}; H_kv divides the
+// gathered heads (world x heads per rank).
 TEST(DecodeContextParallel, TwoRanksMatchOneRank) {
   run_case({2, 2, 2, 1, false});  // each rank's heads read one KV head
   run_case({2, 4, 1, 1, true});   // MQA
@@ -242,6 +242,7 @@ TEST(DecodeContextParallel, SpeculativeDecodeQueriesSeeTheirGlobalPositions) {
 TEST(DecodeContextParallel, InterleavedShardsMatchOneRank) {
   run_case({2, 2, 2, 1, false, 4});
   run_case({3, 2, 3, 1, true, 16});   // interleave = block size
+  run_case({3, 2, 2, 1, true, 16});   // 2 heads per rank, 3 per KV head: a call per KV head
   run_case({2, 4, 2, 3, false, 2});   // verify: causal across interleaved runs
   run_case({3, 2, 1, 4, true, 5});    // interleave not dividing the block size
   run_case({2, 2, 2, 2, false, 8, DType::bf16});  // bf16 out
