@@ -261,7 +261,7 @@ void DcpAttentionLayer::forward(const AttentionMetadata& md, const TensorRef& q,
   dry.validate_only = true;
   if (write) write_kv(md, *key, *value, cache, dry);
   attend(md, buf.q_all, cache, buf.out_all, buf.lse_local, buf.rest, dry);
-  if (out.dtype != DType::f32) {
+  if (out.dtype != DType::f32 || !out.slice(0, 0, T).is_contiguous()) {
     MergeParams cv;
     cv.out = out.slice(0, 0, T);
     cv.a_out = cv.b_out = buf.out_sum;
@@ -275,7 +275,7 @@ void DcpAttentionLayer::forward(const AttentionMetadata& md, const TensorRef& q,
   attend(md, buf.q_all, cache, buf.out_all, buf.lse_local, buf.rest, ctx);
   comm_->all_gather(buf.lse_local, buf.lse_all, ctx.stream);
   correct(buf.out_all, buf.lse_all, ctx);
-  if (out.dtype == DType::f32) {
+  if (out.dtype == DType::f32 && out.slice(0, 0, T).is_contiguous()) {
     comm_->reduce_scatter(buf.out_all, out.slice(0, 0, T), ctx.stream);
     return;
   }
