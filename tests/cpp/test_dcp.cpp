@@ -91,14 +91,14 @@ Shard make_shard(const Batch& bt, int W, int r, int64_t il, bool context_only, s
   return s;
 }
 
-be::BuilderConfig config_of(const be::LayerSpec& spec, int W, int r, int64_t il = 1) {
+be::BuilderConfig config_of(const be::LayerSpec& spec, int W, int r, int64_t il = 1, int threshold = 4) {
   be::BuilderConfig c;
   c.layer = spec;
   c.block_size = kBs;
   c.max_num_tokens = 256;
   c.max_num_reqs = 16;
   c.max_blocks_per_req = 64;
-  c.reorder_batch_threshold = 4;
+  c.reorder_batch_threshold = threshold;
   c.dcp_world_size = W;
   c.dcp_rank = r;
   c.dcp_interleave = il;
@@ -139,6 +139,7 @@ struct DcpCase {
   bool sinks = false;
   int64_t interleave = 1;
   DType out = DType::f32;  // bf16: the fp32 sum is converted to out's dtype
+  int threshold = 4;       // reorder_batch_threshold: below q_len, the requests are the prefill part
 };
 
 void run_case(const DcpCase& c) {
@@ -202,11 +203,12 @@ void run_case(const DcpCase& c) {
     if (c.sinks) s.sinks = sinks.ref.slice(0, r * Hl, (r + 1) * Hl);
     specs.push_back(s);
     shards.push_back(make_shard(bt, W, r, c.interleave, true, rng));
-    builders.push_back(std::make_unique<be::MetadataBuilder>(config_of(s, W, r, c.interleave)));
+    builders.push_back(std::make_unique<be::MetadataBuilder>(config_of(s, W, r, c.interleave, c.threshold)));
     outs.push_back(HostTensor::zeros(c.out, {T, Hl, kD}));
     fstest::poison_storage(outs.back());
   }
   for (int r = 0; r < W; ++r) mds.push_back(&builders[size_t(r)]->build(common_of(bt, shards[size_t(r)])));
+  EXPECT_EQ(mds[0]->num_prefills, c.q_len > c.threshold ? bt.B() : 0);
   fstest::SimGroup group(W);
   group.run([&](fstest::SimComm& comm) {
     const int r = comm.rank();
@@ -246,6 +248,11 @@ TEST(DecodeContextParallel, InterleavedShardsMatchOneRank) {
   run_case({2, 4, 2, 3, false, 2});   // verify: causal across interleaved runs
   run_case({3, 2, 1, 4, true, 5});    // interleave not dividing the block size
   run_case({2, 2, 2, 2, false, 8, DType::bf16});  // bf16 out
+}
+
+TEST(DecodeContextParallel, ChunkedPrefillPartIsCausalAcrossRanks) {
+  run_case({2, 2, 2, 5, false, 1, DType::f32, 1});
+  run_case({3, 2, 1, 6, true, 4, DType::f32, 1});
 }
 
 TEST(DecodeContextParallel, LayoutFunctionsAgree) {
