@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -215,8 +214,9 @@ class GqaRank:
             self.layer = _C.DcpAttentionLayer(spec, world_size=W, rank=rank)
             self.ws = torch.empty(max(1, self.layer.attend_workspace_bytes(self.builder._c)), dtype=torch.uint8,
                                   device=device)
-            self.q_all = torch.randn((W * B, Hl, m.head_size), generator=gen, device=device).to(dtype)
+            self.q_all = torch.randn((W, B, Hl, m.head_size), generator=gen, device=device).to(dtype)
             self.out_all = torch.empty((W, B, Hl, m.head_size_v), dtype=torch.float32, device=device)
+            self.out_tok = torch.empty((B, W * Hl, m.head_size_v), dtype=torch.float32, device=device)
             self.lse_local = torch.empty((W * Hl, B), dtype=torch.float32, device=device)
             self.lse_all = torch.zeros((W, W * Hl, B), dtype=torch.float32, device=device)
         self.stream = (lambda: torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else (lambda: None)
@@ -232,7 +232,15 @@ class GqaRank:
         self.layer.forward(self.md.handle, self.q, self.key, self.value, self.sh.kv[0], self.sh.kv[1], self.out,
                            self.ws, stream=self.stream())
 
-    def compute(self) -> None:  # one rank's local phases
+    def compute(self) -> None:  # one rank's local phases, as dcp_forward runs them (fused heads)
+        W, B, Hl = self.W, self.B, self.m.heads // self.W
+        q_tok = self.q_all.transpose(0, 1).reshape(B, W * Hl, -1)
+        self.layer.attend(self.md.handle, q_tok, self.sh.kv[0], self.sh.kv[1], self.out_tok, self.lse_local,
+                          self.ws, stream=self.stream())
+        self.layer.correct(self.out_tok, self.lse_all, stream=self.stream())
+        self.out_all.copy_(self.out_tok.view(B, W, Hl, -1).transpose(0, 1))
+
+    def compute_slices(self) -> None:  # the same with one attention call per rank's slice of heads
         self.layer.attend(self.md.handle, self.q_all, self.sh.kv[0], self.sh.kv[1], self.out_all, self.lse_local,
                           self.ws, stream=self.stream())
         self.layer.correct(self.out_all, self.lse_all, stream=self.stream())
@@ -382,11 +390,15 @@ def single_gpu(args: argparse.Namespace, device: torch.device, dtype: torch.dtyp
                 r = make_rank(m, B, args.context, N, 0, device, dtype, args)
                 t_c, _ = time_fn(r.compute, device, args)
                 row = model_row(t_base, t_c, r.sizes(), N, args, measured.get((m.name, B, N)))
+                if hasattr(r, "compute_slices"):
+                    row["compute_slices_us"] = time_fn(r.compute_slices, device, args)[0] * 1e6
                 res.rows.append(row)
                 print(f"    N={N}: rank compute {row['compute_us']:8.1f} us + AG(q) {row['ag_q_us']:6.1f} + "
                       f"AG(lse) {row['ag_lse_us']:6.1f} + RS {row['rs_out_us']:6.1f} ({row['collectives']}) = "
                       f"{row['step_us']:8.1f} us: speed-up {row['speedup']:5.2f}x, collectives "
-                      f"{100 * row['comm_share']:4.1f}% of the step", flush=True)
+                      f"{100 * row['comm_share']:4.1f}% of the step"
+                      + (f" [per-slice calls: compute {row['compute_slices_us']:.1f} us]"
+                         if "compute_slices_us" in row else ""), flush=True)
                 del r
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -402,6 +414,8 @@ def multi_gpu(args: argparse.Namespace, device: torch.device, dtype: torch.dtype
     for mk in args.models:
         m = MODELS[mk]
         if m.heads % W:
+            if rank == 0:
+                print(f"{m.name}: {m.heads} heads do not split over {W} ranks; skipped")
             continue
         for B in args.batch:
             t_base = float("nan")

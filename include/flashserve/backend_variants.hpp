@@ -132,11 +132,18 @@ class DcpAttentionLayer {
   // ---- the phases
   void write_kv(const AttentionMetadata& md, const TensorRef& key, const TensorRef& value, const KvCache& cache,
                 const ExecContext& ctx = {}) const;
-  // q_all [W, >= T, H_local, D] (or [W * T, H_local, D]); out_all fp32 [W, T', H_local, Dv]
-  // (rows [0, T) written); lse_local fp32 [H, >= T] (columns [0, T) written).
+  // Two layouts, rows [0, T) written:
+  //  - slice-major, as gathered: q_all [W, >= T, H_local, D], out_all fp32 [W, >= T, H_local, Dv]:
+  //    one attention call per slice (per KV head when a slice straddles KV-head groups);
+  //  - token-major: q_all [>= T, H, D] (global head s * H_local + j at column s * H_local + j),
+  //    out_all fp32 [>= T, H, Dv]: ONE call over every head, as many CTAs as the single-device
+  //    layer on 1/W of the keys (the engine transposes the gathered q and, before the
+  //    reduce-scatter, out_all: tiny copies for decode). Not with sinks (a sink enters only its
+  //    own rank's heads).
+  // lse_local fp32 [H, >= T] (columns [0, T) written) in both.
   void attend(const AttentionMetadata& md, const TensorRef& q_all, const KvCache& cache, const TensorRef& out_all,
               const TensorRef& lse_local, const LayerWorkspace& ws, const ExecContext& ctx = {}) const;
-  // out_all fp32 [W, T, H_local, Dv] scaled in place; lse_all fp32 [W, H, T].
+  // out_all fp32 [W, T, H_local, Dv] or [T, H, Dv] scaled in place; lse_all fp32 [W, H, T].
   void correct(const TensorRef& out_all, const TensorRef& lse_all, const ExecContext& ctx = {}) const;
 
   // ---- the layout (common to the builder, the kernels' cp arguments and the engine's slots)

@@ -337,5 +337,5 @@ class FlashServeImpl:
                  and self.kv_sharing_target_layer_name is None)
         dcp_forward(layer, md.handle, q, key, value, key_cache, value_cache, out, builder.dcp_group,
                     builder.workspace(self._ws_bytes), write=write, k_scale=k_scale, v_scale=v_scale,
-                    k_scale_cache=k_scale_cache, q_descale=q_descale)
+                    k_scale_cache=k_scale_cache, q_descale=q_descale, fused_heads=self.sinks is None)
         return output

@@ -98,11 +98,15 @@ def dcp_slot_mapping(positions: Any, block_table_rows: Any, block_size: int, wor
 
 def dcp_forward(layer: Any, metadata: Any, q: Any, key: Any, value: Any, key_cache: Any, value_cache: Any,
                 out: Any, group: DcpGroup, workspace: Any, *, write: bool = True, k_scale: Any = None,
-                v_scale: Any = None, k_scale_cache: Any = None, q_descale: Any = None) -> Any:
+                v_scale: Any = None, k_scale_cache: Any = None, q_descale: Any = None,
+                fused_heads: bool = True) -> Any:
     """One DCP layer step. layer: flashserve._C.DcpAttentionLayer of this rank; metadata: the
     builder's (a builder with this rank's dcp_world_size / dcp_rank / dcp_interleave); q [>= T,
     H_local, D]; key/value [>= T, H_kv, D(v)] (written to the shard when `write`); out [>= T,
-    H_local, Dv], rows [0, T) written; workspace: attend's (layer.attend_workspace_bytes)."""
+    H_local, Dv], rows [0, T) written; workspace: attend's (layer.attend_workspace_bytes).
+    fused_heads: attend in one call over all W * H_local heads (the gathered q and the partial
+    outputs transposed token-major around it: copies of T x H rows, a view for T = 1) rather
+    than one call per rank's slice; False for layers with sinks."""
     W, T = group.world_size, metadata.num_actual_tokens
     if layer.world_size != W or layer.rank != group.rank:
         raise ValueError(f"dcp_group: expected the layer's group (rank {layer.rank} of {layer.world_size}), got "
@@ -114,16 +118,26 @@ def dcp_forward(layer: Any, metadata: Any, q: Any, key: Any, value: Any, key_cac
     if write and key is not None and value is not None:
         layer.write_kv(metadata, key, value, key_cache, value_cache, k_scale=k_scale, v_scale=v_scale,
                        k_scale_cache=k_scale_cache, stream=stream)
-    q_all = torch.empty((W * T, Hl, D), dtype=q.dtype, device=q.device)
-    group.all_gather(q_all, q[:T].contiguous())
+    q_all = torch.empty((W, T, Hl, D), dtype=q.dtype, device=q.device)
+    group.all_gather(q_all.view(W * T, Hl, D), q[:T].contiguous())
     f32 = torch.float32
-    out_all = torch.empty((W, T, Hl, Dv), dtype=f32, device=q.device)
     lse_local = torch.empty((W * Hl, T), dtype=f32, device=q.device)
-    layer.attend(metadata, q_all, key_cache, value_cache, out_all, lse_local, workspace, k_scale=k_scale,
-                 v_scale=v_scale, k_scale_cache=k_scale_cache, q_descale=q_descale, stream=stream)
+    scales = dict(k_scale=k_scale, v_scale=v_scale, k_scale_cache=k_scale_cache, q_descale=q_descale)
+    if fused_heads:
+        out_tok = torch.empty((T, W * Hl, Dv), dtype=f32, device=q.device)
+        layer.attend(metadata, q_all.transpose(0, 1).reshape(T, W * Hl, D), key_cache, value_cache, out_tok,
+                     lse_local, workspace, stream=stream, **scales)
+    else:
+        out_all = torch.empty((W, T, Hl, Dv), dtype=f32, device=q.device)
+        layer.attend(metadata, q_all, key_cache, value_cache, out_all, lse_local, workspace, stream=stream,
+                     **scales)
     lse_all = torch.empty((W * W * Hl, T), dtype=f32, device=q.device)
     group.all_gather(lse_all, lse_local)
-    layer.correct(out_all, lse_all.view(W, W * Hl, T), stream=stream)
+    if fused_heads:
+        layer.correct(out_tok, lse_all.view(W, W * Hl, T), stream=stream)
+        out_all = out_tok.view(T, W, Hl, Dv).transpose(0, 1).contiguous()
+    else:
+        layer.correct(out_all, lse_all.view(W, W * Hl, T), stream=stream)
     dst = out[:T]
     if dst.dtype == f32 and dst.is_contiguous():
         group.reduce_scatter(dst, out_all.view(W * T, Hl, Dv))

@@ -153,35 +153,43 @@ void DcpAttentionLayer::write_kv(const AttentionMetadata& md, const TensorRef& k
   write_cache(cache, spec_, key, value, md.slot_mapping, ctx);
 }
 
-void DcpAttentionLayer::attend(const AttentionMetadata& md, const TensorRef& q_all_in, const KvCache& cache,
+void DcpAttentionLayer::attend(const AttentionMetadata& md, const TensorRef& q_all, const KvCache& cache,
                                const TensorRef& out_all, const TensorRef& lse_local, const LayerWorkspace& ws,
                                const ExecContext& ctx) const {
   check_md(md);
   const int64_t W = world_, T = md.num_actual_tokens, Hl = spec_.num_heads, H = W * Hl;
   const int64_t group = H / spec_.num_kv_heads, D = spec_.head_size, Dv = head_size_v(spec_);
-  TensorRef q_all = q_all_in;
-  if (q_all.ndim == 3) {  // [W * T, H_local, D], contiguous
-    if (q_all.size(0) != W * T || !q_all.is_contiguous())
-      fail_arg("q_all", detail::cat("[W, T, H_local, D] or a contiguous [W * T = ", W * T, ", H_local, D]"),
-               q_all.shape_str());
-    q_all = TensorRef::contiguous(q_all.data, q_all.dtype, {W, T, Hl, D}, q_all.device);
+  // Slice-major [W, T, H_local, D] (as gathered): a call per slice. Token-major [T, H, D]: one
+  // call over every head (global head h reads KV head h / group), no sinks.
+  const bool fused = q_all.ndim == 3;
+  const int64_t tdim = fused ? 0 : 1;
+  if (fused) {
+    detail::check_dim(q_all, "q_all", 1, H, "world_size x num_heads (token-major [T, H, D])");
+    detail::check_dim(q_all, "q_all", 2, D, "head_size");
+    detail::check_rank(out_all, "out_all", 3);
+    detail::check_dim(out_all, "out_all", 1, H, "world_size x num_heads (token-major [T, H, Dv])");
+    detail::check_dim(out_all, "out_all", 2, Dv, "head_size_v");
+    if (spec_.sinks)
+      fail_not_implemented("sinks with token-major queries (a sink enters only its rank's heads): pass q_all as "
+                           "[W, T, H_local, D]");
+  } else {
+    detail::check_rank(q_all, "q_all", 4);
+    detail::check_dim(q_all, "q_all", 0, W, "world_size");
+    detail::check_dim(q_all, "q_all", 2, Hl, "num_heads of this rank");
+    detail::check_dim(q_all, "q_all", 3, D, "head_size");
+    detail::check_rank(out_all, "out_all", 4);
+    detail::check_dim(out_all, "out_all", 0, W, "world_size");
+    detail::check_dim(out_all, "out_all", 2, Hl, "num_heads of this rank");
+    detail::check_dim(out_all, "out_all", 3, Dv, "head_size_v");
   }
-  detail::check_rank(q_all, "q_all", 4);
-  detail::check_dim(q_all, "q_all", 0, W, "world_size");
-  detail::check_dim(q_all, "q_all", 2, Hl, "num_heads of this rank");
-  detail::check_dim(q_all, "q_all", 3, D, "head_size");
-  detail::check_rank(out_all, "out_all", 4);
-  detail::check_dim(out_all, "out_all", 0, W, "world_size");
-  detail::check_dim(out_all, "out_all", 2, Hl, "num_heads of this rank");
-  detail::check_dim(out_all, "out_all", 3, Dv, "head_size_v");
   detail::check_rank(lse_local, "lse_local", 2);
   detail::check_dim(lse_local, "lse_local", 0, H, "world_size x num_heads");
   if (out_all.dtype != DType::f32) fail_arg("out_all", "fp32", dtype_name(out_all.dtype));
   if (lse_local.dtype != DType::f32) fail_arg("lse_local", "fp32", dtype_name(lse_local.dtype));
-  if (q_all.size(1) < T || out_all.size(1) < T || lse_local.size(1) < T)
-    fail_arg(q_all.size(1) < T ? "q_all" : out_all.size(1) < T ? "out_all" : "lse_local",
+  if (q_all.size(tdim) < T || out_all.size(tdim) < T || lse_local.size(1) < T)
+    fail_arg(q_all.size(tdim) < T ? "q_all" : out_all.size(tdim) < T ? "out_all" : "lse_local",
              detail::cat("at least num_actual_tokens=", T, " tokens"),
-             (q_all.size(1) < T ? q_all : out_all.size(1) < T ? out_all : lse_local).shape_str());
+             (q_all.size(tdim) < T ? q_all : out_all.size(tdim) < T ? out_all : lse_local).shape_str());
 
   const size_t split_bytes = std::max(md.decode.plan.workspace.total_bytes, md.prefill.plan.workspace.total_bytes);
   Carver carver(ws);
@@ -193,6 +201,27 @@ void DcpAttentionLayer::attend(const AttentionMetadata& md, const TensorRef& q_a
 
   const CacheView view = cache_view(cache, spec_);
   const Modifiers m = modifiers_of(spec_);
+  const auto passes = [&](const Modifiers& mr, const Query& qr, const CacheView& kv, const TensorRef& o,
+                          const TensorRef& lse, bool sink) {
+    for (const PartMetadata* part : {&md.decode, &md.prefill}) {
+      if (part->empty()) continue;
+      PassExtras extras;
+      if (part->cp_tot_seqused_k.ndim > 0) {
+        extras = PassExtras{int(W), rank_, md.dcp_interleave, part->cp_tot_seqused_k};
+      } else if (W > 1) {
+        fail_arg("cp_tot_seqused_k", "the part's global KV lengths (metadata of a DCP builder)", "none");
+      }
+      paged_pass(mr, qr, kv, Pass{part, part->causal, sink, o, lse}, base, extras);
+    }
+  };
+  if (fused) {
+    QueryBuffers qb;  // the [W * T, H_local] buffers hold [T, H] alike
+    if (buf.query.q8) qb.q8 = TensorRef::contiguous(buf.query.q8->data, buf.query.q8->dtype, {T, H, D}, q_all.device);
+    if (buf.query.scale)
+      qb.scale = TensorRef::contiguous(buf.query.scale->data, buf.query.scale->dtype, {T, H}, q_all.device);
+    passes(m, prepare_query(q_all, T, qb, base), view, out_all, lse_local, false);
+    return;
+  }
   for (int64_t s = 0; s < W; ++s) {
     QueryBuffers qb;
     if (buf.query.q8) qb.q8 = buf.query.q8->slice(0, s * T, (s + 1) * T);
@@ -208,18 +237,8 @@ void DcpAttentionLayer::attend(const AttentionMetadata& md, const TensorRef& q_a
         if (qs.q_scale) qr.q_scale = qs.q_scale->slice(1, run.j0, run.j1);
         if (m.sinks) mr.sinks = m.sinks->slice(0, run.j0, run.j1);
       }
-      const TensorRef lse = lse_local.slice(0, s * Hl + run.j0, s * Hl + run.j1);
-      const TensorRef o = out_all.select(0, s).slice(1, run.j0, run.j1);
-      for (const PartMetadata* part : {&md.decode, &md.prefill}) {
-        if (part->empty()) continue;
-        PassExtras extras;
-        if (part->cp_tot_seqused_k.ndim > 0) {
-          extras = PassExtras{int(W), rank_, md.dcp_interleave, part->cp_tot_seqused_k};
-        } else if (W > 1) {
-          fail_arg("cp_tot_seqused_k", "the part's global KV lengths (metadata of a DCP builder)", "none");
-        }
-        paged_pass(mr, qr, kv, Pass{part, part->causal, s == rank_, o, lse}, base, extras);
-      }
+      passes(mr, qr, kv, out_all.select(0, s).slice(1, run.j0, run.j1),
+             lse_local.slice(0, s * Hl + run.j0, s * Hl + run.j1), s == rank_);
     }
   }
 }
