@@ -133,3 +133,20 @@ def test_builder_without_group_builds_metadata_only():
     kv = torch.zeros((2, 4, 16, 2, 64))
     with pytest.raises(ValueError, match="dcp_group"):
         impl.forward(None, torch.zeros(1, 2, 64), None, None, kv, md, output=torch.zeros(1, 2, 64))
+
+
+def test_dcp_bench_smoke(tmp_path):
+    """bench/dcp_bench.py's single-device side on the CPU (tiny context): it runs and writes its
+    JSON (the GPU numbers come from the GPU machine)."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "dcp.json"
+    env = dict(os.environ, FLASHSERVE_PYTHONPATH=os.path.dirname(os.path.dirname(flashserve.__file__)))
+    subprocess.run([sys.executable, os.path.join(root, "bench", "dcp_bench.py"), "--device", "cpu", "--quick",
+                    "--context", "256", "--batch", "1", "--ranks", "2", "--models", "gqa", "mla", "--json", str(out)],
+                   check=True, env=env, capture_output=True, timeout=120)
+    results = json.load(open(out))["results"]
+    assert [r["model"].split()[0] for r in results] == ["gqa", "mla"]
+    assert all(r["rows"][0]["N"] == 2 and r["rows"][0]["step_us"] > 0 for r in results)
