@@ -34,6 +34,8 @@ namespace {
 
 struct DcpBuffers {
   TensorRef q_all;      // [W, T, H_local, D]
+  TensorRef q_tok;      // [T, H, D]: q_all token-major (fused heads)
+  TensorRef out_tok;    // fp32 [T, H, Dv] (fused heads)
   TensorRef out_all;    // fp32 [W, T, H_local, Dv]
   TensorRef out_sum;    // fp32 [T, H_local, Dv]: the reduce-scatter's result (out of another dtype)
   TensorRef lse_local;  // fp32 [H, T]
@@ -45,6 +47,8 @@ DcpBuffers carve(Carver& ws, const LayerSpec& spec, DType act, int64_t W, int64_
   const int64_t Hl = spec.num_heads, H = W * Hl, D = spec.head_size, Dv = head_size_v(spec);
   DcpBuffers b;
   b.q_all = ws.take("dcp_q_all", act, {W, T, Hl, D}, DType::f32);
+  b.q_tok = ws.take("dcp_q_tok", act, {T, H, D}, DType::f32);
+  b.out_tok = ws.take("dcp_out_tok", DType::f32, {T, H, Dv});
   b.out_all = ws.take("dcp_out_all", DType::f32, {W, T, Hl, Dv});
   b.out_sum = ws.take("dcp_out_sum", DType::f32, {T, Hl, Dv});
   b.lse_local = ws.take("dcp_lse_local", DType::f32, {H, T});
@@ -100,6 +104,27 @@ void check_spec(const LayerSpec& spec, int W, int rank) {
   if (spec.type != AttnType::decoder) fail_not_implemented("decode context parallelism for a non-decoder layer");
   if (spec.alibi_slopes || spec.sliding_window > 0 || spec.attention_chunk_size > 0)
     fail_not_implemented("decode context parallelism with ALiBi, a sliding window or chunked local attention");
+}
+
+// dst[t, s, :] = src[t, s, :] over [T, W, width] views of any strides (last dim contiguous),
+// converting the dtype: merge_states copies the second state raw for rows at or past
+// prefill_tokens_with_context (0: every row). `lse` is any fp32 [W, T] view (not read).
+void copy_rows(const TensorRef& dst, const TensorRef& src, const TensorRef& lse, const ExecContext& ctx) {
+  MergeParams cv;
+  cv.out = dst;
+  cv.a_out = cv.b_out = src;
+  cv.a_lse = cv.b_lse = lse;
+  cv.prefill_tokens_with_context = 0;
+  merge_states(cv, ctx);
+}
+
+// The [T, W, H_local * width] view of a slice-major [W, T, H_local, width] buffer and of a
+// token-major [T, W * H_local, width] one: the same (t, s) rows of H_local * width elements.
+TensorRef slice_major_rows(void* data, DType t, int64_t W, int64_t T, int64_t row, Device dev) {
+  return TensorRef::strided(data, t, {T, W, row}, {row, T * row, 1}, dev);
+}
+TensorRef token_major_rows(void* data, DType t, int64_t W, int64_t T, int64_t row, Device dev) {
+  return TensorRef::strided(data, t, {T, W, row}, {W * row, row, 1}, dev);
 }
 
 }  // namespace
@@ -274,39 +299,54 @@ void DcpAttentionLayer::forward(const AttentionMetadata& md, const TensorRef& q,
   Carver carver(ws);
   const DcpBuffers buf = carve(carver, spec_, q.dtype, W, T);
   const bool write = spec_.writes_kv_cache && key && value;
-  // Every call is checked (dry run) before the cache is written and before the first
-  // collective: a rejected forward writes nothing and leaves the group in step.
-  ExecContext dry = ctx;
-  dry.validate_only = true;
-  if (write) write_kv(md, *key, *value, cache, dry);
-  attend(md, buf.q_all, cache, buf.out_all, buf.lse_local, buf.rest, dry);
-  if (out.dtype != DType::f32 || !out.slice(0, 0, T).is_contiguous()) {
+  // Fused heads (no sinks, 16/32-bit q): one attention call over every gathered head, q_all and out moved
+  // between the slice-major layout of the collectives and the token-major one of the call by
+  // strided copies (merge_states' raw copy); with sinks, one call per rank's slice.
+  const bool fused = !spec_.sinks.has_value() && (q.dtype == DType::bf16 || q.dtype == DType::f16 ||
+                                                    q.dtype == DType::f32);
+  const int64_t D = spec_.head_size, Dv = head_size_v(spec_);
+  const Device dev = q.device;
+  const TensorRef lse_rows = buf.lse_all.select(0, 0).slice(0, 0, W);  // [W, T], never read
+  const TensorRef q_from = slice_major_rows(buf.q_all.data, q.dtype, W, T, Hl * D, dev);
+  const TensorRef q_to = token_major_rows(buf.q_tok.data, q.dtype, W, T, Hl * D, dev);
+  const TensorRef o_from = token_major_rows(buf.out_tok.data, DType::f32, W, T, Hl * Dv, dev);
+  const TensorRef o_to = slice_major_rows(buf.out_all.data, DType::f32, W, T, Hl * Dv, dev);
+  const TensorRef& q_call = fused ? buf.q_tok : buf.q_all;
+  const TensorRef& o_call = fused ? buf.out_tok : buf.out_all;
+  const bool direct = out.dtype == DType::f32 && out.slice(0, 0, T).is_contiguous();
+  const auto convert_out = [&](const ExecContext& c) {
     MergeParams cv;
     cv.out = out.slice(0, 0, T);
     cv.a_out = cv.b_out = buf.out_sum;
     cv.a_lse = cv.b_lse = buf.lse_local.slice(0, 0, Hl);
     cv.prefill_tokens_with_context = 0;
-    merge_states(cv, dry);
-  }
+    merge_states(cv, c);
+  };
+
+  // Every call is checked (dry run) before the cache is written and before the first
+  // collective: a rejected forward writes nothing and leaves the group in step.
+  ExecContext dry = ctx;
+  dry.validate_only = true;
+  if (write) write_kv(md, *key, *value, cache, dry);
+  if (fused) copy_rows(q_to, q_from, lse_rows, dry);
+  attend(md, q_call, cache, o_call, buf.lse_local, buf.rest, dry);
+  if (fused) copy_rows(o_to, o_from, lse_rows, dry);
+  if (!direct) convert_out(dry);
 
   if (write) write_kv(md, *key, *value, cache, ctx);
   comm_->all_gather(q.slice(0, 0, T), buf.q_all, ctx.stream);
-  attend(md, buf.q_all, cache, buf.out_all, buf.lse_local, buf.rest, ctx);
+  if (fused) copy_rows(q_to, q_from, lse_rows, ctx);
+  attend(md, q_call, cache, o_call, buf.lse_local, buf.rest, ctx);
   comm_->all_gather(buf.lse_local, buf.lse_all, ctx.stream);
-  correct(buf.out_all, buf.lse_all, ctx);
-  if (out.dtype == DType::f32 && out.slice(0, 0, T).is_contiguous()) {
+  correct(o_call, buf.lse_all, ctx);
+  if (fused) copy_rows(o_to, o_from, lse_rows, ctx);
+  if (direct) {
     comm_->reduce_scatter(buf.out_all, out.slice(0, 0, T), ctx.stream);
     return;
   }
-  // The sum in fp32, then out's dtype: merge_states copies the second state raw for rows at
-  // or past prefill_tokens_with_context (0: every row), converting to out's dtype.
+  // The sum in fp32, then out's dtype.
   comm_->reduce_scatter(buf.out_all, buf.out_sum, ctx.stream);
-  MergeParams cv;
-  cv.out = out.slice(0, 0, T);
-  cv.a_out = cv.b_out = buf.out_sum;
-  cv.a_lse = cv.b_lse = buf.lse_local.slice(0, 0, Hl);
-  cv.prefill_tokens_with_context = 0;
-  merge_states(cv, ctx);
+  convert_out(ctx);
 }
 
 }  // namespace flashserve::backend
