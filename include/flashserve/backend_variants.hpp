@@ -119,7 +119,8 @@ class DcpAttentionLayer {
   // at md.slot_mapping unless absent or the spec does not write (KV sharing); cache: this
   // rank's shard; md from a builder with this rank's dcp_world_size / dcp_rank /
   // dcp_interleave (seq_lens global); out [T, H_local, Dv]. Every argument is checked before
-  // the first collective.
+  // the first collective. Without sinks (and with a 16/32-bit q) the attention is one call over
+  // every gathered head (attend's token-major layout; the workspace holds the transposes).
   void forward(const AttentionMetadata& md, const TensorRef& q, const OptTensor& key, const OptTensor& value,
                const KvCache& cache, const TensorRef& out, const LayerWorkspace& ws,
                const ExecContext& ctx = {}) const;
