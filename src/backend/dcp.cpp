@@ -6,8 +6,10 @@
 //   q_all [W, T, H_local, D]    = all_gather(q): slice s holds rank s's heads, i.e. global heads
 //                                 s * H_local + j (rank-major)
 //   out_all[s], lse_local[s*H_local : (s+1)*H_local, :] = attention(q_all[s], local KV shard)
-//                                 (one call per slice s, over the KV heads that slice reads; the
-//                                 cp arguments put the queries at their global positions)
+//                                 (the cp arguments put the queries at their global positions).
+//                                 Fused heads (no sinks): q_all copied token-major [T, H, D], one
+//                                 call over every head, its output copied back slice-major; with
+//                                 sinks one call per slice s, over the KV heads that slice reads
 //   lse_all [W, H, T]           = all_gather(lse_local [H, T])
 //   out_all[s, t, j] *= exp(lse_all[rank, h, t] - logsumexp_ranks lse_all[:, h, t]),  h = s*H_local + j
 //                                 (lse_correct, out_all in its slice-major layout)
