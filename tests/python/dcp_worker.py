@@ -7,7 +7,8 @@ this rank's slot_mapping (-1 for positions of other ranks), and runs the step th
 backend classes (FlashServeMetadataBuilder with the dcp group, FlashServeImpl). The result is
 compared with the single-device result of the same inputs (one FlashServeImpl with every
 rank's heads over the whole cache, computed in each rank), and the step is run a second time on
-a fresh shard: the two outputs must be bitwise equal (num_splits = 1).
+a fresh shard: the two outputs must be bitwise equal (num_splits = 1). On GPUs (NCCL) the step,
+collectives included, is also captured in a CUDA graph and replayed: the same bits.
 """
 
 from __future__ import annotations
@@ -147,7 +148,24 @@ def run_case(rank: int, world: int, group, device, c: DcpCase, seed: int) -> Non
                               sinks=None if sinks is None else sinks[h0:h0 + heads].contiguous(),
                               forward_includes_kv_cache_update=True, dtype=dtype, dcp_world_size=W)
         out = torch.full((B * q, heads, D), float("nan"), dtype=dtype, device=device)
-        impl.forward(None, query[:, h0:h0 + heads], new_k, new_v, cache.kv, md, output=out)
+        q_rank = query[:, h0:h0 + heads]
+        impl.forward(None, q_rank, new_k, new_v, cache.kv, md, output=out)
+        if device.type == "cuda" and W > 1:
+            # the whole step, collectives included, captured in one CUDA graph and replayed
+            # (the cache write is idempotent): the eager step's bits
+            replayed = torch.full_like(out, float("nan"))
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                impl.forward(None, q_rank, new_k, new_v, cache.kv, md, output=replayed)
+            torch.cuda.current_stream(device).wait_stream(side)
+            replayed.fill_(float("nan"))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                impl.forward(None, q_rank, new_k, new_v, cache.kv, md, output=replayed)
+            graph.replay()
+            torch.cuda.synchronize(device)
+            assert torch.equal(replayed, out), f"{what}: the graph replay differs from the eager step"
         # the layer wrote this rank's new tokens, and only those
         for b, n in enumerate(seq):
             new = torch.arange(n - q, n)

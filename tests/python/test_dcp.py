@@ -5,7 +5,8 @@ output compared with the single-device result of the same inputs, and bitwise eq
 runs (num_splits = 1).
 
 On the CPU over torch.distributed's gloo (worlds 2 and 3); the same test runs over NCCL on
-GPUs when at least `world` are visible (skipped otherwise). Pure-Python pieces (DcpGroup over a
+GPUs when at least `world` are visible (skipped otherwise), where it also replays the step
+captured in a CUDA graph. Pure-Python pieces (DcpGroup over a
 vLLM-like GroupCoordinator, the slot and length helpers) are checked in-process.
 """
 
