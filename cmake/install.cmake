@@ -20,6 +20,7 @@ install(EXPORT flashserveTargets NAMESPACE flashserve::
 # The config re-finds what the static library's link interface names (OpenMP, Threads, and
 # CUDA's runtime in a CUDA build) and records the build's features for the consumer.
 set(FLASHSERVE_INSTALLED_WITH_CUDA ${FLASHSERVE_CUDA})
+set(FLASHSERVE_INSTALLED_WITH_NCCL ${FLASHSERVE_WITH_NCCL})
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/flashserveConfig.cmake.in
   ${PROJECT_BINARY_DIR}/flashserveConfig.cmake INSTALL_DESTINATION ${FLASHSERVE_CMAKE_DIR})
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/flashserveConfigVersion.cmake

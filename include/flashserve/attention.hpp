@@ -77,9 +77,12 @@ struct AttentionParams {
                                 // without D ([total_k, H_kv] / [B_cache, S_cache, H_kv])
   OptTensor v_scale;            // int8 v (K8V8): fp32 [H_kv, Dv], static per (head, channel)
 
-  // ---- context parallelism: this rank holds KV tokens t at global positions t * world + rank
+  // ---- context parallelism: this rank holds the KV tokens of global positions t with
+  // (t / cp_interleave) % world == rank, local index (t / (cp_interleave * world)) *
+  // cp_interleave + t % cp_interleave (cp_interleave 1: t = local * world + rank)
   int cp_world_size = 1;
   int cp_rank = 0;
+  int64_t cp_interleave = 1;    // vLLM's cp_kv_cache_interleave_size
   OptTensor cp_tot_seqused_k;   // int32 [B]: global KV lengths (required when cp_world_size > 1)
 
   // ---- execution

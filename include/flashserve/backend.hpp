@@ -111,8 +111,12 @@ struct BuilderConfig {
   // asks for this many (capped at max_num_splits and at the keys' granules), independent of
   // the batch: CUDA graphs capture a fixed split count, and eager steps then split alike.
   int num_splits = 0;
-  int dcp_world_size = 1;            // decode context parallel
+  // Decode context parallelism: this rank's share of the KV (seq_lens stay global). Position t
+  // lives on rank (t / dcp_interleave) % dcp_world_size (vLLM's cp_kv_cache_interleave_size;
+  // see DcpAttentionLayer); the engine's slot_mapping gives -1 for positions of other ranks.
+  int dcp_world_size = 1;
   int dcp_rank = 0;
+  int64_t dcp_interleave = 1;
   int64_t max_draft_depth = 32;      // tree verify: longest draft path (width of the tree pass's slot table)
   // CUDA metadata (a CUDA `device` and the engine's block_table / slot_mapping on it): the
   // cudaStream_t (null = the default stream) of the one async host-to-device copy per build.
@@ -171,6 +175,8 @@ struct AttentionMetadata {
   CascadeMetadata cascade;         // when taken, replaces decode + prefill
   LocalMetadata local;             // when the layer is chunked-local, replaces decode + prefill
   TreeMetadata tree;
+  int dcp_world_size = 1, dcp_rank = 0;  // the builder's decode-context-parallel config
+  int64_t dcp_interleave = 1;
 };
 
 // Draft tree of a speculative verify step: for each request, its draft tokens' parents.
@@ -225,16 +231,19 @@ bool use_cascade(int64_t common_prefix_len, std::span<const int32_t> query_lens,
 
 // ---------------------------------------------------------------- layer forward
 
-// Decode-context-parallel communication (an NCCL group, or simulated ranks in tests).
+// Decode-context-parallel communication (NcclCommunicator in flashserve/nccl.hpp, or
+// simulated ranks in tests). Collectives are enqueued on `stream` (the layer's ExecContext
+// stream; null on the CPU) and every rank calls the same ones in the same order.
 class Communicator {
  public:
   virtual ~Communicator() = default;
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
-  // out[r] = in of rank r: out is [world, ...in's shape] (contiguous).
-  virtual void all_gather(const TensorRef& in, const TensorRef& out) = 0;
-  // out = sum over ranks of in[rank's slice r]: in is [world, ...out's shape].
-  virtual void reduce_scatter(const TensorRef& in, const TensorRef& out) = 0;
+  // out[r] = in of rank r: out is [world, ...in's shape] (contiguous). `in` may be out[rank]
+  // itself (in place).
+  virtual void all_gather(const TensorRef& in, const TensorRef& out, void* stream) = 0;
+  // out = sum over ranks of in[rank's slice r]: in is [world, ...out's shape] (contiguous).
+  virtual void reduce_scatter(const TensorRef& in, const TensorRef& out, void* stream) = 0;
 };
 
 // Scratch the forward needs (fp32 partial outputs and LSEs for cascade/tree/DCP merges, and

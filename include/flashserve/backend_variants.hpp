@@ -82,25 +82,83 @@ class MlaLayer {
 };
 
 // ---------------------------------------------------------------- decode context parallel
-// KV token i of rank r is global token i * world + r. Each rank holds H_local = H / world
-// query heads; forward all-gathers queries over heads, attends over its local KV with LSE,
-// then reduce-scatters the LSE-corrected outputs back to its own heads.
+// W ranks share every sequence's KV: position t lives on rank (t / I) % W at local index
+// (t / (I * W)) * I + t % I, I the interleave (vLLM's cp_kv_cache_interleave_size; I = 1:
+// rank t % W, local index t / W). Each rank holds H_local query heads and every KV head of its
+// shard. A step, per layer:
+//
+//   write_kv    the new tokens' K/V into this rank's shard at md.slot_mapping (the engine's
+//               local slots: -1 for the positions other ranks own)
+//   all_gather  q [T, H_local, D] -> q_all [W, T, H_local, D] (global head s * H_local + j)
+//   attend      q_all over the local shard, H = W * H_local heads, queries at their global
+//               positions (causal verify steps see only earlier positions) ->
+//               out_all fp32 [W, T, H_local, Dv], lse_local fp32 [H, T]
+//   all_gather  lse_local -> lse_all fp32 [W, H, T]
+//   correct     out_all *= exp(lse_local - logsumexp over ranks)            (lse_correct)
+//   reduce_scatter  out_all -> out [T, H_local, Dv]: the sum over ranks of slice `rank`
+//
+// forward() runs them with a Communicator. The phases are public for an engine that owns its
+// collectives (the Python backend runs them around torch.distributed / vLLM's dcp group): each
+// phase only enqueues kernels on ctx's stream, never allocates or synchronizes, so a step
+// including the engine's collectives captures in one CUDA graph.
 class DcpAttentionLayer {
  public:
   DcpAttentionLayer(const LayerSpec& local_spec, Communicator& comm);
+  // The phases only, for rank `rank` of `world_size` (forward() is an error).
+  DcpAttentionLayer(const LayerSpec& local_spec, int world_size, int rank);
+  const LayerSpec& spec() const { return spec_; }
+  int world_size() const { return world_; }
+  int rank() const { return rank_; }
+  // forward()'s workspace (q_all, out_all, LSEs and the split-KV buffer), for batches up to the
+  // builder's capacities.
   size_t workspace_bytes(const BuilderConfig& config) const;
-  // q [T, H_local, D]; cache: this rank's shard; md built with dcp_world_size/dcp_rank (the
-  // seq_lens are global lengths); out [T, H_local, Dv].
+  // attend()'s workspace alone (the split-KV buffer, and the int8 query buffers).
+  size_t attend_workspace_bytes(const BuilderConfig& config) const;
+
+  // q [T, H_local, D]; key/value [T, H_kv, D(v)]: this step's new tokens, written to the shard
+  // at md.slot_mapping unless absent or the spec does not write (KV sharing); cache: this
+  // rank's shard; md from a builder with this rank's dcp_world_size / dcp_rank /
+  // dcp_interleave (seq_lens global); out [T, H_local, Dv]. Every argument is checked before
+  // the first collective. Without sinks (and with a 16/32-bit q) the attention is one call over
+  // every gathered head (attend's token-major layout; the workspace holds the transposes).
+  void forward(const AttentionMetadata& md, const TensorRef& q, const OptTensor& key, const OptTensor& value,
+               const KvCache& cache, const TensorRef& out, const LayerWorkspace& ws,
+               const ExecContext& ctx = {}) const;
+  // The same without new tokens to write (the engine wrote the shard, or KV sharing).
   void forward(const AttentionMetadata& md, const TensorRef& q, const KvCache& cache, const TensorRef& out,
-               const LayerWorkspace& ws, const ExecContext& ctx = {}) const;
-  // Local length of a global length on `rank`.
-  static int64_t local_len(int64_t global_len, int world, int rank) {
-    return global_len > rank ? (global_len - rank + world - 1) / world : 0;
+               const LayerWorkspace& ws, const ExecContext& ctx = {}) const {
+    forward(md, q, std::nullopt, std::nullopt, cache, out, ws, ctx);
   }
 
+  // ---- the phases
+  void write_kv(const AttentionMetadata& md, const TensorRef& key, const TensorRef& value, const KvCache& cache,
+                const ExecContext& ctx = {}) const;
+  // Two layouts, rows [0, T) written:
+  //  - slice-major, as gathered: q_all [W, >= T, H_local, D], out_all fp32 [W, >= T, H_local, Dv]:
+  //    one attention call per slice (per KV head when a slice straddles KV-head groups);
+  //  - token-major: q_all [>= T, H, D] (global head s * H_local + j at column s * H_local + j),
+  //    out_all fp32 [>= T, H, Dv]: ONE call over every head, as many CTAs as the single-device
+  //    layer on 1/W of the keys (the engine transposes the gathered q and, before the
+  //    reduce-scatter, out_all: tiny copies for decode). Not with sinks (a sink enters only its
+  //    own rank's heads).
+  // lse_local fp32 [H, >= T] (columns [0, T) written) in both.
+  void attend(const AttentionMetadata& md, const TensorRef& q_all, const KvCache& cache, const TensorRef& out_all,
+              const TensorRef& lse_local, const LayerWorkspace& ws, const ExecContext& ctx = {}) const;
+  // out_all fp32 [W, T, H_local, Dv] or [T, H, Dv] scaled in place; lse_all fp32 [W, H, T].
+  void correct(const TensorRef& out_all, const TensorRef& lse_all, const ExecContext& ctx = {}) const;
+
+  // ---- the layout (common to the builder, the kernels' cp arguments and the engine's slots)
+  // How many of the global positions [0, global_len) live on `rank`.
+  static int64_t local_len(int64_t global_len, int world, int rank, int64_t interleave = 1);
+  // The rank that holds global position `pos`, and its local index there.
+  static int owner(int64_t pos, int world, int64_t interleave = 1);
+  static int64_t local_index(int64_t pos, int world, int64_t interleave = 1);
+
  private:
+  void check_md(const AttentionMetadata& md) const;
   LayerSpec spec_;
-  Communicator* comm_;
+  Communicator* comm_ = nullptr;
+  int world_ = 1, rank_ = 0;
 };
 
 }  // namespace flashserve::backend

@@ -93,9 +93,22 @@ class FlashServeMetadataBuilder:
         self.kv_cache_spec = kv_cache_spec
         self.layer_names = list(layer_names)
         self.vllm_config = config = vllm_config
-        if config.dcp_world_size != 1:
-            raise NotImplementedError("dcp_world_size: decode context parallelism through the Python "
-                                      "backend (the layer needs a communicator) is not implemented")
+        # Decode context parallelism: world size and rank from the engine's dcp group (as vLLM's
+        # builder reads get_dcp_group()), else from the config (metadata only: a forward needs
+        # the group).
+        self.dcp_group = None
+        self.dcp_world_size = check_positive("dcp_world_size", config.dcp_world_size)
+        self.dcp_rank = config.dcp_rank
+        if config.dcp_group is not None:
+            from .dcp import DcpGroup
+            self.dcp_group = DcpGroup(config.dcp_group)
+            for name, given, actual in (("dcp_world_size", config.dcp_world_size, self.dcp_group.world_size),
+                                        ("dcp_rank", config.dcp_rank, self.dcp_group.rank)):
+                if config.dcp_world_size != 1 and given != actual:
+                    raise ValueError(f"{name}: expected the dcp group's {actual}, got {given}")
+            self.dcp_world_size, self.dcp_rank = self.dcp_group.world_size, self.dcp_group.rank
+        self.cp_kv_cache_interleave_size = check_positive("cp_kv_cache_interleave_size",
+                                                          config.cp_kv_cache_interleave_size)
         self.device = torch.device(device) if torch is not None else device
         self.block_size = check_positive("block_size", kv_cache_spec.block_size)
         self.reorder_batch_threshold = 1 + check_positive(
@@ -118,6 +131,9 @@ class FlashServeMetadataBuilder:
             num_splits=check_positive("num_splits", config.num_splits, 0),
             max_draft_depth=config.max_draft_depth,
             stream=None if self._stream is None else self._stream.cuda_stream,
+            dcp_world_size=self.dcp_world_size,
+            dcp_rank=self.dcp_rank,
+            dcp_interleave=self.cp_kv_cache_interleave_size,
         )
         self._generation = 0
         self._last: Optional[CommonAttentionMetadata] = None
@@ -189,7 +205,7 @@ class FlashServeMetadataBuilder:
                               **kwargs: Any) -> bool:
         """Whether cascade pays for this batch. vLLM's other arguments describe this group's
         layers and device, which the builder was made with; the decision is the builder's."""
-        return _C.use_cascade(common_prefix_len, query_lens, self._spec, 1, self._props)
+        return _C.use_cascade(common_prefix_len, query_lens, self._spec, self.dcp_world_size, self._props)
 
     def max_workspace_bytes(self) -> int:
         """Split-KV workspace bytes the largest batch of the limits can need."""

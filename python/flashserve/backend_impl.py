@@ -15,6 +15,12 @@ The caches it reads (each from the engine's one kv_cache tensor per layer):
 
 A cache whose shape would fit either order (H_kv == block_size) is read in the declared one,
 and one whose strides say the other is rejected (never read transposed).
+
+Decode context parallelism: when the metadata's builder has dcp_world_size > 1 (the engine's
+dcp group in FlashServeEngineConfig.dcp_group, as vLLM's get_dcp_group()), kv_cache is this
+rank's shard, num_heads the heads of this rank, and the forward runs flashserve.dcp.dcp_forward:
+the shard's K/V written at the engine's local slot_mapping, queries all-gathered, the local
+attention with LSE, the LSE correction and the reduce-scatter back to this rank's heads.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ class FlashServeImpl:
     vLLM's scales: _k_scale / _v_scale (fp8 caches; [] or per KV head [H_kv]), _q_scale (read
     when the engine quantized the query to fp8), kv_cache_scale (the int8 fork's)."""
 
-    can_return_lse_for_decode: bool = False
+    can_return_lse_for_decode: bool = True       # DCP: decode attention with the LSE (vLLM's check)
     supports_quant_query_input: bool = True      # q may come as fp8 (descaled by layer._q_scale)
     supports_per_head_quant_scales: bool = True  # _q_scale / _k_scale / _v_scale of [H_kv]
 
@@ -62,6 +68,7 @@ class FlashServeImpl:
                  attention_chunk_size: Optional[int] = None, kv_cache_layout: Optional[str] = None,
                  kv_cache_shape_layout: Optional[str] = None, use_sqrt_alibi: bool = False,
                  forward_includes_kv_cache_update: Optional[bool] = None,
+                 dcp_world_size: int = 1,
                  dtype: Any = "bfloat16") -> None:
         if torch is None:
             raise ImportError("FlashServeImpl needs torch")
@@ -108,7 +115,15 @@ class FlashServeImpl:
         self.dtype = dtype_name(dtype)
         self._cache_dtype = cache_dtype_name(kv_cache_dtype)
         self._layers: dict = {}
-        self._make_layer(None, self.use_sqrt_alibi)  # validates every argument now
+        # vLLM's impl knows its dcp world size (get_dcp_group()); under DCP the KV heads of this
+        # rank need only divide the heads of the whole group (e.g. GQA 32/8 over 8 GPUs: 4 query
+        # heads and 8 KV heads per rank).
+        self.dcp_world_size = check_positive("dcp_world_size", dcp_world_size)
+        if self.dcp_world_size > 1:  # validates every argument now
+            _C.DcpAttentionLayer(self._layer_spec(None, self.use_sqrt_alibi, True),
+                                 world_size=self.dcp_world_size, rank=0)
+        else:
+            self._make_layer(None, self.use_sqrt_alibi)
         self._ws_builder: Any = None
         self._ws_bytes = 0
 
@@ -118,10 +133,22 @@ class FlashServeImpl:
         """The C++ layer with alibi_slopes / sinks on `device` (None: where they are); `writes`:
         whether its forward writes the new K/V (also needs forward_includes_kv_cache_update and
         no KV sharing)."""
+        return _C.AttentionLayer(self._layer_spec(device, sqrt_alibi, writes))
+
+    def _dcp_layer_on(self, device: Any, sqrt_alibi: bool, group: Any) -> Any:
+        """The C++ DCP phases of this rank (flashserve._C.DcpAttentionLayer)."""
+        key = ("dcp", device, sqrt_alibi, group.world_size, group.rank)
+        layer = self._layers.get(key)
+        if layer is None:
+            layer = self._layers[key] = _C.DcpAttentionLayer(self._layer_spec(device, sqrt_alibi, True),
+                                                             world_size=group.world_size, rank=group.rank)
+        return layer
+
+    def _layer_spec(self, device: Any, sqrt_alibi: bool, writes: bool) -> Any:
         def on(t: Any) -> Any:
             return t if t is None or device is None else t.to(device)
 
-        spec = _C.LayerSpec(
+        return _C.LayerSpec(
             self.num_heads, self.num_kv_heads, self.head_size, head_size_v=self.head_size_v,
             scale=self.scale, attn_type=self.attn_type, sliding_window=self.sliding_window,
             attention_chunk_size=self.attention_chunk_size, softcap=self.logits_soft_cap,
@@ -130,7 +157,6 @@ class FlashServeImpl:
             writes_kv_cache=(writes and self.kv_sharing_target_layer_name is None
                              and self.forward_includes_kv_cache_update),
             alibi_sqrt=sqrt_alibi)
-        return _C.AttentionLayer(spec)
 
     def _layer_on(self, device: Any, sqrt_alibi: bool, writes: bool = True) -> Any:
         key = (device, sqrt_alibi, writes)
@@ -274,6 +300,12 @@ class FlashServeImpl:
             k_scale, v_scale, k_scale_cache = self._scales(layer, kv_cache_scale)
             if q.dtype in _FP8:
                 q_descale = getattr(layer, "_q_scale", None)
+        if builder.dcp_world_size > 1 or self.dcp_world_size > 1:
+            if builder.dcp_world_size != self.dcp_world_size and self.dcp_world_size > 1:
+                raise ValueError(f"attn_metadata: expected a builder of dcp_world_size={self.dcp_world_size} "
+                                 f"(the layer's), got {builder.dcp_world_size}")
+            return self._forward_dcp(md, q, key, value, key_cache, value_cache, out, output, sqrt_alibi,
+                                     kv_cache_updated, k_scale, v_scale, k_scale_cache, q_descale)
         c_layer = self._layer_on(q.device, sqrt_alibi, not kv_cache_updated)
         if builder is not self._ws_builder:
             self._ws_bytes = c_layer.workspace_bytes(builder._c)
@@ -282,4 +314,28 @@ class FlashServeImpl:
         c_layer.forward(md.handle, q, key, value, key_cache, value_cache, out,
                         builder.workspace(self._ws_bytes), k_scale=k_scale, v_scale=v_scale,
                         k_scale_cache=k_scale_cache, q_descale=q_descale, stream=stream)
+        return output
+
+    def _forward_dcp(self, md: FlashServeMetadata, q: Any, key: Any, value: Any, key_cache: Any, value_cache: Any,
+                     out: Any, output: Any, sqrt_alibi: bool, kv_cache_updated: bool, k_scale: Any, v_scale: Any,
+                     k_scale_cache: Any, q_descale: Any) -> Any:
+        """Decode context parallelism (vLLM's _forward_with_dcp): flashserve.dcp.dcp_forward over
+        the builder's dcp group."""
+        from .dcp import dcp_forward
+        builder = md.builder
+        if builder.dcp_group is None:
+            raise ValueError(f"dcp_group: expected the engine's dcp group in FlashServeEngineConfig.dcp_group "
+                             f"(dcp_world_size={builder.dcp_world_size}), got None")
+        if self.attn_type != "decoder":
+            raise NotImplementedError(f"decode context parallelism for a {self.attn_type} layer")
+        layer = self._dcp_layer_on(q.device, sqrt_alibi, builder.dcp_group)
+        ws_key = ("dcp", builder)
+        if self._ws_builder != ws_key:
+            self._ws_bytes = layer.attend_workspace_bytes(builder._c)
+            self._ws_builder = ws_key
+        write = (not kv_cache_updated and self.forward_includes_kv_cache_update
+                 and self.kv_sharing_target_layer_name is None)
+        dcp_forward(layer, md.handle, q, key, value, key_cache, value_cache, out, builder.dcp_group,
+                    builder.workspace(self._ws_bytes), write=write, k_scale=k_scale, v_scale=v_scale,
+                    k_scale_cache=k_scale_cache, q_descale=q_descale, fused_heads=self.sinks is None)
         return output

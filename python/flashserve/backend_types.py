@@ -108,8 +108,14 @@ class FlashServeEngineConfig:
     num_splits: int = 0                   # > 0: every part's split count fixed at this (capped
                                           # by the keys), so a captured step's split count
                                           # never depends on the lengths (FA3's max_num_splits)
+    # Decode context parallelism (vLLM's decode_context_parallel_size, get_dcp_group() and
+    # parallel_config.cp_kv_cache_interleave_size): dcp_group is the group's torch.distributed
+    # ProcessGroup or vLLM's GroupCoordinator (world size and rank then come from it); the
+    # builder's metadata and the layers' forward use it. num_heads stays the heads per rank.
     dcp_world_size: int = 1
     dcp_rank: int = 0
+    cp_kv_cache_interleave_size: int = 1
+    dcp_group: Any = field(default=None, repr=False)
     max_draft_depth: int = 32
 
 

@@ -122,7 +122,7 @@ void init_spec(PyLayerSpec* self, int64_t num_heads, int64_t num_kv_heads, int64
 void init_builder(PyBuilder* self, nb::object spec, int64_t block_size, int reorder_batch_threshold,
                   bool enable_cascade, const DeviceProps& device, int64_t max_num_reqs, int64_t max_num_tokens,
                   int64_t max_blocks_per_req, int max_num_splits, int num_splits, int dcp_world_size, int dcp_rank,
-                  int64_t max_draft_depth, nb::handle stream) {
+                  int64_t max_draft_depth, nb::handle stream, int64_t dcp_interleave) {
   BuilderConfig c;
   c.layer = nb::cast<const PyLayerSpec&>(spec).spec;
   c.block_size = block_size;
@@ -136,6 +136,7 @@ void init_builder(PyBuilder* self, nb::object spec, int64_t block_size, int reor
   c.num_splits = num_splits;
   c.dcp_world_size = dcp_world_size;
   c.dcp_rank = dcp_rank;
+  c.dcp_interleave = dcp_interleave;
   c.max_draft_depth = max_draft_depth;
   c.stream = stream_arg(stream);
   new (self) PyBuilder(c, std::move(spec));
@@ -249,6 +250,34 @@ void differential_forward(const PyDifferential& l, const AttentionMetadata& md, 
                   tensor_arg(out, "out"), workspace_arg(workspace), stream_context(stream));
 }
 
+// Decode context parallelism: the phases of DcpAttentionLayer, for an engine that runs the
+// collectives itself (flashserve.dcp over torch.distributed).
+struct PyDcp {
+  DcpAttentionLayer layer;
+  nb::object spec;
+  PyDcp(const LayerSpec& s, int world, int rank, nb::object keep) : layer(s, world, rank), spec(std::move(keep)) {}
+};
+
+void dcp_write_kv(const PyDcp& l, const AttentionMetadata& md, nb::handle key, nb::handle value, nb::handle key_cache,
+                  nb::handle value_cache, nb::handle k_scale, nb::handle v_scale, nb::handle k_scale_cache,
+                  nb::handle stream) {
+  const KvCache cache = kv_cache_arg(key_cache, value_cache, k_scale, v_scale, k_scale_cache, nb::none());
+  l.layer.write_kv(md, tensor_arg(key, "key"), tensor_arg(value, "value"), cache, stream_context(stream));
+}
+
+void dcp_attend(const PyDcp& l, const AttentionMetadata& md, nb::handle q_all, nb::handle key_cache,
+                nb::handle value_cache, nb::handle out_all, nb::handle lse_local, nb::handle workspace,
+                nb::handle k_scale, nb::handle v_scale, nb::handle k_scale_cache, nb::handle q_descale,
+                nb::handle stream) {
+  const KvCache cache = kv_cache_arg(key_cache, value_cache, k_scale, v_scale, k_scale_cache, q_descale);
+  l.layer.attend(md, tensor_arg(q_all, "q_all"), cache, tensor_arg(out_all, "out_all"),
+                 tensor_arg(lse_local, "lse_local"), workspace_arg(workspace), stream_context(stream));
+}
+
+void dcp_correct(const PyDcp& l, nb::handle out_all, nb::handle lse_all, nb::handle stream) {
+  l.layer.correct(tensor_arg(out_all, "out_all"), tensor_arg(lse_all, "lse_all"), stream_context(stream));
+}
+
 // The MLA prefill's part: the prefill requests of cu_seqlens_q (device int32 [B + 1]) over q's rows.
 PartMetadata mla_part(const TensorRef& q, nb::handle cu_seqlens_q, int64_t max_query_len) {
   PartMetadata part;
@@ -329,6 +358,9 @@ void register_metadata(nb::module_& m) {
       .def_prop_ro("use_local", [](const AttentionMetadata& md) { return md.local.enabled; })
       .def_prop_ro("num_local_reqs", [](const AttentionMetadata& md) { return md.local.part.num_reqs; })
       .def_prop_ro("use_tree", [](const AttentionMetadata& md) { return md.tree.enabled; })
+      .def_ro("dcp_world_size", &AttentionMetadata::dcp_world_size)
+      .def_ro("dcp_rank", &AttentionMetadata::dcp_rank)
+      .def_ro("dcp_interleave", &AttentionMetadata::dcp_interleave)
       .def_prop_ro("decode_num_splits", [](const AttentionMetadata& md) { return md.decode.plan.num_splits; })
       .def_prop_ro("prefill_num_splits", [](const AttentionMetadata& md) { return md.prefill.plan.num_splits; });
 
@@ -336,7 +368,7 @@ void register_metadata(nb::module_& m) {
       .def("__init__", &init_builder, "spec"_a, nb::kw_only(), "block_size"_a = 16, "reorder_batch_threshold"_a = 1,
            "enable_cascade"_a = true, "device"_a = DeviceProps::cpu(), "max_num_reqs"_a = 256,
            "max_num_tokens"_a = 8192, "max_blocks_per_req"_a = 2048, "max_num_splits"_a = 32, "num_splits"_a = 0, "dcp_world_size"_a = 1,
-           "dcp_rank"_a = 0, "max_draft_depth"_a = 32, "stream"_a = nb::none())
+           "dcp_rank"_a = 0, "max_draft_depth"_a = 32, "stream"_a = nb::none(), "dcp_interleave"_a = 1)
       .def("build", &build, nb::rv_policy::reference_internal, "query_start_loc"_a, "seq_lens"_a.none(),
            "block_table"_a.none(), "slot_mapping"_a.none(), nb::kw_only(), "num_reqs"_a, "num_actual_tokens"_a,
            "max_query_len"_a, "max_seq_len"_a, "causal"_a = true, "common_prefix_len"_a = 0,
@@ -384,6 +416,34 @@ void register_variants(nb::module_& m) {
            "key_cache1"_a.none(), "value_cache1"_a.none(), "key_cache2"_a.none(), "value_cache2"_a.none(), "out"_a,
            "workspace"_a.none(), nb::kw_only(), "k_scale"_a = nb::none(), "v_scale"_a = nb::none(),
            "stream"_a = nb::none());
+
+  nb::class_<PyDcp>(m, "DcpAttentionLayer",
+                    "Decode context parallelism's per-rank phases (backend::DcpAttentionLayer): write_kv, "
+                    "attend (all-gathered queries over the local KV shard, with LSE), correct (by every rank's LSE).")
+      .def(
+          "__init__",
+          [](PyDcp* self, nb::object spec, int world_size, int rank) {
+            const LayerSpec& s = nb::cast<const PyLayerSpec&>(spec).spec;
+            new (self) PyDcp(s, world_size, rank, std::move(spec));
+          },
+          "spec"_a, nb::kw_only(), "world_size"_a, "rank"_a)
+      .def_prop_ro("world_size", [](const PyDcp& l) { return l.layer.world_size(); })
+      .def_prop_ro("rank", [](const PyDcp& l) { return l.layer.rank(); })
+      .def(
+          "attend_workspace_bytes",
+          [](const PyDcp& l, const PyBuilder& b) { return l.layer.attend_workspace_bytes(b.builder.config()); },
+          "builder"_a)
+      .def("write_kv", &dcp_write_kv, "metadata"_a, "key"_a, "value"_a, "key_cache"_a, "value_cache"_a, nb::kw_only(),
+           "k_scale"_a = nb::none(), "v_scale"_a = nb::none(), "k_scale_cache"_a = nb::none(),
+           "stream"_a = nb::none())
+      .def("attend", &dcp_attend, "metadata"_a, "q_all"_a, "key_cache"_a, "value_cache"_a, "out_all"_a, "lse_local"_a,
+           "workspace"_a.none(), nb::kw_only(), "k_scale"_a = nb::none(), "v_scale"_a = nb::none(),
+           "k_scale_cache"_a = nb::none(), "q_descale"_a = nb::none(), "stream"_a = nb::none())
+      .def("correct", &dcp_correct, "out_all"_a, "lse_all"_a, nb::kw_only(), "stream"_a = nb::none())
+      .def_static("local_len", &DcpAttentionLayer::local_len, "global_len"_a, "world_size"_a, "rank"_a,
+                  "interleave"_a = 1)
+      .def_static("owner", &DcpAttentionLayer::owner, "pos"_a, "world_size"_a, "interleave"_a = 1)
+      .def_static("local_index", &DcpAttentionLayer::local_index, "pos"_a, "world_size"_a, "interleave"_a = 1);
 
   nb::class_<MlaLayer>(m, "MlaLayer", "MLA prefill (new tokens causal, context chunks merged by LSE) (backend::MlaLayer).")
       .def(

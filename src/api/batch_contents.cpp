@@ -1,6 +1,7 @@
 // Per-sequence reads of the batch metadata and the content checks a CPU call makes before
 // any write: lengths within the tensors and bounds, block indices in range.
 #include "api/check.hpp"
+#include "common/cp_layout.hpp"
 #include "api/validate_batch.hpp"
 
 namespace flashserve::detail {
@@ -104,13 +105,15 @@ void check_batch_contents(AttnProblem& pr, const AttentionParams& p) {
     check_cu_seqlens(*pr.cu_seqlens_k, "cu_seqlens_k", pr.paged ? INT64_MAX : pr.k.size(1), "the rows of k");
   check_k_lengths(pr, p);
   if (pr.cp_tot_seqused_k) {
-    // Rank r holds global tokens r, r + W, ...: its local length follows from the global one.
+    // Rank r's share of the global positions (common/cp_layout.hpp): its local length follows
+    // from the global one.
     const int64_t w = p.cp_world_size, r = p.cp_rank;
     for (int64_t b = 0; b < pr.batch; ++b) {
       const int64_t tot = read_index(*pr.cp_tot_seqused_k, b);
-      const int64_t local = tot > r ? (tot - r + w - 1) / w : 0;
+      const int64_t local = cp_local_len(tot, w, r, p.cp_interleave);
       if (tot < 0 || local != k_len(pr, b))
-        fail_arg("cp_tot_seqused_k", cat("a global length whose share on rank ", r, " of ", w, " is the local KV length ",
+        fail_arg("cp_tot_seqused_k", cat("a global length whose share on rank ", r, " of ", w, " (interleave ",
+                                         p.cp_interleave, ") is the local KV length ",
                                          k_len(pr, b)),
                  cat("cp_tot_seqused_k[", b, "]=", tot));
     }

@@ -138,6 +138,7 @@ void check_modifiers(AttnProblem& pr, const AttentionParams& p) {
   if (p.cp_world_size < 1) fail_arg("cp_world_size", ">= 1", p.cp_world_size);
   if (p.cp_rank < 0 || p.cp_rank >= p.cp_world_size)
     fail_arg("cp_rank", cat("a rank in [0, ", p.cp_world_size, ")"), p.cp_rank);
+  if (p.cp_interleave < 1) fail_arg("cp_interleave", ">= 1", p.cp_interleave);
   if (p.cp_world_size > 1) {
     if (!p.cp_tot_seqused_k) fail_arg("cp_tot_seqused_k", "an int32 [B] tensor of global KV lengths", "none");
     check_operand(*p.cp_tot_seqused_k, "cp_tot_seqused_k", 1, {DType::i32}, dev, "q");

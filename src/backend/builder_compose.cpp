@@ -239,7 +239,8 @@ void compose_encoder(State& s) {
 }  // namespace
 
 int64_t kv_len_on_rank(const BuilderConfig& c, int64_t global_len) {
-  return c.dcp_world_size > 1 ? DcpAttentionLayer::local_len(global_len, c.dcp_world_size, c.dcp_rank) : global_len;
+  return c.dcp_world_size > 1 ? DcpAttentionLayer::local_len(global_len, c.dcp_world_size, c.dcp_rank, c.dcp_interleave)
+                              : global_len;
 }
 
 int64_t call_heads(const BuilderConfig& c) { return c.layer.num_heads * c.dcp_world_size; }
@@ -249,6 +250,9 @@ void compose(State& s) {
   AttentionMetadata& md = s.md;
   const Decision& d = s.decision;
   md = AttentionMetadata{};
+  md.dcp_world_size = s.config.dcp_world_size;
+  md.dcp_rank = s.config.dcp_rank;
+  md.dcp_interleave = s.config.dcp_interleave;
   md.num_actual_tokens = in.num_tokens;
   md.num_reqs = in.num_reqs;
   md.num_decodes = d.num_decodes;

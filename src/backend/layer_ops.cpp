@@ -245,6 +245,7 @@ void paged_pass(const Modifiers& m, const Query& q, const CacheView& cache, cons
   }
   p.cp_world_size = extras.cp_world_size;
   p.cp_rank = extras.cp_rank;
+  p.cp_interleave = extras.cp_interleave;
   p.cp_tot_seqused_k = extras.cp_tot_seqused_k;
   const int64_t page = cache.layout == KvLayout::nhd ? cache.k.size(1) : cache.k.size(2);
   varlen_attention(p, with_plan(ctx, plan_for(part, p, H_kv, page)));

@@ -112,6 +112,7 @@ struct Pass {
 // Extra fields a pass may carry (decode context parallelism).
 struct PassExtras {
   int cp_world_size = 1, cp_rank = 0;
+  int64_t cp_interleave = 1;
   OptTensor cp_tot_seqused_k;  // int32 [num_reqs of the part]
 };
 

@@ -23,6 +23,7 @@
 #include <algorithm>
 
 #include "api/check.hpp"
+#include "common/cp_layout.hpp"
 #include "backend/builder_state.hpp"
 #include "backend/layer_ops.hpp"
 #include "planner/local_batches.hpp"
@@ -62,6 +63,7 @@ void check_config(const BuilderConfig& c) {
   if (c.dcp_world_size < 1) fail_arg("dcp_world_size", ">= 1", c.dcp_world_size);
   if (c.dcp_rank < 0 || c.dcp_rank >= c.dcp_world_size)
     fail_arg("dcp_rank", cat("a rank in [0, ", c.dcp_world_size, ")"), c.dcp_rank);
+  if (c.dcp_interleave < 1) fail_arg("dcp_interleave", ">= 1", c.dcp_interleave);
   if (l.num_heads < 1) fail_arg("num_heads", ">= 1", l.num_heads);
   // Under DCP the layer spec is per rank: the KV heads divide the heads of all ranks.
   const int64_t all_heads = l.num_heads * c.dcp_world_size;
@@ -462,13 +464,13 @@ const AttentionMetadata& MetadataBuilder::advance_decode_step() {
     throw;
   }
   // The new token of request r is at position seq_len - 1; with DCP only this rank's tokens
-  // (position % world == rank) get a slot, the others -1. CUDA metadata: (request, local
+  // (common/cp_layout.hpp: (position / interleave) % world == rank) get a slot, the others -1. CUDA metadata: (request, local
   // position) pairs, resolved through the device block table after the upload (publish).
   builder::wait_upload(s);  // advance_src is staging
   for (int64_t r = 0; r < in.num_reqs; ++r) {
     const int64_t pos = int64_t(in.seq_lens[size_t(r)]) - 1;
-    const int64_t w = c.dcp_world_size, bs = c.block_size, local = pos / w;
-    const bool mine = pos % w == c.dcp_rank;
+    const int64_t w = c.dcp_world_size, bs = c.block_size, local = cp_local_index(pos, w, c.dcp_interleave);
+    const bool mine = cp_owner(pos, w, c.dcp_interleave) == c.dcp_rank;
     s.advance_src[2 * size_t(r)] = mine ? int32_t(r) : -1;
     s.advance_src[2 * size_t(r) + 1] = int32_t(local);
     if (!in.on_device)

@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "api/check.hpp"
+#include "common/cp_layout.hpp"
 #include "common/softmax_state.hpp"
 #include "flashserve/numeric.hpp"
 #include "flashserve/status.hpp"
@@ -40,7 +41,7 @@ struct Call {
   bool causal = false, alibi = false, alibi_sqrt = false;
   Window window{};
   int64_t chunk = 0;
-  int64_t cp_world = 1, cp_rank = 0;  // context parallel: local key t is global t * world + rank
+  int64_t cp_world = 1, cp_rank = 0, cp_interleave = 1;  // context parallel (common/cp_layout.hpp)
 };
 
 // One packed row of a work item: query row i of the sequence, query head h.
@@ -53,9 +54,9 @@ struct Row {
   float lse = 0.0f;        // of the state merged over the splits so far
 };
 
-// First local key whose global position t * world + rank is >= g.
+// First local key whose global position is >= g (g >= 0): the local keys below g.
 int64_t local_from_global(const Call& c, int64_t g) {
-  return -floor_div(-(g - c.cp_rank), c.cp_world);
+  return cp_local_len(g, c.cp_world, c.cp_rank, c.cp_interleave);
 }
 
 // SPEC.md §2.4 as an interval: causal, window and chunk each bound [lo, hi) within [0, sk)
@@ -95,7 +96,7 @@ void modify_scores(const Call& c, const Row& r, int64_t t0, int64_t a, int64_t e
     float x = s[t - t0] * c.scale;
     if (c.softcap > 0.0f) x = c.softcap * std::tanh(x / c.softcap);
     if (c.alibi) {
-      const float dist = float(std::llabs(r.pos - (t * c.cp_world + c.cp_rank)));
+      const float dist = float(std::llabs(r.pos - cp_global_pos(t, c.cp_world, c.cp_rank, c.cp_interleave)));
       x -= r.slope * (c.alibi_sqrt ? std::sqrt(dist) : dist);
     }
     s[t - t0] = x;
@@ -275,6 +276,7 @@ void attention(const detail::AttnProblem& pr, const Plan& plan) {
   c.chunk = p.chunk_size;
   c.cp_world = p.cp_world_size;
   c.cp_rank = p.cp_rank;
+  c.cp_interleave = p.cp_interleave;
 
   int64_t max_rows = 0;  // packed rows of the longest sequence
   for (int64_t b = 0; b < pr.batch; ++b) max_rows = std::max(max_rows, detail::q_len(pr, b) * c.group);

@@ -1,4 +1,5 @@
-// Context parallelism in attention: KV token t of rank r sits at global position t * W + r.
+// Context parallelism in attention: KV token t of rank r sits at global position t * W + r, or
+// with an interleave I at (t / I) * W * I + r * I + t % I.
 // Attention over each rank's shard with cp_world_size / cp_rank / cp_tot_seqused_k, merged over
 // the ranks by LSE, must equal attention over the whole KV (masks and ALiBi in global positions).
 #include <gtest/gtest.h>
@@ -22,7 +23,7 @@ struct Result {
 // Varlen contiguous attention over the given KV (rows of k/v per sequence in `k_rows`).
 Result run(const HostTensor& q, const HostTensor& k, const HostTensor& v, const std::vector<int32_t>& cu_q,
            const std::vector<int32_t>& cu_k, const AttentionParams& mods, int world, int rank,
-           const std::vector<int32_t>& tot) {
+           const std::vector<int32_t>& tot, int64_t interleave = 1) {
   const int64_t tq = q.ref.size(0), H = q.ref.size(1), D = q.ref.size(2), B = int64_t(cu_q.size()) - 1;
   Result r{HostTensor::zeros(DType::f32, {tq, H, D}), HostTensor::zeros(DType::f32, {H, tq})};
   fstest::poison(r.out.ref);
@@ -51,6 +52,7 @@ Result run(const HostTensor& q, const HostTensor& k, const HostTensor& v, const 
   p.max_seqlen_k = max_k;
   p.cp_world_size = world;
   p.cp_rank = rank;
+  p.cp_interleave = interleave;
   if (world > 1) p.cp_tot_seqused_k = ct.ref;
   flashserve::varlen_attention(p);
   return r;
@@ -64,6 +66,7 @@ TEST(ContextParallel, ShardsMergedEqualWholeKv) {
     const int64_t B = 1 + int64_t(rng() % 3), Hkv = 1 + int64_t(rng() % 2), H = Hkv * (1 + int64_t(rng() % 3));
     const int64_t D = 16;
     const int world = 2 + int(rng() % 3);
+    const int64_t il = rng() % 2 ? 1 : 1 + int64_t(rng() % 5);
     std::vector<int32_t> cu_q{0}, cu_k{0}, tot;
     for (int64_t b = 0; b < B; ++b) {
       const int32_t sk = int32_t(rng() % 40), sq = int32_t(std::min<uint64_t>(sk, 1 + rng() % 6));
@@ -94,17 +97,23 @@ TEST(ContextParallel, ShardsMergedEqualWholeKv) {
     std::vector<Result> parts;
     for (int r = 0; r < world; ++r) {
       std::vector<int32_t> lcu{0};
-      for (int64_t b = 0; b < B; ++b) lcu.push_back(lcu.back() + int32_t(tot[size_t(b)] > r ? (tot[size_t(b)] - r + world - 1) / world : 0));
+      // Local keys of rank r: the global positions g < tot with (g / il) % world == r, in order.
+      std::vector<std::vector<int64_t>> mine(static_cast<size_t>(B));
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t g = 0; g < tot[size_t(b)]; ++g)
+          if ((g / il) % world == r) mine[size_t(b)].push_back(g);
+        lcu.push_back(lcu.back() + int32_t(mine[size_t(b)].size()));
+      }
       HostTensor lk = HostTensor::zeros(DType::f32, {lcu.back(), Hkv, D}), lv = HostTensor::zeros(DType::f32, {lcu.back(), Hkv, D});
       for (int64_t b = 0; b < B; ++b)
         for (int64_t t = 0; t < lcu[size_t(b) + 1] - lcu[size_t(b)]; ++t)
           for (int64_t g = 0; g < Hkv; ++g)
             for (int64_t d = 0; d < D; ++d) {
-              const int64_t src = cu_k[size_t(b)] + t * world + r;
+              const int64_t src = cu_k[size_t(b)] + mine[size_t(b)][size_t(t)];
               lk.set({lcu[size_t(b)] + t, g, d}, k.get({src, g, d}));
               lv.set({lcu[size_t(b)] + t, g, d}, v.get({src, g, d}));
             }
-      parts.push_back(run(q, lk, lv, cu_q, lcu, mods, world, r, tot));
+      parts.push_back(run(q, lk, lv, cu_q, lcu, mods, world, r, tot, il));
       for (int64_t i = 0; i < tq * H; ++i) mx[size_t(i)] = std::max(mx[size_t(i)], double(parts.back().lse.ref.ptr<float>()[(i % H) * tq + i / H]));
     }
     for (const Result& pr : parts)
@@ -126,7 +135,8 @@ TEST(ContextParallel, ShardsMergedEqualWholeKv) {
         for (int64_t d = 0; d < D; ++d) {
           const double want = whole.out.get({t, h, d});
           const double got = dn > 0 ? num[size_t((t * H + h) * D + d)] / dn : 0.0;
-          ASSERT_NEAR(want, got, 2e-5) << "iter " << iter << " t " << t << " h " << h << " world " << world;
+          ASSERT_NEAR(want, got, 2e-5) << "iter " << iter << " t " << t << " h " << h << " world " << world
+                                       << " interleave " << il;
         }
       }
   }

@@ -1,6 +1,7 @@
 // Decode context parallelism (SPEC.md §6) on simulated ranks (threads, support/sim_comm):
-// W ranks, each holding KV tokens r, r + W, ... of every sequence and H / W query heads, must
-// give what one AttentionLayer gives over the whole cache with every head.
+// W ranks, each holding the KV positions t with (t / I) % W == r of every sequence (I the
+// interleave) and H / W query heads, writing their share of the step's new K/V themselves,
+// must give what one AttentionLayer gives over the whole cache with every head.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -42,17 +43,18 @@ struct Batch {
 };
 
 // The shard of rank r of W (W = 1: the whole cache), filled through reshape_and_cache with
-// slot -1 for the positions another rank owns.
-Shard make_shard(const Batch& bt, int W, int r, std::mt19937_64& rng) {
+// slot -1 for the positions another rank owns: every position, or (context_only) those before
+// the step's new tokens, which the layer writes.
+Shard make_shard(const Batch& bt, int W, int r, int64_t il, bool context_only, std::mt19937_64& rng) {
   Shard s;
   int64_t nb = 2, width = 1;
-  for (int32_t len : bt.seq_lens) nb += (be::DcpAttentionLayer::local_len(len, W, r) + kBs - 1) / kBs;
+  for (int32_t len : bt.seq_lens) nb += (be::DcpAttentionLayer::local_len(len, W, r, il) + kBs - 1) / kBs;
   std::vector<int32_t> ids(static_cast<size_t>(nb));
   std::iota(ids.begin(), ids.end(), 0);
   std::shuffle(ids.begin(), ids.end(), rng);
   size_t next = 0;
   for (int32_t len : bt.seq_lens) {
-    const int64_t n = (be::DcpAttentionLayer::local_len(len, W, r) + kBs - 1) / kBs;
+    const int64_t n = (be::DcpAttentionLayer::local_len(len, W, r, il) + kBs - 1) / kBs;
     s.blocks.emplace_back(ids.begin() + int64_t(next), ids.begin() + int64_t(next) + n);
     next += size_t(n);
     width = std::max(width, n + 1);
@@ -65,14 +67,15 @@ Shard make_shard(const Batch& bt, int W, int r, std::mt19937_64& rng) {
   for (int64_t q = 0; q < bt.B(); ++q)
     for (size_t j = 0; j < s.blocks[size_t(q)].size(); ++j) s.table.set({q, int64_t(j)}, float(s.blocks[size_t(q)][j]));
   const auto slot = [&](int64_t q, int64_t pos) -> int64_t {
-    if (pos % W != r) return -1;
-    const int64_t local = pos / W;
+    if (be::DcpAttentionLayer::owner(pos, W, il) != r) return -1;
+    const int64_t local = be::DcpAttentionLayer::local_index(pos, W, il);
     return int64_t(s.blocks[size_t(q)][size_t(local / kBs)]) * kBs + local % kBs;
   };
   for (int64_t q = 0; q < bt.B(); ++q) {
     const int64_t len = bt.seq_lens[size_t(q)];
     HostTensor sm = HostTensor::zeros(DType::i64, {len});
-    for (int64_t p = 0; p < len; ++p) *static_cast<int64_t*>(sm.ref.at(p)) = slot(q, p);
+    for (int64_t p = 0; p < len; ++p)
+      *static_cast<int64_t*>(sm.ref.at(p)) = context_only && p >= len - bt.q_len ? -1 : slot(q, p);
     fs::CacheWriteParams w;
     w.key = bt.k[size_t(q)];
     w.value = bt.v[size_t(q)];
@@ -88,16 +91,17 @@ Shard make_shard(const Batch& bt, int W, int r, std::mt19937_64& rng) {
   return s;
 }
 
-be::BuilderConfig config_of(const be::LayerSpec& spec, int W, int r) {
+be::BuilderConfig config_of(const be::LayerSpec& spec, int W, int r, int64_t il = 1, int threshold = 4) {
   be::BuilderConfig c;
   c.layer = spec;
   c.block_size = kBs;
   c.max_num_tokens = 256;
   c.max_num_reqs = 16;
   c.max_blocks_per_req = 64;
-  c.reorder_batch_threshold = 4;
+  c.reorder_batch_threshold = threshold;
   c.dcp_world_size = W;
   c.dcp_rank = r;
+  c.dcp_interleave = il;
   c.device = fs::DeviceProps::cpu();
   return c;
 }
@@ -133,11 +137,15 @@ struct DcpCase {
   int world = 2;
   int64_t heads_per_rank = 2, H_kv = 2, q_len = 1;
   bool sinks = false;
+  int64_t interleave = 1;
+  DType out = DType::f32;  // bf16: the fp32 sum is converted to out's dtype
+  int threshold = 4;       // reorder_batch_threshold: below q_len, the requests are the prefill part
 };
 
 void run_case(const DcpCase& c) {
   SCOPED_TRACE(::testing::Message() << "world " << c.world << " H_local " << c.heads_per_rank << " H_kv " << c.H_kv
-                                    << " q_len " << c.q_len << (c.sinks ? " sinks" : ""));
+                                    << " q_len " << c.q_len << " interleave " << c.interleave
+                                    << (c.sinks ? " sinks" : ""));
   auto rng = fstest::make_rng(fstest::test_salt() + uint64_t(c.world * 1000 + c.heads_per_rank * 100 + c.H_kv * 10 + c.q_len));
   const int W = c.world;
   const int64_t Hl = c.heads_per_rank, H = W * Hl;
@@ -156,6 +164,16 @@ void run_case(const DcpCase& c) {
   HostTensor q = HostTensor::zeros(DType::f32, {T, H, kD}), sinks = HostTensor::zeros(DType::f32, {H});
   fstest::fill_uniform(q, rng, -1.0f, 1.0f);
   fstest::fill_uniform(sinks, rng, -1.0f, 2.0f);
+  // The step's new K/V [T, H_kv, D]: each request's last q_len positions.
+  HostTensor key = HostTensor::zeros(DType::f32, {T, c.H_kv, kD}), value = HostTensor::zeros(DType::f32, {T, c.H_kv, kD});
+  for (int64_t b = 0; b < bt.B(); ++b)
+    for (int64_t i = 0; i < bt.q_len; ++i)
+      for (int64_t h = 0; h < c.H_kv; ++h)
+        for (int64_t d = 0; d < kD; ++d) {
+          const int64_t pos = bt.seq_lens[size_t(b)] - bt.q_len + i, t = bt.qsl[size_t(b)] + i;
+          key.set({t, h, d}, bt.k[size_t(b)].get({pos, h, d}));
+          value.set({t, h, d}, bt.v[size_t(b)].get({pos, h, d}));
+        }
 
   // One rank with every head over the whole cache.
   be::LayerSpec full;
@@ -164,7 +182,7 @@ void run_case(const DcpCase& c) {
   full.head_size = kD;
   full.dtype = DType::f32;
   if (c.sinks) full.sinks = sinks.ref;
-  const Shard whole = make_shard(bt, 1, 0, rng);
+  const Shard whole = make_shard(bt, 1, 0, 1, false, rng);
   be::MetadataBuilder mb(config_of(full, 1, 0));
   const be::AttentionLayer layer(full);
   std::vector<unsigned char> ws(layer.workspace_bytes(mb.config()));
@@ -184,28 +202,29 @@ void run_case(const DcpCase& c) {
     s.num_heads = Hl;
     if (c.sinks) s.sinks = sinks.ref.slice(0, r * Hl, (r + 1) * Hl);
     specs.push_back(s);
-    shards.push_back(make_shard(bt, W, r, rng));
-    builders.push_back(std::make_unique<be::MetadataBuilder>(config_of(s, W, r)));
-    outs.push_back(HostTensor::zeros(DType::f32, {T, Hl, kD}));
+    shards.push_back(make_shard(bt, W, r, c.interleave, true, rng));
+    builders.push_back(std::make_unique<be::MetadataBuilder>(config_of(s, W, r, c.interleave, c.threshold)));
+    outs.push_back(HostTensor::zeros(c.out, {T, Hl, kD}));
     fstest::poison_storage(outs.back());
   }
   for (int r = 0; r < W; ++r) mds.push_back(&builders[size_t(r)]->build(common_of(bt, shards[size_t(r)])));
+  EXPECT_EQ(mds[0]->num_prefills, c.q_len > c.threshold ? bt.B() : 0);
   fstest::SimGroup group(W);
   group.run([&](fstest::SimComm& comm) {
     const int r = comm.rank();
     const be::DcpAttentionLayer dcp(specs[size_t(r)], comm);
     std::vector<unsigned char> rws(dcp.workspace_bytes(builders[size_t(r)]->config()));
-    dcp.forward(*mds[size_t(r)], q.ref.slice(1, r * Hl, (r + 1) * Hl), shards[size_t(r)].cache(), outs[size_t(r)],
-                be::LayerWorkspace{rws.data(), rws.size()});
+    dcp.forward(*mds[size_t(r)], q.ref.slice(1, r * Hl, (r + 1) * Hl), key.ref, value.ref, shards[size_t(r)].cache(),
+                outs[size_t(r)], be::LayerWorkspace{rws.data(), rws.size()});
   });
   for (int r = 0; r < W; ++r) {
     SCOPED_TRACE("rank " + std::to_string(r));
-    expect_close(outs[size_t(r)].ref, ref.ref.slice(1, r * Hl, (r + 1) * Hl), 2e-5);
+    expect_close(outs[size_t(r)].ref, ref.ref.slice(1, r * Hl, (r + 1) * Hl), c.out == DType::f32 ? 2e-5 : 1e-2);
   }
 }
 
-// Cases: {world, heads per rank, H_kv, q_len, sinks}. The builder needs H_kv to divide the
-// heads per rank.
+// Cases: {world, heads per rank, H_kv, q_len, sinks, interleave, out dtype}; H_kv divides the
+// gathered heads (world x heads per rank).
 TEST(DecodeContextParallel, TwoRanksMatchOneRank) {
   run_case({2, 2, 2, 1, false});  // each rank's heads read one KV head
   run_case({2, 4, 1, 1, true});   // MQA
@@ -220,6 +239,66 @@ TEST(DecodeContextParallel, FourRanksMatchOneRank) {
 TEST(DecodeContextParallel, SpeculativeDecodeQueriesSeeTheirGlobalPositions) {
   run_case({2, 2, 2, 3, false});
   run_case({4, 4, 2, 2, true});
+}
+
+TEST(DecodeContextParallel, InterleavedShardsMatchOneRank) {
+  run_case({2, 2, 2, 1, false, 4});
+  run_case({3, 2, 3, 1, true, 16});   // interleave = block size
+  run_case({3, 2, 2, 1, true, 16});   // 2 heads per rank, 3 per KV head: a call per KV head
+  run_case({2, 4, 2, 3, false, 2});   // verify: causal across interleaved runs
+  run_case({3, 2, 1, 4, true, 5});    // interleave not dividing the block size
+  run_case({2, 2, 2, 2, false, 8, DType::bf16});  // bf16 out
+}
+
+TEST(DecodeContextParallel, ChunkedPrefillPartIsCausalAcrossRanks) {
+  run_case({2, 2, 2, 5, false, 1, DType::f32, 1});
+  run_case({3, 2, 1, 6, true, 4, DType::f32, 1});
+}
+
+TEST(DecodeContextParallel, LayoutFunctionsAgree) {
+  for (int W : {1, 2, 3, 4})
+    for (int64_t il : {1, 2, 3, 16})
+      for (int r = 0; r < W; ++r) {
+        int64_t count = 0;
+        for (int64_t pos = 0; pos < 200; ++pos) {
+          EXPECT_EQ(be::DcpAttentionLayer::local_len(pos, W, r, il), count) << W << " " << il << " " << r << " " << pos;
+          if (be::DcpAttentionLayer::owner(pos, W, il) == r) {
+            EXPECT_EQ(be::DcpAttentionLayer::local_index(pos, W, il), count);
+            ++count;
+          }
+        }
+      }
+}
+
+TEST(DecodeContextParallel, MetadataOfAnotherRankIsRejected) {
+  be::LayerSpec s;
+  s.num_heads = 2;
+  s.num_kv_heads = 2;
+  s.head_size = kD;
+  s.dtype = DType::f32;
+  be::MetadataBuilder mb(config_of(s, 2, 0));
+  std::vector<int32_t> qsl{0, 1}, seq{5};
+  HostTensor table = HostTensor::zeros(DType::i32, {1, 4}), slots = HostTensor::zeros(DType::i64, {1});
+  be::CommonMetadata cm;
+  cm.num_reqs = 1;
+  cm.num_actual_tokens = 1;
+  cm.max_query_len = 1;
+  cm.max_seq_len = 5;
+  cm.query_start_loc = qsl;
+  cm.seq_lens = seq;
+  cm.block_table = table;
+  cm.slot_mapping = slots;
+  const be::AttentionMetadata& md = mb.build(cm);
+  const be::DcpAttentionLayer other(s, 2, 1);
+  HostTensor q_all = HostTensor::zeros(DType::f32, {2, 1, 2, kD}), out_all = HostTensor::zeros(DType::f32, {2, 1, 2, kD});
+  HostTensor lse = HostTensor::zeros(DType::f32, {4, 1});
+  HostTensor kc = HostTensor::zeros(DType::f32, {4, kBs, 2, kD}), vc = HostTensor::zeros(DType::f32, {4, kBs, 2, kD});
+  try {
+    other.attend(md, q_all, be::KvCache{kc.ref, vc.ref, {}, {}, {}}, out_all, lse, {});
+    ADD_FAILURE() << "expected an error";
+  } catch (const fs::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 of 2"), std::string::npos) << e.what();
+  }
 }
 
 TEST(DecodeContextParallel, AFailingRankDoesNotHangTheOthers) {

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <map>
 #include <string>
 #include <vector>
@@ -50,11 +51,14 @@ struct Case : fstest::EngineStep {
   // The engine's slot of each query token; under DCP only this rank's positions have one.
   void fill_slots() {
     slots.clear();
-    const int64_t w = config.dcp_world_size;
+    const int w = config.dcp_world_size;
+    const int64_t il = config.dcp_interleave;
     for (int64_t r = 0; r < num_reqs(); ++r)
       for (int64_t i = 0; i < q(r); ++i) {
         const int64_t pos = seq[size_t(r)] - q(r) + i;
-        slots.push_back(pos % w == config.dcp_rank ? slot(r, pos / w) : -1);
+        slots.push_back(be::DcpAttentionLayer::owner(pos, w, il) == config.dcp_rank
+                            ? slot(r, be::DcpAttentionLayer::local_index(pos, w, il))
+                            : -1);
       }
   }
   be::CommonMetadata common() const { return EngineStep::common(!encoder()); }
@@ -80,7 +84,10 @@ be::BuilderConfig random_config(std::mt19937_64& rng, bool& tree) {
   if (kind == 0) c.layer.type = be::AttnType::encoder_decoder;
   if (kind == 1) c.layer.type = rng() % 2 ? be::AttnType::encoder : be::AttnType::encoder_only;
   if (kind == 2) c.layer.attention_chunk_size = c.block_size * (1 + int64_t(rng() % 6));
-  if (kind == 3) c.dcp_world_size = 2 + int(rng() % 3), c.dcp_rank = int(rng() % c.dcp_world_size);
+  if (kind == 3) {
+    c.dcp_world_size = 2 + int(rng() % 3), c.dcp_rank = int(rng() % c.dcp_world_size);
+    c.dcp_interleave = std::array<int64_t, 4>{1, 2, 3, 16}[rng() % 4];
+  }
   if (kind == 4) tree = true, c.reorder_batch_threshold = 8, c.max_draft_depth = 4 + int64_t(rng() % 4);
   if ((kind == 1 || kind >= 5) && rng() % 3 == 0) c.layer.sliding_window = 1 + int64_t(rng() % 40);
   return c;
@@ -119,7 +126,8 @@ Case make_case(std::mt19937_64& rng, const be::BuilderConfig& c, bool tree, bool
   // The table: room for each request's KV on this rank (and the encoder's), and spare.
   int64_t need = 1;
   for (int64_t r = 0; r < k.num_reqs(); ++r) {
-    need = std::max<int64_t>(need, be::DcpAttentionLayer::local_len(k.seq[size_t(r)], c.dcp_world_size, c.dcp_rank));
+    need = std::max<int64_t>(need, be::DcpAttentionLayer::local_len(k.seq[size_t(r)], c.dcp_world_size, c.dcp_rank,
+                                                                      c.dcp_interleave));
     need = std::max<int64_t>(need, k.enc[size_t(r)]);
   }
   k.rows = k.num_reqs() + int64_t(rng() % 3);
@@ -170,9 +178,10 @@ V64 expected_keys(const Case& k, int64_t r, int64_t i) {
   int64_t lo = 0;
   if (w.left >= 0) lo = std::max<int64_t>(0, p - w.left);
   if (c.layer.attention_chunk_size > 0) lo = p / c.layer.attention_chunk_size * c.layer.attention_chunk_size;
-  const int64_t W = c.dcp_world_size;
+  const int W = c.dcp_world_size;
   for (int64_t g = lo; g <= p; ++g)
-    if (g % W == c.dcp_rank) keys.push_back(k.slot(r, g / W));
+    if (be::DcpAttentionLayer::owner(g, W, c.dcp_interleave) == c.dcp_rank)
+      keys.push_back(k.slot(r, be::DcpAttentionLayer::local_index(g, W, c.dcp_interleave)));
   return keys;
 }
 
@@ -249,7 +258,9 @@ void part_keys(const Case& k, const be::PartMetadata& p, const Group& g, std::ve
       ++hits[size_t(row0 + i)];
       const int64_t ip = i + tot - sq;  // aligned position (global under DCP)
       for (int64_t j = 0; j < sk; ++j) {
-        const int64_t jg = W > 1 ? j * W + c.dcp_rank : j;
+        // global position of local key j (common/cp_layout.hpp), written out independently
+        const int64_t il = c.dcp_interleave;
+        const int64_t jg = W > 1 ? (j / il) * W * il + c.dcp_rank * il + j % il : j;
         if (p.causal && jg > ip) continue;
         if (w.left >= 0 && jg < ip - w.left) continue;
         if (w.right >= 0 && jg > ip + w.right) continue;
@@ -423,7 +434,7 @@ be::BuilderConfig replay_config(int kind) {
   c.device = fs::DeviceProps::cpu();
   c.device.num_sms = 4;
   if (kind == 1) c.layer.attention_chunk_size = 8;
-  if (kind == 2) c.dcp_world_size = 3, c.dcp_rank = 2;
+  if (kind == 2) c.dcp_world_size = 3, c.dcp_rank = 2, c.dcp_interleave = 4;
   if (kind == 3) c.reorder_batch_threshold = 5;
   return c;
 }

@@ -390,14 +390,20 @@ TEST(GpuAttentionErrors, OutOfRangeBlockIndexGivesNanRows) {
 }
 
 // Context parallelism (not drawn by the fuzz generator): rank r of W holds global keys
-// r, r + W, ...; masks and ALiBi use global positions. Compared with the CPU reference.
+// r, r + W, ... (interleave 1) or runs of I keys dealt round-robin (position t on rank
+// (t / I) % W); masks and ALiBi use global positions. Compared with the CPU reference.
 TEST(GpuAttentionEdge, ContextParallelMatchesReference) {
   const std::vector<int64_t> global = {40, 7, 300};
+  for (int64_t il : {1, 16, 5})
   for (int world : {2, 3})
     for (int rank = 0; rank < world; ++rank)
       for (int variant = 0; variant < 3; ++variant) {
         std::vector<int64_t> local;
-        for (int64_t g : global) local.push_back(g > rank ? (g - rank + world - 1) / world : 0);
+        for (int64_t g : global) {
+          int64_t n = 0;
+          for (int64_t t = 0; t < g; ++t) n += (t / il) % world == rank;
+          local.push_back(n);
+        }
         CaseConfig c = fstest::small_case_config(variant == 2 ? KvMode::batched_paged : KvMode::varlen_paged, {3, 1, 6}, local);
         c.causal = variant != 1;
         if (variant == 1) c.window = {20, 3};
@@ -410,6 +416,7 @@ TEST(GpuAttentionEdge, ContextParallelMatchesReference) {
         ac.storage.push_back(tot);
         ac.params.cp_world_size = world;
         ac.params.cp_rank = rank;
+        ac.params.cp_interleave = il;
         ac.params.cp_tot_seqused_k = tot.ref;
         const fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
         const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
@@ -421,6 +428,7 @@ TEST(GpuAttentionEdge, ContextParallelMatchesReference) {
         fsgpu::run_gpu(ac, dc, ctx);
         const std::string kernel = fs::attention_kernel_name(dc.params, c.batched(), fs::kernels::cuda_device_props(0));
         EXPECT_EQ(fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(kernel, c)), "")
-            << "world " << world << " rank " << rank << " variant " << variant << "\n" << fstest::describe(c);
+            << "world " << world << " rank " << rank << " interleave " << il << " variant " << variant << "\n"
+            << fstest::describe(c);
       }
 }

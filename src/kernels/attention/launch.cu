@@ -71,6 +71,7 @@ void set_sizes(AttnParams& a, const detail::AttnProblem& pr) {
   a.chunk = p.chunk_size;
   a.cp_world = p.cp_world_size;
   a.cp_rank = p.cp_rank;
+  a.cp_interleave = p.cp_interleave;
 }
 
 // Split partials in the caller's workspace, at the plan's named buffers.

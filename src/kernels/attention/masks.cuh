@@ -2,12 +2,14 @@
 // (every key visible, scores unchanged), so a kernel composes only what a problem enables.
 //
 //   Visibility:     steps 4 (causal, window, chunk) as an interval of local keys, in global
-//                   positions under context parallelism (local key t is global t * world + rank).
+//                   positions under context parallelism (common/cp_layout.hpp: local key t of
+//                   rank r is global (t / I) * world * I + r * I + t % I, I the interleave).
 //   ScoreTransform: steps 1-3 (scale, soft-cap, ALiBi) on one dot product.
 #pragma once
 
 #include <cstdint>
 
+#include "common/cp_layout.hpp"
 #include "common/softmax_state.hpp"
 #include "kernels/attention/load.cuh"
 
@@ -25,10 +27,10 @@ struct Visibility {
   bool causal = false;
   int64_t left = -1, right = -1;  // window; -1 unbounded
   int64_t chunk = 0;              // 0: off
-  int64_t cp_world = 1, cp_rank = 0;
+  int64_t cp_world = 1, cp_rank = 0, cp_interleave = 1;
 
-  // First local key whose global position t * world + rank is >= gpos.
-  FS_DEV int64_t local_from_global(int64_t gpos) const { return -floor_div(-(gpos - cp_rank), cp_world); }
+  // First local key whose global position is >= gpos (gpos >= 0): the local keys below it.
+  FS_DEV int64_t local_from_global(int64_t gpos) const { return cp_local_len(gpos, cp_world, cp_rank, cp_interleave); }
 
   // Local keys visible from aligned global position pos of a sequence of sk_global keys.
   FS_DEV KeyRange operator()(int64_t pos, int64_t sk_global) const {
@@ -54,14 +56,14 @@ struct ScoreTransform {
   float scale = 1.0f;
   float softcap = 0.0f;  // 0: off
   bool alibi = false, alibi_sqrt = false;
-  int64_t cp_world = 1, cp_rank = 0;
+  int64_t cp_world = 1, cp_rank = 0, cp_interleave = 1;
 
   // The logit of local key `key` for a row at aligned global position pos with ALiBi slope.
   FS_DEV float operator()(float dot, int64_t pos, int64_t key, float slope) const {
     float x = dot * scale;
     if (softcap > 0.0f) x = softcap * tanhf(x / softcap);
     if (alibi) {
-      const int64_t diff = pos - (key * cp_world + cp_rank);
+      const int64_t diff = pos - cp_global_pos(key, cp_world, cp_rank, cp_interleave);
       const float dist = float(diff < 0 ? -diff : diff);
       x -= slope * (alibi_sqrt ? sqrtf(dist) : dist);
     }
@@ -70,11 +72,12 @@ struct ScoreTransform {
 };
 
 FS_HD Visibility make_visibility(const AttnParams& p) {
-  return Visibility{p.causal, p.window_left, p.window_right, p.chunk, p.cp_world, p.cp_rank};
+  return Visibility{p.causal, p.window_left, p.window_right, p.chunk, p.cp_world, p.cp_rank, p.cp_interleave};
 }
 
 FS_HD ScoreTransform make_score_transform(const AttnParams& p) {
-  return ScoreTransform{p.softmax_scale, p.softcap, p.alibi.data != nullptr, p.alibi_sqrt, p.cp_world, p.cp_rank};
+  return ScoreTransform{p.softmax_scale, p.softcap, p.alibi.data != nullptr, p.alibi_sqrt, p.cp_world, p.cp_rank,
+                        p.cp_interleave};
 }
 
 }  // namespace flashserve::kernels

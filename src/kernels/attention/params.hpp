@@ -64,7 +64,7 @@ struct AttnParams {
   bool causal = false, alibi_sqrt = false;
   int64_t window_left = -1, window_right = -1;  // -1: unbounded
   int64_t chunk = 0;           // 0: off
-  int64_t cp_world = 1, cp_rank = 0;
+  int64_t cp_world = 1, cp_rank = 0, cp_interleave = 1;  // common/cp_layout.hpp
 
   // ---- split-KV (num_splits == 1: out written directly; else partials then combine)
   int num_splits = 1;

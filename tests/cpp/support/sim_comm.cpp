@@ -33,7 +33,7 @@ void check_stacked(const fs::TensorRef& stacked, const fs::TensorRef& one, int w
 
 int SimComm::world_size() const { return group_->world_size(); }
 
-void SimComm::all_gather(const fs::TensorRef& in, const fs::TensorRef& out) {
+void SimComm::all_gather(const fs::TensorRef& in, const fs::TensorRef& out, void*) {
   check_stacked(out, in, world_size(), "all_gather out");
   if (!out.is_contiguous()) fs::fail_arg("all_gather out", "a contiguous tensor", describe(out));
   group_->meet(rank_, &in);
@@ -49,7 +49,7 @@ void SimComm::all_gather(const fs::TensorRef& in, const fs::TensorRef& out) {
   group_->leave();
 }
 
-void SimComm::reduce_scatter(const fs::TensorRef& in, const fs::TensorRef& out) {
+void SimComm::reduce_scatter(const fs::TensorRef& in, const fs::TensorRef& out, void*) {
   check_stacked(in, out, world_size(), "reduce_scatter in");
   group_->meet(rank_, &in);
   const size_t es = fs::dtype_size(out.dtype);

@@ -24,9 +24,9 @@ class SimComm final : public flashserve::backend::Communicator {
   int rank() const override { return rank_; }
   int world_size() const override;
   // out [world, ...in's shape] (contiguous, in's dtype) = every rank's in, in rank order.
-  void all_gather(const flashserve::TensorRef& in, const flashserve::TensorRef& out) override;
+  void all_gather(const flashserve::TensorRef& in, const flashserve::TensorRef& out, void* stream = nullptr) override;
   // out = sum over ranks r (in rank order, in double) of in_r[rank]; in is [world, ...out's shape].
-  void reduce_scatter(const flashserve::TensorRef& in, const flashserve::TensorRef& out) override;
+  void reduce_scatter(const flashserve::TensorRef& in, const flashserve::TensorRef& out, void* stream = nullptr) override;
 
  private:
   SimGroup* group_;
