@@ -123,6 +123,20 @@ def quantize_int8(x: Any, out: Any, scale: Any, transpose_scale: bool) -> None:
     _C.quantize_int8(x, out, scale.t() if transpose_scale else scale, cuda_stream(x))
 
 
+def quantize_int8_static(x: Any, scale: Any, out: Any, compute_scale: bool) -> None:
+    """int8 quantization per (head, channel), the int8 fork's mode 0: with compute_scale,
+    scale [H, D] = absmax over the tokens / 127 (1 where 0) is written first; out int8 [T, H,
+    D] = round-half-even(x / scale) clamped to +-127 (NaN to 0). torch arithmetic, as one op so
+    that torch.compile keeps it as it runs eagerly (inductor would recompile the division with
+    another rounding); the divisors are tensors (torch divides by a Python scalar through its
+    reciprocal on CUDA)."""
+    xf = x.float()
+    if compute_scale:
+        amax = xf.abs().amax(dim=0) if x.shape[0] > 0 else torch.zeros_like(scale)
+        scale.copy_(torch.where(amax > 0, amax / torch.full_like(amax, 127.0), torch.ones_like(amax)))
+    out.copy_(torch.nan_to_num(torch.round(xf / scale), nan=0.0).clamp_(-127.0, 127.0).to(torch.int8))
+
+
 def reshape_and_cache_int8(key: Any, value: Any, key_cache: Any, value_cache: Any, key_scale_cache: Any,
                            key_scale: Any, slot_mapping: Any, kv_cache_dtype: str) -> None:
     """int8 rows already quantized (key int8 with key_scale [num_tokens, H_kv]; value int8 for

@@ -46,6 +46,7 @@ SCHEMAS = {
         "Tensor? cache_seqlens=None, Tensor? cache_batch_idx=None, Tensor? block_table=None, "
         + _SCORE_AND_EXEC + ", Tensor? q_v=None, int chunk_size=0) -> ()"),
     "quantize_int8": "(Tensor x, Tensor! out, Tensor! scale, bool transpose_scale) -> ()",
+    "quantize_int8_static": "(Tensor x, Tensor! scale, Tensor! out, bool compute_scale) -> ()",
     "reshape_and_cache_int8": (
         "(Tensor key, Tensor value, Tensor! key_cache, Tensor! value_cache, Tensor! key_scale_cache, "
         "Tensor key_scale, Tensor slot_mapping, str kv_cache_dtype) -> ()"),
@@ -71,6 +72,7 @@ _MUTATES = {
     "kvcache_fwd": ("out", "softmax_lse"),
     "scheduler_metadata": (),
     "quantize_int8": ("out", "scale"),
+    "quantize_int8_static": ("scale", "out"),
     "reshape_and_cache_int8": ("key_cache", "value_cache", "key_scale_cache"),
     "fork_varlen_fwd": ("out", "softmax_lse"),
 }
@@ -102,3 +104,4 @@ scheduler_metadata = _register("scheduler_metadata", _calls.scheduler_metadata, 
 quantize_int8 = _register("quantize_int8", _calls.quantize_int8)
 reshape_and_cache_int8 = _register("reshape_and_cache_int8", _calls.reshape_and_cache_int8)
 fork_varlen_fwd = _register("fork_varlen_fwd", _calls.fork_varlen_fwd)
+quantize_int8_static = _register("quantize_int8_static", _calls.quantize_int8_static)

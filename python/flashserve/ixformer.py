@@ -160,11 +160,9 @@ def scaled_int8_quant_for_attn(x: Any, mode: int, transpose_scale: bool = False,
     if mode == 0:
         if transpose_scale:
             raise _not_implemented("transpose_scale", "True with mode 0 (per-(head, channel) scales)")
-        xf = x.float()
-        if scale is None:
-            amax = xf.abs().amax(dim=0) if T > 0 else torch.zeros((H, D), dtype=torch.float32, device=x.device)
-            # a tensor divisor: torch divides by a Python scalar through its reciprocal on CUDA
-            scale = torch.where(amax > 0, amax / torch.full_like(amax, 127.0), torch.ones_like(amax))
+        compute = scale is None
+        if compute:
+            scale = torch.empty((H, D), dtype=torch.float32, device=x.device)
         else:
             _dtype("scale", scale, (torch.float32,), "float32 [num_heads, head_size]")
             if tuple(scale.shape) != (H, D):
@@ -172,7 +170,8 @@ def scaled_int8_quant_for_attn(x: Any, mode: int, transpose_scale: bool = False,
                                  f"{list(scale.shape)}")
             if scale.device != x.device:
                 raise ValueError(f"scale: expected device {x.device} (as x), got {scale.device}")
-        q = torch.nan_to_num(torch.round(xf / scale), nan=0.0).clamp_(-127.0, 127.0).to(torch.int8)
+        q = torch.empty((T, H, D), dtype=torch.int8, device=x.device)
+        _dispatch.call("quantize_int8_static")(x, scale, q, compute)
         return q, scale
     raise _not_implemented("mode", mode)
 

@@ -579,8 +579,8 @@ def _opcheck(name, args):
 
 @pytest.mark.parametrize("k8v8", [True, False], ids=["k8v8", "k8v16"])
 def test_opcheck_int8_ops(rng, k8v8):
-    """torch.library.opcheck of flashserve::quantize_int8, reshape_and_cache_int8 and
-    fork_varlen_fwd (schema and aliasing, fake tensors, AOT dispatch)."""
+    """torch.library.opcheck of flashserve::quantize_int8, quantize_int8_static,
+    reshape_and_cache_int8 and fork_varlen_fwd (schema and aliasing, fake tensors, AOT dispatch)."""
     s = fork_step(rng, "cpu", k8v8, torch.float16)
     c = s["c"]
     x = s["query"]
@@ -588,6 +588,9 @@ def test_opcheck_int8_ops(rng, k8v8):
         T, H = x.shape[:2]
         _opcheck("quantize_int8", (x, torch.empty(x.shape, dtype=torch.int8),
                                    torch.empty((H, T) if transpose else (T, H)), transpose))
+    for compute in (False, True):  # mode 0, given and computed scales
+        _opcheck("quantize_int8_static", (x, torch.rand(x.shape[1:]) + 0.01,
+                                          torch.empty(x.shape, dtype=torch.int8), compute))
     i8_key, key_scale = ixf.scaled_int8_quant_for_attn(s["key"], 2)
     value = (ixf.scaled_int8_quant_for_attn(s["value"], 0, scale=c.value_scale)[0] if k8v8 else s["value"])
     value_cache = c.value_cache if k8v8 else c.value_cache.clone()  # opcheck clones inputs: no dtype views
