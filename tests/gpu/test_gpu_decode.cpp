@@ -1,7 +1,8 @@
 // The decode kernel (src/kernels/attention/decode_fwd.cuh) on problems that select it (checked:
 // attention_kernel_name == "decode"), against the fp64 oracle and the CPU reference under the
 // same plan: batches up to 64, KV up to 8k, block sizes 1/16/256, NHD/HND, GQA 1..16, q_len x
-// group up to 16, fp8 KV, sinks, soft-cap, window, ALiBi, splits 1..16, LSE; bad block indices
+// group up to 16, fp8 KV (e4m3/e5m2 on the tensor cores, bf16/f16/fp8 q, per-tensor and per-head
+// descales), sinks, soft-cap, window, ALiBi, splits 1..16, LSE; bad block indices
 // give NaN rows; a varlen max_seqlen_q below the truth still computes every row.
 // Configurations not instantiated in this build (FLASHSERVE_DEV_CONFIGS) are skipped, named.
 #include <gtest/gtest.h>
@@ -190,6 +191,36 @@ TEST(GpuDecode, Fp8KvAndOtherHeadSizes) {
       c.layout = i % 2 ? fs::KvLayout::hnd : fs::KvLayout::nhd;
       skipped += !expect_decode(c, 600 + uint64_t(i++));
     }
+  if (skipped) GTEST_SKIP() << skipped << " (KV dtype, D) configurations not instantiated in this build";
+}
+
+// fp8 caches on the tensor cores (decode_mma.cuh): e4m3 and e5m2; q bf16 (scaled into f16 per
+// row), f16, or fp8 of either format with q_descale; descales per KV head ([B, H_kv], or stride 0
+// over B) and per tensor (strides (0, 0)); block sizes 1/16/64; q_len 1 (group 8) and 4 (group
+// 4, causal verify: 16 rows); splits 1..4; fp32 out (P's residue mma) now and then.
+TEST(GpuDecode, Fp8KvTensorCores) {
+  auto rng = fstest::make_rng(9);
+  int i = 0, skipped = 0;
+  for (DType kv : {DType::f8e4m3, DType::f8e5m2})
+    for (DType q : {DType::bf16, DType::f16, DType::f8e4m3, DType::f8e5m2})
+      for (int64_t bs : {1, 16, 64})
+        for (int64_t q_len : {1, 4}) {
+          CaseConfig c = decode_config(5, 700, q_len == 1 ? 8 : 4, rng);
+          c.kv_dtype = kv;
+          c.q_dtype = q;
+          c.quant = fs::is_fp8(q) ? fstest::QuantMode::fp8_qkv : fstest::QuantMode::fp8_kv;
+          c.out_dtype = fs::is_fp8(q) ? (i % 2 ? DType::f16 : DType::bf16) : i % 7 == 3 ? DType::f32 : q;
+          c.descale_broadcast = i % 3;
+          c.block_size = bs;
+          c.q_lens.assign(c.k_lens.size(), q_len);
+          for (int64_t& k : c.k_lens) k = std::max(k, q_len);
+          c.causal = q_len > 1;
+          c.num_splits = 1 + i % 4;
+          c.layout = i % 5 == 2 ? fs::KvLayout::hnd : fs::KvLayout::nhd;
+          c.sinks = i % 6 == 1;
+          c.softcap = i % 9 == 4 ? 20.0f : 0.0f;
+          skipped += !expect_decode(c, 900 + uint64_t(i++));
+        }
   if (skipped) GTEST_SKIP() << skipped << " (KV dtype, D) configurations not instantiated in this build";
 }
 

@@ -1,13 +1,16 @@
 // The decode kernel: few query rows per KV head (decode, short speculative verify), KV streamed
 // once per KV head, the generic kernel's modifiers (masks.cuh, softmax.cuh, epilogue.cuh).
-// 16-bit K/V run q.k and p.v on the tensor cores (decode_mma.cuh); the CUDA-core scheme below
-// (fp32 math) serves fp8 K/V, and its v3/v4 figures are from when it served bf16 too.
+// q.k and p.v run on the tensor cores (decode_mma.cuh), for 16-bit K/V and, as f16 operands
+// converted in registers, for fp8 K/V. The CUDA-core scheme below (fp32 math) served fp8 K/V
+// until then (1.2 TB/s at B=64 L=4k, 1.5x bf16's time); it stays in the source behind
+// decode_uses_mma() (instantiated for no dtype now), and its v3/v4 figures are from when it
+// served bf16 too.
 //
 // CTA = (sequence b, KV head g, split); grid (B, H_kv, num_splits). Its packed rows are the
 // sequence's q_len x group (query row, head) pairs of KV head g, taken kRows (4, 8 or 16: one
 // instantiation each) at a time (one pass over the split's KV per row group). Warps split the
 // keys: warp w owns tiles w, w + W, ... of 16 keys and streams them through its own
-// kDecodeStages-deep cp.async ring (16-byte copies, no CTA barrier in the main loop; each
+// decode_stages()-deep cp.async ring (16-byte copies, no CTA barrier in the main loop; each
 // tile's block-table entries are read one tile ahead into registers, so the dependent table
 // load never stalls a copy issue):
 //   q.k:  per four rows, lane l reads 16-byte K chunk l % C (C chunks per row) of keys
@@ -54,7 +57,6 @@
 namespace flashserve::kernels::decode {
 
 constexpr int kTile = kDecodeTileKeys;
-constexpr int kStages = kDecodeStages;
 constexpr int32_t kTokenSkip = 2;  // TokenLoc.state: not loaded (outside every row's keys); zeros
 
 
@@ -85,6 +87,8 @@ struct RowMeta {
   int64_t lo, hi;   // visible local keys within the split's range, bounded to the cache
   float slope;      // ALiBi
   int32_t active;
+  float qk_scale;   // fp8 K/V: what the f16 q.k products are multiplied by (k_descale x q_descale /
+                    // the row's power-of-two q scale); 1 otherwise
 };
 static_assert(sizeof(RowMeta) == kDecodeRowMetaBytes, "decode_config.hpp sizes shared memory with it");
 static_assert(sizeof(TokenLoc) * kTile == kDecodeLocBytes, "decode_config.hpp sizes shared memory with it");
@@ -103,7 +107,8 @@ struct Shape {
   static constexpr int kVStride = int(decode_v_stride(kVb, kD));
   static constexpr int kKeysPerLane = kChunks / 2;  // q.k: keys per lane (kChunks lanes per key)
   static constexpr bool kMma = decode_uses_mma(kVb);  // tensor-core q.k and p.v (decode_mma.cuh)
-  static constexpr int kQStride = int(decode_q_stride(kVb, kD));  // bytes per q row in shared memory
+  static constexpr int kQStride = int(decode_q_stride(kVb, kD));
+  static constexpr int kStages = decode_stages(kVb);  // cp.async ring depth per warp  // bytes per q row in shared memory
   static constexpr size_t kStageBytes = decode_stage_bytes(kVb, kD);
   static constexpr size_t kWarpBytes = decode_warp_bytes(kVb, kD, kR);
   static_assert(kChunks >= 2 && kChunks <= 32 && 32 % kChunks == 0, "a warp copies whole rows");

@@ -1,4 +1,4 @@
-// The decode kernel's tensor-core path (16-bit K/V; included by decode_mainloop.cuh): one warp's
+// The decode kernel's tensor-core path (16-bit and fp8 K/V; included by decode_mainloop.cuh): one warp's
 // q.k, online softmax and p.v over a 16-key tile with mma.sync m16n8k16, for the 16 packed rows
 // of the row group (the mma's M; rows past nrows are zero queries that see no key).
 //
@@ -13,13 +13,75 @@
 //     outputs add the residue P - P16 in a second pass); V's B fragments by ldmatrix.trans;
 //     D/16 ldmatrix.x4 and D/8 mma.
 // D=128: ~100 instructions per 8 KB tile against ~1880 on the CUDA-core path.
+//
+// fp8 K/V (e4m3 / e5m2) take the same tile with f16 operands: every fp8 value is exact in f16,
+// converted in registers by cvt.rn.f16x2.{e4m3,e5m2}x2 (two elements per instruction) after
+// plain 16-byte shared-memory loads; q is staged as f16 (decode_mainloop.cuh's stage_rows_fp8:
+// exact, a bf16 row scaled by a power of two folded into the row's qk_scale with the descales).
+//   K: the reduction order over channels is free, so the channels of each k-step are permuted:
+//     lane t's B fragments of all k-steps are the contiguous bytes [t D/4, (t+1) D/4) of its key
+//     rows g and g + 8 (byte 4 ks + i of them is k index {2t, 2t+1, 2t+8, 2t+9}[i] of k-step ks),
+//     and q's staging writes channel c to that k index (fp8_q_column); D/64 LDS.128 per key row.
+//   V: the output channels are permuted instead: n-tile n's column g is physical channel
+//     g D/8 + n, so lane (g, t) reads bytes [g D/8, (g+1) D/8) of keys 2t, 2t+1, 2t+8, 2t+9
+//     (D/8 bytes each) and pairs the keys' bytes with one PRMT per two pairs; spill() writes
+//     the channels back in order.
+//   The scores are multiplied by the row's qk_scale before the modifiers; V's descale is
+//   applied to O in the epilogue (merge_and_store), as on the CUDA-core path.
+// Per 4 KB fp8 tile (D=128, per warp): 8 LDS.128 (K 4, V 4; 16-bit path: 8 ldmatrix.x4 for
+// 8 KB), 64 cvt f16x2 (32 K, 32 V), 16 PRMT (V), 32 HMMA (as bf16), softmax (same + 8 FMUL),
+// 8 cp.async (16-bit: 16). ~240 instructions per 4 KB against ~100-150 per 8 KB on bf16.
+// Prediction (H200, 2 CTAs x 4 warps per SM, 4 tiles in flight per warp): the SM must consume
+// a 4 KB tile every ~125 ns (~230 cycles) at 4.2 TB/s; ~240 instructions of one warp against
+// ~920 issue slots of the SM, 64 conversions at 16/clk/SM ~128 cycles of the conversion pipe,
+// 32 HMMA ~30 ns of the tensor pipe: all under the memory time, so fp8 should read at about
+// bf16's fraction of the copy ceiling (3.2-3.6 TB/s of fp8 bytes at B=64 L=4k), i.e. time
+// 0.5-0.57x bf16's; the conversion pipe is the closest limit.
 #pragma once
 
 namespace flashserve::kernels::decode {
 
+// fp8 K/V: the f16 q column (k index within the row) of physical channel d (see above).
+template <class S>
+FS_DEV int fp8_q_column(int d) {
+  constexpr int kLaneBytes = S::kDim / 4;  // K bytes per lane per key row
+  const int t = d / kLaneBytes, r = d % kLaneBytes, ks = r / 4, i = r % 4;
+  return 16 * ks + 2 * t + (i < 2 ? i : i + 6);
+}
+
+// Two fp8 values (low byte first) as an f16x2 register (low half first), exact.
+template <DType kKv>
+FS_DEV uint32_t fp8x2_to_f16x2(uint32_t two) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xffffu), kKv == DType::f8e4m3 ? __NV_E4M3 : __NV_E5M2);
+  return uint32_t(h.x) | (uint32_t(h.y) << 16);
+}
+
+FS_DEV uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// kBytes bytes of shared memory at src (aligned to min(16, kBytes)) as 32-bit words.
+template <int kBytes>
+FS_DEV void load_words(const unsigned char* src, uint32_t (&w)[kBytes / 4]) {
+  if constexpr (kBytes == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+#pragma unroll
+    for (int c = 0; c < kBytes / 16; ++c) {
+      const uint4 v = *reinterpret_cast<const uint4*>(src + 16 * c);
+      w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
+    }
+  }
+}
+
 template <DType kKv, class S>
 struct MmaWarp {
-  using T = std::conditional_t<kKv == DType::bf16, __nv_bfloat16, __half>;
+  static constexpr bool kFp8 = kv_bytes(kKv) == 1;
+  using T = std::conditional_t<kKv == DType::bf16, __nv_bfloat16, __half>;  // fp8: f16 operands
   static constexpr int kKSteps = S::kDim / 16;  // q.k k-steps of 16 channels
   static constexpr int kNTiles = S::kDim / 8;   // p.v output tiles of 8 channels
   static constexpr bool kQInRegs = S::kDim <= 128;
@@ -29,6 +91,7 @@ struct MmaWarp {
   float m[2], l[2];                        // rows g, g + 8: running max, lane-partial sum
   int64_t pos[2], lo[2], hi[2];
   float slope[2];
+  float qk_scale[2];  // fp8: the rows' score factors
   uint32_t q_smem;
 
   // Row meta of the lane's two rows into registers; Q fragments (D <= 128).
@@ -40,6 +103,7 @@ struct MmaWarp {
       lo[r] = rm.lo;
       hi[r] = rm.hi;
       slope[r] = rm.slope;
+      qk_scale[r] = rm.qk_scale;
       m[r] = kNegInf;
       l[r] = 0.0f;
     }
@@ -99,7 +163,7 @@ struct MmaWarp {
           float& x = s[n][2 * r + e];
           x = k < vlo || k >= vhi   ? kNegInf
               : (bad >> k) & 1u     ? nan_value()
-                                      : score(x, pos[r], t0 + k, slope[r]);
+                                      : score(kFp8 ? x * qk_scale[r] : x, pos[r], t0 + k, slope[r]);
           mx = nan_max(mx, x);
         }
       mx = nan_max(mx, __shfl_xor_sync(kFullMask, mx, 1));
@@ -138,6 +202,30 @@ struct MmaWarp {
     uint32_t a[4], r[4];
     p_fragment<T, kTile>(pr, 0, a);
     if (split_p) p_residue<T, kTile>(pr, 0, a, r);
+    if constexpr (kFp8) {
+      constexpr int kLaneBytes = S::kDim / 8;  // one byte per n-tile
+      uint32_t w[4][kLaneBytes / 4];           // keys 2t, 2t+1, 2t+8, 2t+9
+      const unsigned char* vr = st.v + 2 * (lane % 4) * S::kVStride + (lane / 4) * kLaneBytes;
+      load_words<kLaneBytes>(vr, w[0]);
+      load_words<kLaneBytes>(vr + S::kVStride, w[1]);
+      load_words<kLaneBytes>(vr + 8 * S::kVStride, w[2]);
+      load_words<kLaneBytes>(vr + 9 * S::kVStride, w[3]);
+#pragma unroll
+      for (int c = 0; c < kLaneBytes / 4; ++c)  // n-tiles 4c .. 4c + 3
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {            // n-tiles 4c + 2h, 4c + 2h + 1
+          const uint32_t sel = h == 0 ? 0x5140u : 0x7362u;
+          const uint32_t lo = prmt(w[0][c], w[1][c], sel), hi = prmt(w[2][c], w[3][c], sel);
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int n = 4 * c + 2 * h + e;
+            const uint32_t b0 = fp8x2_to_f16x2<kKv>(lo >> (16 * e)), b1 = fp8x2_to_f16x2<kKv>(hi >> (16 * e));
+            mma_16816<T>(o[n], a, b0, b1);
+            if (split_p) mma_16816<T>(o[n], r, b0, b1);
+          }
+        }
+      return;
+    }
     const uint32_t vbase = smem_u32(st.v) + uint32_t((lane % 8 + 8 * ((lane / 8) % 2)) * S::kVStride + 16 * (lane / 16));
 #pragma unroll
     for (int n2 = 0; n2 < kNTiles / 2; ++n2) {
@@ -168,10 +256,19 @@ struct MmaWarp {
       l[r] += __shfl_xor_sync(kFullMask, l[r], 2);
       const int j = lane / 4 + 8 * r;
       if (j >= nrows) continue;
-      float* row = mo + (warp * S::kRows + j) * S::kDim + 2 * (lane % 4);
+      if constexpr (kFp8) {  // column c of n-tile n is channel c D/8 + n
+        float* row = mo + (warp * S::kRows + j) * S::kDim + 2 * (lane % 4) * kNTiles;
 #pragma unroll
-      for (int n = 0; n < kNTiles; ++n)
-        *reinterpret_cast<float2*>(row + 8 * n) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+        for (int n = 0; n < kNTiles; ++n) {
+          row[n] = o[n][2 * r];
+          row[kNTiles + n] = o[n][2 * r + 1];
+        }
+      } else {
+        float* row = mo + (warp * S::kRows + j) * S::kDim + 2 * (lane % 4);
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n)
+          *reinterpret_cast<float2*>(row + 8 * n) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+      }
       if (lane % 4 == 0) {
         ms[(warp * S::kRows + j) * 2] = m[r];
         ms[(warp * S::kRows + j) * 2 + 1] = l[r];
