@@ -20,10 +20,12 @@ namespace flashserve::kernels {
 
 struct AttnKernelChoice;
 
-inline constexpr int kDecodeTileKeys = 16;   // keys per warp tile
-// cp.async stages per warp: 3 for 16-bit K/V (2 tiles = 16 KB in flight per warp at D=128); 5 for
-// fp8 (4 tiles of 4 KB: the same bytes in flight per SM as bf16).
-constexpr int decode_stages(int kv_bytes) { return kv_bytes == 2 ? 3 : 5; }
+inline constexpr int kDecodeTileKeys = 16;   // keys per warp tile, 16-bit K/V
+// Keys per warp tile: 16 for 16-bit K/V, 32 for fp8 (the same 8 KB per tile at D=128: the
+// per-tile work (table reads, copy issue, softmax, merges) is paid per byte as for bf16).
+constexpr int decode_tile_keys(int kv_bytes) { return kv_bytes == 1 ? 2 * kDecodeTileKeys : kDecodeTileKeys; }
+// cp.async stages per warp: 3 (2 tiles = 16 KB in flight per warp at D=128, 16-bit or fp8).
+constexpr int decode_stages(int /*kv_bytes*/) { return 3; }
 inline constexpr int kDecodeMaxRows = 16;     // packed rows per (sequence, KV head) it is picked for
 inline constexpr int kDecodeChunk = 16;       // bytes per cp.async / per K shared-memory read
 
@@ -71,26 +73,33 @@ constexpr bool decode_config_built(DType kv, int64_t d) {
 // Per-row metadata in shared memory (decode_fwd.cuh's RowMeta).
 inline constexpr size_t kDecodeRowMetaBytes = 40;
 inline constexpr size_t kDecodeStageMaskBytes = 16;  // a stage's bad-key mask (padded)
-inline constexpr size_t kDecodeLocBytes = kDecodeTileKeys * 24;  // a warp's TokenLoc [16] (load.cuh)
+constexpr size_t decode_loc_bytes(int kv_bytes) {  // a warp's TokenLoc [tile keys] (load.cuh)
+  return size_t(decode_tile_keys(kv_bytes)) * 24;
+}
 
 // Shared memory layout, in bytes (decode_fwd.cuh carves it the same way):
 //   q [rows, D] (f32; tensor-core path: q's 16-bit type or, for fp8 K/V, f16 in the channel order
 //   of decode_mma.cuh; rows padded by 16 B) | meta [rows] |
-//   per warp: stages x (K [16, D*kvb + 16], V [16, D*kvb + 16], bad-key mask), TokenLoc [16] and, on the
+//   per warp: stages x (K [tile keys, D*kvb + 16 (fp8: D)], V [tile keys, D*kvb + 16], bad-key mask), TokenLoc [16] and, on the
 //   CUDA-core path, p [rows, 16] f32. The +16 B row pads put ldmatrix rows (and the CUDA-core
 //   path's lanes) on distinct banks. The cross-warp merge reuses the per-warp area.
-// bf16 D=128, 16 rows: 111 KB; fp8 D=128, 16 rows, 5 stages: 99 KB; so two CTAs (8 warps) share an SM.
-constexpr size_t decode_k_stride(int kv_bytes, int d) { return size_t(d * kv_bytes + kDecodeChunk); }
+// bf16 D=128, 16 rows: 111 KB; fp8 D=128 (32-key tiles): 110 KB; so two CTAs (8 warps) share an SM.
+// fp8 K rows are unpadded (16-byte chunk c of key row r stored at c ^ (r & 1): decode_mma.cuh's
+// reads stay on distinct banks), so that 32-key fp8 stages keep two CTAs per SM.
+constexpr size_t decode_k_stride(int kv_bytes, int d) {
+  return kv_bytes == 1 ? size_t(d) : size_t(d * kv_bytes + kDecodeChunk);
+}
 constexpr size_t decode_v_stride(int kv_bytes, int d) { return size_t(d * kv_bytes + kDecodeChunk); }
 constexpr size_t decode_q_stride(int kv_bytes, int d) {  // bytes per q row in shared memory
   return decode_uses_mma(kv_bytes) ? size_t(d * 2 + kDecodeChunk) : size_t(d) * 4;
 }
 constexpr size_t decode_stage_bytes(int kv_bytes, int d) {
-  return kDecodeTileKeys * (decode_k_stride(kv_bytes, d) + decode_v_stride(kv_bytes, d)) + kDecodeStageMaskBytes;
+  return size_t(decode_tile_keys(kv_bytes)) * (decode_k_stride(kv_bytes, d) + decode_v_stride(kv_bytes, d)) +
+         kDecodeStageMaskBytes;
 }
 constexpr size_t decode_warp_bytes(int kv_bytes, int d, int rows) {
-  return size_t(decode_stages(kv_bytes)) * decode_stage_bytes(kv_bytes, d) + kDecodeLocBytes +
-         (decode_uses_mma(kv_bytes) ? 0 : size_t(rows) * kDecodeTileKeys * 4);
+  return size_t(decode_stages(kv_bytes)) * decode_stage_bytes(kv_bytes, d) + decode_loc_bytes(kv_bytes) +
+         (decode_uses_mma(kv_bytes) ? 0 : size_t(rows) * decode_tile_keys(kv_bytes) * 4);
 }
 constexpr size_t decode_head_bytes(int kv_bytes, int d, int rows) {
   return size_t(rows) * (decode_q_stride(kv_bytes, d) + kDecodeRowMetaBytes);

@@ -91,7 +91,8 @@ struct RowMeta {
                     // the row's power-of-two q scale); 1 otherwise
 };
 static_assert(sizeof(RowMeta) == kDecodeRowMetaBytes, "decode_config.hpp sizes shared memory with it");
-static_assert(sizeof(TokenLoc) * kTile == kDecodeLocBytes, "decode_config.hpp sizes shared memory with it");
+static_assert(sizeof(TokenLoc) * kTile == decode_loc_bytes(2) && 2 * decode_loc_bytes(2) == decode_loc_bytes(1),
+              "decode_config.hpp sizes shared memory with it");
 
 template <DType kKv, int kD, int kR>
 struct Shape {
@@ -108,11 +109,12 @@ struct Shape {
   static constexpr int kKeysPerLane = kChunks / 2;  // q.k: keys per lane (kChunks lanes per key)
   static constexpr bool kMma = decode_uses_mma(kVb);  // tensor-core q.k and p.v (decode_mma.cuh)
   static constexpr int kQStride = int(decode_q_stride(kVb, kD));
-  static constexpr int kStages = decode_stages(kVb);  // cp.async ring depth per warp  // bytes per q row in shared memory
+  static constexpr int kStages = decode_stages(kVb);  // cp.async ring depth per warp
+  static constexpr int kTile = decode_tile_keys(kVb);  // keys per warp tile  // bytes per q row in shared memory
   static constexpr size_t kStageBytes = decode_stage_bytes(kVb, kD);
   static constexpr size_t kWarpBytes = decode_warp_bytes(kVb, kD, kR);
   static_assert(kChunks >= 2 && kChunks <= 32 && 32 % kChunks == 0, "a warp copies whole rows");
-  static_assert(kKeysPerLane * (32 / kChunks) == kTile, "q.k: a warp pass covers the tile");
+  static_assert(kMma || kKeysPerLane * (32 / kChunks) == kTile, "q.k: a warp pass covers the tile");
   static_assert(kTile % (32 / kChunks) == 0, "a tile is whole copy steps");
   static_assert(kChan >= 2, "channels per lane");
   static_assert(kR % 4 == 0 && kR <= decode_row_capacity(kVb, kD), "rows in fours, within the register budget");
@@ -120,7 +122,7 @@ struct Shape {
   static_assert(decode_merge_fits(kVb, kD, kR), "the merge area fits in the warps' area");
 };
 
-// A warp's view of its stage `s`: K [16, kKStride] bytes, V [16, kVStride], the bad-key mask
+// A warp's view of its stage `s`: K [kTile, kKStride] bytes, V [kTile, kVStride], the bad-key mask
 // (bit k: key k lies outside the cache; issue_tile).
 template <class S>
 struct Stage {
@@ -129,8 +131,8 @@ struct Stage {
   uint32_t* bad;
   FS_DEV Stage(unsigned char* warp_base, int s) {
     k = warp_base + size_t(s) * S::kStageBytes;
-    v = k + kTile * S::kKStride;
-    bad = reinterpret_cast<uint32_t*>(v + kTile * S::kVStride);
+    v = k + S::kTile * S::kKStride;
+    bad = reinterpret_cast<uint32_t*>(v + S::kTile * S::kVStride);
   }
 };
 

@@ -132,8 +132,9 @@ FS_DEV void div_mod(int64_t a, int64_t b, int64_t& q, int64_t& r) {
   }
 }
 
+template <int kTileKeys>
 FS_DEV TileKey tile_key(const AttnParams& p, const SeqKv& kv, int64_t t0, int64_t lo, int64_t hi, int lane) {
-  const int64_t key = t0 + lane % kTile;
+  const int64_t key = t0 + lane % kTileKeys;
   TileKey k{0, 0, kTokenSkip};
   if (key < lo || key >= hi) return k;
   k.state = kTokenValid;
@@ -171,17 +172,21 @@ template <class S>
 FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st, TokenLoc* loc, const TileKey& key,
                        int lane) {
   const TokenLoc L = tile_loc(p, kv, key);
-  const uint32_t bad = __ballot_sync(kFullMask, lane < kTile && L.state == kTokenBad);
+  const uint32_t bad = __ballot_sync(kFullMask, lane < S::kTile && L.state == kTokenBad);
   if (lane == 0) *st.bad = bad;
-  if (lane < kTile) loc[lane] = L;
+  if (lane < S::kTile) loc[lane] = L;
   __syncwarp();
   const char* kg = static_cast<const char*>(p.k.data);
   const char* vg = static_cast<const char*>(p.v.data);
   constexpr int kRowsPerStep = 32 / S::kChunks;
   const int c = lane % S::kChunks;
-  const uint32_t dk = smem_u32(st.k + c * kDecodeChunk), dv = smem_u32(st.v + c * kDecodeChunk);
+  // fp8 K: chunk c of row r lands at c ^ (r & 1) (decode_config.hpp); r & 1 is the same for all
+  // of the lane's rows (an even number of rows per copy step).
+  static_assert(S::kVb != 1 || kRowsPerStep % 2 == 0, "fp8 K swizzle: one row parity per lane");
+  const int ck = S::kVb == 1 ? c ^ ((lane / S::kChunks) & 1) : c;
+  const uint32_t dk = smem_u32(st.k + ck * kDecodeChunk), dv = smem_u32(st.v + c * kDecodeChunk);
 #pragma unroll
-  for (int i = 0; i < kTile / kRowsPerStep; ++i) {
+  for (int i = 0; i < S::kTile / kRowsPerStep; ++i) {
     const int r = lane / S::kChunks + i * kRowsPerStep;
     const TokenLoc R = loc[r];  // offsets 0 unless valid: an in-bounds address, nothing read
     const bool ok = R.state == kTokenValid;  // else 16 zero bytes
@@ -399,17 +404,18 @@ template <class S, class Consume>
 FS_DEV void stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* warp_base, KeyRange u,
                         Consume&& consume) {
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  constexpr int kTile = S::kTile;
   TokenLoc* loc = reinterpret_cast<TokenLoc*>(warp_base + S::kStages * S::kStageBytes);
   const int64_t base = s.range.begin + (u.lo - s.range.begin) / kTile * kTile;
   const int64_t tiles = (u.hi - base + kTile - 1) / kTile;
   const int64_t mine = tiles > warp ? (tiles - warp + S::kWarps - 1) / S::kWarps : 0;
   auto tile_start = [&](int64_t k) { return base + (warp + k * S::kWarps) * kTile; };
-  TileKey ahead = tile_key(p, s.kv, tile_start(0), u.lo, u.hi, lane);  // tile 0 (skipped if past u.hi)
+  TileKey ahead = tile_key<kTile>(p, s.kv, tile_start(0), u.lo, u.hi, lane);  // tile 0 (skipped if past u.hi)
   int issue_stage = 0, consume_stage = 0;  // ring positions of the next issue / consume
   auto issue = [&](int64_t k) {  // tile k (its key is `ahead`), then read tile k + 1's entries
     issue_tile<S>(p, s.kv, Stage<S>(warp_base, issue_stage), loc, ahead, lane);
     issue_stage = issue_stage + 1 == S::kStages ? 0 : issue_stage + 1;
-    if (k + 1 < mine) ahead = tile_key(p, s.kv, tile_start(k + 1), u.lo, u.hi, lane);
+    if (k + 1 < mine) ahead = tile_key<kTile>(p, s.kv, tile_start(k + 1), u.lo, u.hi, lane);
   };
 #pragma unroll
   for (int k = 0; k < S::kStages - 1; ++k) {
@@ -488,7 +494,7 @@ FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, in
   } else {
     WarpAcc<S> w;
     const float* qf = reinterpret_cast<const float*>(q);
-    float* pbuf = reinterpret_cast<float*>(warp_base + S::kStages * S::kStageBytes + kDecodeLocBytes);
+    float* pbuf = reinterpret_cast<float*>(warp_base + S::kStages * S::kStageBytes + decode_loc_bytes(S::kVb));
     if (u.lo < u.hi)
       stream_keys<S>(p, s, warp_base, u, [&](const Stage<S>& st, int64_t t0) {
         consume_tile<kKv, S>(p, st, qf, meta, pbuf, nrows, t0, s.kv.k_desc, lane, w);
