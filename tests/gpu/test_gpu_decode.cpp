@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -222,6 +224,51 @@ TEST(GpuDecode, Fp8KvTensorCores) {
           skipped += !expect_decode(c, 900 + uint64_t(i++));
         }
   if (skipped) GTEST_SKIP() << skipped << " (KV dtype, D) configurations not instantiated in this build";
+}
+
+// The fuzz generator's configurations moved into the decode kernel's scope: a built (KV dtype,
+// D) (fp8 with bf16/f16 q, or fp8 q with q_descale), q_len x group <= 16, no q_v; every layout,
+// stride, mode, modifier, split and length the generator draws, against the oracle and the
+// reference. Prints how many cases the decode kernel served (alignment pads and understated
+// bounds send some to the generic kernel, which is checked the same way).
+TEST(GpuDecode, Fuzz) {
+  constexpr int kCases = 400;
+  constexpr size_t kBuilt = std::size(fs::kernels::kDecodeConfigs);
+  int ran = 0, failed = 0, served_decode = 0, served_fp8 = 0;
+  for (int i = 0; i < kCases && failed < 5; ++i) {
+    auto rng = fstest::make_rng(1000 + uint64_t(i));
+    CaseConfig c = fstest::random_case_config(rng);
+    const fs::kernels::DecodeConfig built = fs::kernels::kDecodeConfigs[size_t(i) % kBuilt];
+    c.has_qv = false;
+    c.D = c.Dv = built.d;
+    if (fs::is_fp8(built.kv)) {
+      const bool fp8_q = i % 3 == 0;
+      c.quant = fp8_q ? fstest::QuantMode::fp8_qkv : fstest::QuantMode::fp8_kv;
+      c.kv_dtype = built.kv;
+      c.q_dtype = fp8_q ? (i % 2 ? DType::f8e4m3 : DType::f8e5m2) : (i % 2 ? DType::bf16 : DType::f16);
+      c.out_dtype = fp8_q ? (i % 4 < 2 ? DType::bf16 : DType::f16) : i % 5 == 1 ? DType::f32 : c.q_dtype;
+    } else {
+      c.quant = fstest::QuantMode::none;
+      c.q_dtype = c.kv_dtype = built.kv;
+      c.out_dtype = i % 5 == 1 ? DType::f32 : built.kv;
+    }
+    const int64_t group = c.H / c.H_kv, max_q = std::max<int64_t>(1, 16 / group);
+    for (int64_t& q : c.q_lens) q = std::min(q, max_q);
+    if (c.batched()) c.q_lens.assign(c.q_lens.size(), c.q_lens.empty() ? 1 : c.q_lens[0]);
+    auto crng = fstest::make_rng(2000 + uint64_t(i));
+    fstest::AttentionCase ac = fstest::build_case(c, crng);
+    const Outcome o = run_decode(ac, [](fs::AttentionParams&) {});
+    ++ran;
+    served_decode += o.kernel == "decode";
+    served_fp8 += o.kernel == "decode" && fs::is_fp8(c.kv_dtype);
+    if (o.error.empty()) continue;
+    ++failed;
+    ADD_FAILURE() << "decode fuzz case " << i << " (served by " << o.kernel << ")\n  " << fstest::describe(c) << "\n"
+                  << o.error << "(seed " << fstest::test_seed() << ")";
+  }
+  std::printf("[decode fuzz] %d cases, %d served by decode (%d with fp8 K/V), %d failed\n", ran, served_decode,
+              served_fp8, failed);
+  if (failed == 0) EXPECT_GE(served_decode, ran / 4) << "the fuzz should mostly reach the decode kernel";
 }
 
 // A varlen max_seqlen_q below the truth (the GPU never trusts it): 5 rows x group 8 = 40

@@ -97,6 +97,7 @@ struct MmaWarp {
   int64_t pos[2], lo[2], hi[2];
   float slope[2];
   float qk_scale[2];  // fp8: the rows' score factors
+  bool rows_on[2];    // some lane's row g + 8r sees a key of the split (warp-uniform)
   uint32_t q_smem;
 
   // Row meta of the lane's two rows into registers; Q fragments (D <= 128).
@@ -111,6 +112,7 @@ struct MmaWarp {
       qk_scale[r] = rm.qk_scale;
       m[r] = kNegInf;
       l[r] = 0.0f;
+      rows_on[r] = __any_sync(kFullMask, hi[r] > lo[r]);
     }
 #pragma unroll
     for (int n = 0; n < kNTiles; ++n)
@@ -178,25 +180,47 @@ struct MmaWarp {
   }
 
   // Masks and modifiers, online softmax (exp2 of log2e-scaled differences); the scores become p
-  // in place. `bad`: bit k set when key t0 + k is bad (its rows NaN).
+  // in place. `bad`: bit k set when key t0 + k is bad (its rows NaN). Warp-uniform shortcuts:
+  // rows g + 8r that no lane needs (decode with <= 8 packed rows: the upper half) are skipped
+  // (p = 0), and a tile that every active row sees whole, with no bad key, soft-cap or ALiBi,
+  // takes one multiply per score (fmaxf: a NaN score still poisons its row through exp and l).
   FS_DEV void softmax(const AttnParams& p, int64_t t0, uint32_t bad, int lane, float (&s)[kSTiles][4]) {
     constexpr float kLog2e = 1.4426950408889634f;
     const ScoreTransform score = make_score_transform(p);
+    const bool plain = !(score.softcap > 0.0f) && !score.alibi && bad == 0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int vlo = int(imin(imax(lo[r] - t0, 0), kTile)), vhi = int(imin(imax(hi[r] - t0, 0), kTile));
+      if (!rows_on[r]) {
+#pragma unroll
+        for (int n = 0; n < kSTiles; ++n) s[n][2 * r] = s[n][2 * r + 1] = 0.0f;
+        continue;
+      }
       float mx = kNegInf;
+      const bool act = lo[r] < hi[r];
+      if (__all_sync(kFullMask, plain && (!act || (lo[r] <= t0 && t0 + kTile <= hi[r])))) {
+        const float c = kFp8 ? score.scale * qk_scale[r] : score.scale;
 #pragma unroll
-      for (int n = 0; n < kSTiles; ++n)
+        for (int n = 0; n < kSTiles; ++n)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int k = 8 * n + 2 * (lane % 4) + e;
-          float& x = s[n][2 * r + e];
-          x = k < vlo || k >= vhi   ? kNegInf
-              : (bad >> k) & 1u     ? nan_value()
-                                      : score(kFp8 ? x * qk_scale[r] : x, pos[r], t0 + k, slope[r]);
-          mx = nan_max(mx, x);
-        }
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[n][2 * r + e];
+            x = act ? x * c : kNegInf;
+            mx = fmaxf(mx, x);
+          }
+      } else {
+        const int vlo = int(imin(imax(lo[r] - t0, 0), kTile)), vhi = int(imin(imax(hi[r] - t0, 0), kTile));
+#pragma unroll
+        for (int n = 0; n < kSTiles; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int k = 8 * n + 2 * (lane % 4) + e;
+            float& x = s[n][2 * r + e];
+            x = k < vlo || k >= vhi   ? kNegInf
+                : (bad >> k) & 1u     ? nan_value()
+                                        : score(kFp8 ? x * qk_scale[r] : x, pos[r], t0 + k, slope[r]);
+            mx = nan_max(mx, x);
+          }
+      }
       mx = nan_max(mx, __shfl_xor_sync(kFullMask, mx, 1));
       mx = nan_max(mx, __shfl_xor_sync(kFullMask, mx, 2));
       const float new_m = nan_max(m[r], mx);
@@ -218,10 +242,12 @@ struct MmaWarp {
       const float alpha = fast_exp2(fmaf(m[r], kLog2e, -mb));
       l[r] = l[r] * alpha + sum;
       m[r] = new_m;
+      if (alpha != 1.0f) {  // the running max moved (rare after the first tiles)
 #pragma unroll
-      for (int n = 0; n < kNTiles; ++n) {
-        o[n][2 * r] *= alpha;
-        o[n][2 * r + 1] *= alpha;
+        for (int n = 0; n < kNTiles; ++n) {
+          o[n][2 * r] *= alpha;
+          o[n][2 * r + 1] *= alpha;
+        }
       }
     }
   }
