@@ -73,8 +73,10 @@ constexpr bool decode_config_built(DType kv, int64_t d) {
 // Per-row metadata in shared memory (decode_fwd.cuh's RowMeta).
 inline constexpr size_t kDecodeRowMetaBytes = 40;
 inline constexpr size_t kDecodeStageMaskBytes = 16;  // a stage's bad-key mask (padded)
-constexpr size_t decode_loc_bytes(int kv_bytes) {  // a warp's TokenLoc [tile keys] (load.cuh)
-  return size_t(decode_tile_keys(kv_bytes)) * 24;
+// `tile` (keys per warp tile) 0: decode_tile_keys(kv_bytes). fp8 also runs 16-key tiles (a second
+// instantiation) on splits too short to give every warp a 32-key tile (decode_fwd.cu).
+constexpr size_t decode_loc_bytes(int kv_bytes, int tile = 0) {  // a warp's TokenLoc [tile keys] (load.cuh)
+  return size_t(tile ? tile : decode_tile_keys(kv_bytes)) * 24;
 }
 
 // Shared memory layout, in bytes (decode_fwd.cuh carves it the same way):
@@ -93,19 +95,28 @@ constexpr size_t decode_v_stride(int kv_bytes, int d) { return size_t(d * kv_byt
 constexpr size_t decode_q_stride(int kv_bytes, int d) {  // bytes per q row in shared memory
   return decode_uses_mma(kv_bytes) ? size_t(d * 2 + kDecodeChunk) : size_t(d) * 4;
 }
-constexpr size_t decode_stage_bytes(int kv_bytes, int d) {
-  return size_t(decode_tile_keys(kv_bytes)) * (decode_k_stride(kv_bytes, d) + decode_v_stride(kv_bytes, d)) +
+constexpr size_t decode_stage_bytes(int kv_bytes, int d, int tile = 0) {
+  return size_t(tile ? tile : decode_tile_keys(kv_bytes)) * (decode_k_stride(kv_bytes, d) + decode_v_stride(kv_bytes, d)) +
          kDecodeStageMaskBytes;
 }
-constexpr size_t decode_warp_bytes(int kv_bytes, int d, int rows) {
-  return size_t(decode_stages(kv_bytes)) * decode_stage_bytes(kv_bytes, d) + decode_loc_bytes(kv_bytes) +
+constexpr size_t decode_warp_bytes(int kv_bytes, int d, int rows, int tile = 0) {
+  return size_t(decode_stages(kv_bytes)) * decode_stage_bytes(kv_bytes, d, tile) + decode_loc_bytes(kv_bytes, tile) +
          (decode_uses_mma(kv_bytes) ? 0 : size_t(rows) * decode_tile_keys(kv_bytes) * 4);
 }
 constexpr size_t decode_head_bytes(int kv_bytes, int d, int rows) {
   return size_t(rows) * (decode_q_stride(kv_bytes, d) + kDecodeRowMetaBytes);
 }
-constexpr size_t decode_smem_bytes(int kv_bytes, int d, int rows) {
-  return decode_head_bytes(kv_bytes, d, rows) + size_t(decode_warps(d)) * decode_warp_bytes(kv_bytes, d, rows);
+constexpr size_t decode_smem_bytes(int kv_bytes, int d, int rows, int tile = 0) {
+  return decode_head_bytes(kv_bytes, d, rows) + size_t(decode_warps(d)) * decode_warp_bytes(kv_bytes, d, rows, tile);
+}
+// The tile the launcher runs: fp8 takes 16-key tiles when a split's key span (bounded by the
+// block table's width x block size, or the contiguous cache's rows) leaves some warp without a
+// 32-key tile (short contexts: all warps stay busy; measured at L = 64 on the H200, 32-key fp8
+// tiles took 1.16x bf16's time).
+constexpr int decode_launch_tile(int kv_bytes, int d, int64_t span, int splits) {
+  const int64_t per_split = (span + splits - 1) / (splits > 0 ? splits : 1);
+  return kv_bytes == 1 && per_split < int64_t(decode_warps(d)) * decode_tile_keys(kv_bytes) ? kDecodeTileKeys
+                                                                                             : decode_tile_keys(kv_bytes);
 }
 // The merge area ([warps, rows, D] outputs and [warps, rows, 2] states) fits in the warps' area.
 constexpr bool decode_merge_fits(int kv_bytes, int d, int rows) {

@@ -94,7 +94,7 @@ static_assert(sizeof(RowMeta) == kDecodeRowMetaBytes, "decode_config.hpp sizes s
 static_assert(sizeof(TokenLoc) * kTile == decode_loc_bytes(2) && 2 * decode_loc_bytes(2) == decode_loc_bytes(1),
               "decode_config.hpp sizes shared memory with it");
 
-template <DType kKv, int kD, int kR>
+template <DType kKv, int kD, int kR, int kT = decode_tile_keys(kv_bytes(kKv))>
 struct Shape {
   static constexpr int kDim = kD;
   static constexpr int kWarps = decode_warps(kD);
@@ -110,9 +110,11 @@ struct Shape {
   static constexpr bool kMma = decode_uses_mma(kVb);  // tensor-core q.k and p.v (decode_mma.cuh)
   static constexpr int kQStride = int(decode_q_stride(kVb, kD));
   static constexpr int kStages = decode_stages(kVb);  // cp.async ring depth per warp
-  static constexpr int kTile = decode_tile_keys(kVb);  // keys per warp tile  // bytes per q row in shared memory
-  static constexpr size_t kStageBytes = decode_stage_bytes(kVb, kD);
-  static constexpr size_t kWarpBytes = decode_warp_bytes(kVb, kD, kR);
+  static constexpr int kTile = kT;  // keys per warp tile  // bytes per q row in shared memory
+  static constexpr size_t kStageBytes = decode_stage_bytes(kVb, kD, kT);
+  static constexpr size_t kWarpBytes = decode_warp_bytes(kVb, kD, kR, kT);
+  static_assert(kWarpBytes <= decode_warp_bytes(kVb, kD, kR), "within the launch's shared memory");
+  static_assert(kMma || kT == decode_tile_keys(kVb), "the CUDA-core path runs its one tile size");
   static_assert(kChunks >= 2 && kChunks <= 32 && 32 % kChunks == 0, "a warp copies whole rows");
   static_assert(kMma || kKeysPerLane * (32 / kChunks) == kTile, "q.k: a warp pass covers the tile");
   static_assert(kTile % (32 / kChunks) == 0, "a tile is whole copy steps");

@@ -494,7 +494,7 @@ FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, in
   } else {
     WarpAcc<S> w;
     const float* qf = reinterpret_cast<const float*>(q);
-    float* pbuf = reinterpret_cast<float*>(warp_base + S::kStages * S::kStageBytes + decode_loc_bytes(S::kVb));
+    float* pbuf = reinterpret_cast<float*>(warp_base + S::kStages * S::kStageBytes + decode_loc_bytes(S::kVb, S::kTile));
     if (u.lo < u.hi)
       stream_keys<S>(p, s, warp_base, u, [&](const Stage<S>& st, int64_t t0) {
         consume_tile<kKv, S>(p, st, qf, meta, pbuf, nrows, t0, s.kv.k_desc, lane, w);
@@ -505,10 +505,11 @@ FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, in
 
 // Two CTAs per SM by shared memory for the tensor-core path and kRows <= 8 (decode_config.hpp),
 // so at most 255 registers.
-template <DType kKv, int kD, int kRows>
+// kTile: keys per warp tile (decode_tile_keys; fp8 also 16 for short splits, decode_fwd.cu).
+template <DType kKv, int kD, int kRows, int kTile = decode_tile_keys(kv_bytes(kKv))>
 __global__ void __launch_bounds__(32 * decode_warps(kD), decode_uses_mma(kv_bytes(kKv)) || kRows <= 8 ? 2 : 1)
     decode_fwd(const __grid_constant__ AttnParams p) {
-  using S = Shape<kKv, kD, kRows>;
+  using S = Shape<kKv, kD, kRows, kTile>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* q = smem_raw;                                                   // [kRows, kQStride]
   RowMeta* meta = reinterpret_cast<RowMeta*>(q + S::kRows * S::kQStride);       // [kRows]
