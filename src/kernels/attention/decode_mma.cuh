@@ -40,6 +40,18 @@
 // instructions (20%), 128 conversions at 16/clk/SM ~256 cycles of that pipe (57%, the closest
 // limit), 64 HMMA ~50 ns of the tensor pipe (20%). So fp8 should reach about bf16's fraction of
 // the copy ceiling per byte: ~3.2-3.6 TB/s at B=64 L=4k, time 0.5-0.57x bf16's.
+// Measured (H200, bench/fp8_pairs.py, commit ea8b780, same process as the bf16 rows):
+// B=64 L=4k block 16: 3054 GB/s of fp8 bytes, 0.615x bf16's time (bf16 3756 GB/s); block 256
+// 0.575x, block 1 0.639x; B=16 L=8k 0.671x; B=256 L=1k 0.742x; B=1 L=32k 0.758x; verify q_len 2
+// / 4 at B=64 L=4k 0.629x / 0.694x; short contexts B=64 L=256 0.862x, B=8 L=128 0.988x, B=256
+// L=64 1.038x (slower). The prediction's instruction count was low: the main loop's SASS has
+// ~2400 static instructions (the slow softmax path with soft-cap/ALiBi included); the kernel is
+// issue-bound, not bound by the conversions: fp8 with 16-key tiles and no conversion at all (a
+// bug) already ran at 0.89x, 32-key tiles gave 0.84x, and the softmax shortcuts below (row half
+// skip, one multiply per score on interior tiles, O rescaled only when the max moves) 0.615x.
+// Next: the scalar work per tile (table reads and 64-bit offsets of issue_tile, the softmax over
+// 16 MMA rows of which decode uses 4-8: a transposed q.k, keys as M and rows as N = 8, would
+// halve the MMAs and the softmax lanes' work).
 #pragma once
 
 namespace flashserve::kernels::decode {
