@@ -13,8 +13,9 @@
 // prefill: varlen_attention, q/k/v [B*S, H(kv), D] bf16 (v and out Dv with Dv=), cu_seqlens every
 //          S tokens; mod= one score modifier: sinks, alibi, alibi_sqrt, softcap (30), chunk or
 //          window (size W; window (W, 0) causal, (W, W) not).
-// decode:  kvcache_attention, q [B, 1, H, D] bf16, paged NHD caches [blocks, block, Hkv, D]
-//          (kv = bf16 or fp8 e4m3, descales absent), block tables shuffled over the pool.
+// decode:  kvcache_attention, q [B, Q, H, D] bf16 (Q = 1 unless given; Q > 1 is a causal
+//          verify step), paged NHD caches [blocks, block, Hkv, D] (kv = bf16 or fp8 e4m3,
+//          descales absent), block tables shuffled over the pool.
 // shared_prefix: one decode step of B requests through the backend layer (MetadataBuilder with
 //          CUDA metadata, AttentionLayer::forward incl. the cache write), each context the same
 //          P-token prefix (shared blocks) plus L - P tokens of its own; cascade=0 keeps the
@@ -61,6 +62,7 @@ using namespace flashserve::bench;
 struct Spec {
   std::string name, op, kv = "bf16";
   int64_t B = 0, S = 0, L = 0, H = 0, Hkv = 0, D = 0, block = 16;
+  int64_t Q = 1;         // decode: query rows per sequence (speculative verify: > 1, causal)
   int64_t P = 0;         // shared_prefix: tokens every request shares (whole blocks)
   int64_t C = 0, NP = 2; // mixed_step: cached tokens of each of the NP chunked prefills (S new)
   bool causal = false;
@@ -91,7 +93,7 @@ Spec parse_spec(const std::string& text) {
   num("W", s.W), num("Dv", s.Dv);
   num("B", s.B), num("S", s.S), num("L", s.L), num("H", s.H), num("Hkv", s.Hkv), num("D", s.D);
   num("block", s.block), num("causal", causal), num("P", s.P), num("cascade", cascade);
-  num("C", s.C), num("NP", s.NP);
+  num("C", s.C), num("NP", s.NP), num("Q", s.Q);
   s.causal = causal != 0;
   s.cascade = cascade != 0;
   if (!kv.empty()) throw std::invalid_argument("unknown spec key: " + kv.begin()->first);
@@ -109,7 +111,7 @@ Spec parse_spec(const std::string& text) {
   if ((s.mod == "chunk" || s.mod == "window") && s.W <= 0)
     throw std::invalid_argument("mod=" + s.mod + ": expected W > 0 (chunk size or left window)");
   if (s.Dv == 0) s.Dv = s.D;
-  const bool bad = s.B <= 0 || s.H <= 0 || s.Hkv <= 0 || s.D <= 0 || s.block <= 0 ||
+  const bool bad = s.Q <= 0 || s.B <= 0 || s.H <= 0 || s.Hkv <= 0 || s.D <= 0 || s.block <= 0 ||
                    (s.op == "prefill" ? s.S <= 0 : s.L <= 0);
   if (bad) throw std::invalid_argument("spec with a non-positive size: " + text);
   return s;
@@ -226,7 +228,7 @@ void set_modifier(const Spec& s, BenchCase& c, AttentionParams& p, Device dev) {
 size_t decode_set_bytes(const Spec& s) {
   const size_t blocks = size_t(s.B * ((s.L + s.block - 1) / s.block));
   const size_t kv = blocks * size_t(s.block * s.Hkv * s.D) * (s.kv == "fp8" ? 1 : 2) * 2;
-  return kv + size_t(s.B * s.H * s.D) * 4 + blocks * 4;
+  return kv + size_t(s.B * s.Q * s.H * s.D) * 4 + blocks * 4;
 }
 
 BenchCase make_prefill(const Spec& s, int nsets, Device dev) {
@@ -278,8 +280,10 @@ BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
   upload_i32(lens, std::vector<int32_t>(size_t(s.B), int32_t(s.L)));
   for (int i = 0; i < nsets; ++i) {
     AttentionParams p;
-    p.q = TensorRef::contiguous(alloc_random(c, s.B * s.H * s.D, DType::bf16), DType::bf16, {s.B, 1, s.H, s.D}, dev);
-    p.out = TensorRef::contiguous(alloc(c, size_t(s.B * s.H * s.D) * 2), DType::bf16, {s.B, 1, s.H, s.D}, dev);
+    p.q = TensorRef::contiguous(alloc_random(c, s.B * s.Q * s.H * s.D, DType::bf16), DType::bf16,
+                                {s.B, s.Q, s.H, s.D}, dev);
+    p.out = TensorRef::contiguous(alloc(c, size_t(s.B * s.Q * s.H * s.D) * 2), DType::bf16, {s.B, s.Q, s.H, s.D}, dev);
+    p.causal = s.Q > 1;
     p.k = k_ref;
     p.v = v_ref;
     void* table = alloc(c, size_t(s.B * per_seq) * 4);

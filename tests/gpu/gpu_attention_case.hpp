@@ -147,25 +147,32 @@ inline double out_ulp(double x, fs::DType t) {
   return std::ldexp(1.0, std::max(e - 1, t == fs::DType::f16 ? -14 : -126) - bits);
 }
 
-// Whether `kernel` (attention_kernel_name) rounds P to q's dtype before P·V: the tensor-core
-// kernels (prefill_mma, prefill_wgmma except for fp32 outputs; decode over 16-bit K/V, whose q.k and p.v run on mma.sync, except for
-// fp32 outputs, where it adds the rounding residue in a second mma).
+// Whether `kernel` (attention_kernel_name) rounds P to a 16-bit type before P·V: the tensor-core
+// kernels (prefill_mma, prefill_wgmma except for fp32 outputs; decode, whose q.k and p.v run on
+// mma.sync, except for fp32 outputs, where it adds the rounding residue in a second mma). The
+// type is q's for 16-bit K/V and f16 for fp8 K/V (p_round_eps).
 inline bool kernel_rounds_p(const std::string& kernel, const fstest::CaseConfig& c) {
   if (kernel == "prefill_wgmma") return c.out_dtype != fs::DType::f32;  // fp32 out: P hi + lo
-  return kernel == "prefill_mma" || (kernel == "decode" && fs::is_half(c.kv_dtype) && c.out_dtype != fs::DType::f32);
+  return kernel == "prefill_mma" || (kernel == "decode" && c.out_dtype != fs::DType::f32);
+}
+
+// The relative rounding of P by a kernel that rounds it (kernel_rounds_p): f16 operands for fp8
+// K/V (the decode kernel converts the cache to f16), else q's 16-bit type.
+inline double p_round_eps(const fstest::CaseConfig& c) {
+  if (fs::is_fp8(c.kv_dtype) || c.q_dtype == fs::DType::f16) return std::ldexp(1.0, -11);
+  return c.q_dtype == fs::DType::bf16 ? std::ldexp(1.0, -8) : 0.0;
 }
 
 // GPU result (in ac.out / ac.lse) against the CPU reference's: the same -inf / NaN LSE rows;
 // values within fp32 rounding (1e-5 of the head's max |v| and of the value), plus one output
 // ulp for f16/bf16 outputs. Empty when they agree.
-// `p_rounded`: the kernel rounds the softmax weights P to q's dtype before P·V (FlashAttention-2
-// style tensor-core kernels); each weight then carries up to half an ulp of that dtype, so the
+// `p_rounded`: the kernel rounds the softmax weights P to a 16-bit type before P·V (FlashAttention-2
+// style tensor-core kernels; p_round_eps); each weight then carries up to half an ulp of it, so the
 // output may move by up to eps(q) / 2 * max|v| from the fp32-weighted reference.
 inline std::string compare_with_cpu(const fstest::AttentionCase& ac, const fstest::HostTensor& cpu_out,
                                     const fstest::HostTensor& cpu_lse, bool p_rounded = false) {
   const fstest::CaseConfig& c = ac.cfg;
-  const double p_eps = !p_rounded ? 0.0 : c.q_dtype == fs::DType::bf16 ? std::ldexp(1.0, -8)
-                                        : c.q_dtype == fs::DType::f16  ? std::ldexp(1.0, -11) : 0.0;
+  const double p_eps = p_rounded ? p_round_eps(c) : 0.0;
   const fs::DType ot = c.out_dtype;
   const int64_t es = int64_t(fs::dtype_size(ot));
   std::ostringstream first;

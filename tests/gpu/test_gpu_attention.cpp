@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -36,7 +37,7 @@ std::string plan_summary(const fs::Plan& p) {
 
 // Builds, runs on the CPU (reference, under the GPU plan) and on the GPU; returns "" when the
 // GPU agrees with the oracle and with the reference. `own_plan`: the call makes its own plan.
-std::string run_and_check(fstest::AttentionCase& ac, bool own_plan = false) {
+std::string run_and_check(fstest::AttentionCase& ac, bool own_plan = false, std::string* served = nullptr) {
   fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
   fs::Plan plan;
   try {
@@ -62,6 +63,7 @@ std::string run_and_check(fstest::AttentionCase& ac, bool own_plan = false) {
   }
   std::string err = fstest::check_case(ac);
   const std::string kernel = fs::attention_kernel_name(dc.params, ac.cfg.batched(), fs::kernels::cuda_device_props(0));
+  if (served) *served = kernel;
   err += fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(kernel, ac.cfg));
   return err.empty() ? err : plan_summary(plan) + "\n" + err;
 }
@@ -81,12 +83,15 @@ TEST(GpuAttentionFuzz, MatchesOracleAndReference) {
   const char* count = std::getenv("FLASHSERVE_FUZZ_CASES");  // reduced runs (sanitizers)
   if (count) last = first + std::max(1, std::atoi(count));
   int ran = 0, failed = 0, split_cases = 0;
+  std::map<std::string, int> served;  // cases per serving kernel (fp8 caches apart): the coverage
   for (int i = first; i < last && failed < kMaxReported; ++i) {
     auto rng = fstest::make_rng(kSalt + uint64_t(i) * 0x9e3779b97f4a7c15ull);
     const CaseConfig cfg = fstest::random_case_config(rng);
     fstest::AttentionCase ac = fstest::build_case(cfg, rng);
-    const std::string err = run_and_check(ac, i % 7 == 3);
+    std::string kernel;
+    const std::string err = run_and_check(ac, i % 7 == 3, &kernel);
     ++ran;
+    ++served[kernel.empty() ? "(none)" : kernel + (fs::is_fp8(cfg.kv_dtype) ? "/fp8-kv" : "")];
     split_cases += cfg.num_splits > 1;
     if (err.empty()) continue;
     ++failed;
@@ -96,6 +101,9 @@ TEST(GpuAttentionFuzz, MatchesOracleAndReference) {
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("[gpu fuzz] %d cases (%d with forced splits) in %.1f s, %d failed, seed %llu\n", ran, split_cases,
               secs, failed, static_cast<unsigned long long>(fstest::test_seed()));
+  std::printf("[gpu fuzz] cases per kernel:");
+  for (const auto& [k, n] : served) std::printf(" %s %d", k.c_str(), n);
+  std::printf("\n");
   if (!count && last - first > 1 && failed == 0) EXPECT_GE(ran, 1000);
 }
 

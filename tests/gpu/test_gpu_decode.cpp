@@ -1,13 +1,16 @@
 // The decode kernel (src/kernels/attention/decode_fwd.cuh) on problems that select it (checked:
 // attention_kernel_name == "decode"), against the fp64 oracle and the CPU reference under the
 // same plan: batches up to 64, KV up to 8k, block sizes 1/16/256, NHD/HND, GQA 1..16, q_len x
-// group up to 16, fp8 KV, sinks, soft-cap, window, ALiBi, splits 1..16, LSE; bad block indices
+// group up to 16, fp8 KV (e4m3/e5m2 on the tensor cores, bf16/f16/fp8 q, per-tensor and per-head
+// descales), sinks, soft-cap, window, ALiBi, splits 1..16, LSE; bad block indices
 // give NaN rows; a varlen max_seqlen_q below the truth still computes every row.
 // Configurations not instantiated in this build (FLASHSERVE_DEV_CONFIGS) are skipped, named.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -191,6 +194,83 @@ TEST(GpuDecode, Fp8KvAndOtherHeadSizes) {
       skipped += !expect_decode(c, 600 + uint64_t(i++));
     }
   if (skipped) GTEST_SKIP() << skipped << " (KV dtype, D) configurations not instantiated in this build";
+}
+
+// fp8 caches on the tensor cores (decode_mma.cuh): e4m3 and e5m2; q bf16 (scaled into f16 per
+// row), f16, or fp8 of either format with q_descale; descales per KV head ([B, H_kv], or stride 0
+// over B) and per tensor (strides (0, 0)); block sizes 1/16/64; q_len 1 (group 8) and 4 (group
+// 4, causal verify: 16 rows); splits 1..4; fp32 out (P's residue mma) now and then; short
+// contexts (16-key tiles) and long ones (32-key tiles).
+TEST(GpuDecode, Fp8KvTensorCores) {
+  auto rng = fstest::make_rng(9);
+  int i = 0, skipped = 0;
+  for (DType kv : {DType::f8e4m3, DType::f8e5m2})
+    for (DType q : {DType::bf16, DType::f16, DType::f8e4m3, DType::f8e5m2})
+      for (int64_t bs : {1, 16, 64})
+        for (int64_t q_len : {1, 4}) {
+          // every fourth case short (<= 60 keys): the 16-key fp8 tiles of short splits (decode_launch_tile)
+          CaseConfig c = decode_config(5, i % 4 == 3 ? 60 : 700, q_len == 1 ? 8 : 4, rng);
+          c.kv_dtype = kv;
+          c.q_dtype = q;
+          c.quant = fs::is_fp8(q) ? fstest::QuantMode::fp8_qkv : fstest::QuantMode::fp8_kv;
+          c.out_dtype = fs::is_fp8(q) ? (i % 2 ? DType::f16 : DType::bf16) : i % 7 == 3 ? DType::f32 : q;
+          c.descale_broadcast = i % 3;
+          c.block_size = bs;
+          c.q_lens.assign(c.k_lens.size(), q_len);
+          for (int64_t& k : c.k_lens) k = std::max(k, q_len);
+          c.causal = q_len > 1;
+          c.num_splits = 1 + i % 4;
+          c.layout = i % 5 == 2 ? fs::KvLayout::hnd : fs::KvLayout::nhd;
+          c.sinks = i % 6 == 1;
+          c.softcap = i % 9 == 4 ? 20.0f : 0.0f;
+          skipped += !expect_decode(c, 900 + uint64_t(i++));
+        }
+  if (skipped) GTEST_SKIP() << skipped << " (KV dtype, D) configurations not instantiated in this build";
+}
+
+// The fuzz generator's configurations moved into the decode kernel's scope: a built (KV dtype,
+// D) (fp8 with bf16/f16 q, or fp8 q with q_descale), q_len x group <= 16, no q_v; every layout,
+// stride, mode, modifier, split and length the generator draws, against the oracle and the
+// reference. Prints how many cases the decode kernel served (alignment pads and understated
+// bounds send some to the generic kernel, which is checked the same way).
+TEST(GpuDecode, Fuzz) {
+  constexpr int kCases = 400;
+  constexpr size_t kBuilt = std::size(fs::kernels::kDecodeConfigs);
+  int ran = 0, failed = 0, served_decode = 0, served_fp8 = 0;
+  for (int i = 0; i < kCases && failed < 5; ++i) {
+    auto rng = fstest::make_rng(1000 + uint64_t(i));
+    CaseConfig c = fstest::random_case_config(rng);
+    const fs::kernels::DecodeConfig built = fs::kernels::kDecodeConfigs[size_t(i) % kBuilt];
+    c.has_qv = false;
+    c.D = c.Dv = built.d;
+    if (fs::is_fp8(built.kv)) {
+      const bool fp8_q = i % 3 == 0;
+      c.quant = fp8_q ? fstest::QuantMode::fp8_qkv : fstest::QuantMode::fp8_kv;
+      c.kv_dtype = built.kv;
+      c.q_dtype = fp8_q ? (i % 2 ? DType::f8e4m3 : DType::f8e5m2) : (i % 2 ? DType::bf16 : DType::f16);
+      c.out_dtype = fp8_q ? (i % 4 < 2 ? DType::bf16 : DType::f16) : i % 5 == 1 ? DType::f32 : c.q_dtype;
+    } else {
+      c.quant = fstest::QuantMode::none;
+      c.q_dtype = c.kv_dtype = built.kv;
+      c.out_dtype = i % 5 == 1 ? DType::f32 : built.kv;
+    }
+    const int64_t group = c.H / c.H_kv, max_q = std::max<int64_t>(1, 16 / group);
+    for (int64_t& q : c.q_lens) q = std::min(q, max_q);
+    if (c.batched()) c.q_lens.assign(c.q_lens.size(), c.q_lens.empty() ? 1 : c.q_lens[0]);
+    auto crng = fstest::make_rng(2000 + uint64_t(i));
+    fstest::AttentionCase ac = fstest::build_case(c, crng);
+    const Outcome o = run_decode(ac, [](fs::AttentionParams&) {});
+    ++ran;
+    served_decode += o.kernel == "decode";
+    served_fp8 += o.kernel == "decode" && fs::is_fp8(c.kv_dtype);
+    if (o.error.empty()) continue;
+    ++failed;
+    ADD_FAILURE() << "decode fuzz case " << i << " (served by " << o.kernel << ")\n  " << fstest::describe(c) << "\n"
+                  << o.error << "(seed " << fstest::test_seed() << ")";
+  }
+  std::printf("[decode fuzz] %d cases, %d served by decode (%d with fp8 K/V), %d failed\n", ran, served_decode,
+              served_fp8, failed);
+  if (failed == 0) EXPECT_GE(served_decode, ran / 4) << "the fuzz should mostly reach the decode kernel";
 }
 
 // A varlen max_seqlen_q below the truth (the GPU never trusts it): 5 rows x group 8 = 40

@@ -12,11 +12,11 @@ namespace flashserve::kernels {
 
 namespace {
 
-template <size_t I, int kRows>
+template <size_t I, int kRows, int kTile = decode_tile_keys(kv_bytes(kDecodeConfigs[I].kv))>
 void launch_rows(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeConfig c = kDecodeConfigs[I];
-  constexpr size_t smem = decode_smem_bytes(kv_bytes(c.kv), c.d, kRows);
-  constexpr auto kernel = &decode::decode_fwd<c.kv, c.d, kRows>;
+  constexpr size_t smem = decode_smem_bytes(kv_bytes(c.kv), c.d, kRows, kTile);
+  constexpr auto kernel = &decode::decode_fwd<c.kv, c.d, kRows, kTile>;
   ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);  // 2 CTAs per SM need ~228 KB
   const dim3 grid(unsigned(p.batch), unsigned(p.num_kv_heads), unsigned(p.num_splits));
   kernel<<<grid, 32 * decode_warps(c.d), smem, stream>>>(p);
@@ -29,7 +29,13 @@ template <size_t I>
 void launch_config(const AttnParams& p, cudaStream_t stream) {
   constexpr int kVb = kv_bytes(kDecodeConfigs[I].kv);
   constexpr int kCap = decode_row_capacity(kVb, kDecodeConfigs[I].d);
-  if constexpr (decode_uses_mma(kVb)) launch_rows<I, 16>(p, stream);
+  if constexpr (kVb == 1 && decode_uses_mma(kVb)) {  // fp8: 32-key tiles, 16 on short splits
+    const int64_t span = p.paged ? p.max_blocks * p.kv_dim1 : p.kv_dim1;
+    if (decode_launch_tile(kVb, kDecodeConfigs[I].d, span, p.num_splits) == kDecodeTileKeys)
+      launch_rows<I, 16, kDecodeTileKeys>(p, stream);
+    else
+      launch_rows<I, 16>(p, stream);
+  } else if constexpr (decode_uses_mma(kVb)) launch_rows<I, 16>(p, stream);
   else if (p.rows_per_cta <= 4) launch_rows<I, 4>(p, stream);
   else if (p.rows_per_cta <= 8) launch_rows<I, 8>(p, stream);
   else launch_rows<I, kCap>(p, stream);

@@ -1,13 +1,16 @@
 // The decode kernel: few query rows per KV head (decode, short speculative verify), KV streamed
 // once per KV head, the generic kernel's modifiers (masks.cuh, softmax.cuh, epilogue.cuh).
-// 16-bit K/V run q.k and p.v on the tensor cores (decode_mma.cuh); the CUDA-core scheme below
-// (fp32 math) serves fp8 K/V, and its v3/v4 figures are from when it served bf16 too.
+// q.k and p.v run on the tensor cores (decode_mma.cuh), for 16-bit K/V and, as f16 operands
+// converted in registers, for fp8 K/V. The CUDA-core scheme below (fp32 math) served fp8 K/V
+// until then (1.2 TB/s at B=64 L=4k, 1.5x bf16's time); it stays in the source behind
+// decode_uses_mma() (instantiated for no dtype now), and its v3/v4 figures are from when it
+// served bf16 too.
 //
 // CTA = (sequence b, KV head g, split); grid (B, H_kv, num_splits). Its packed rows are the
 // sequence's q_len x group (query row, head) pairs of KV head g, taken kRows (4, 8 or 16: one
 // instantiation each) at a time (one pass over the split's KV per row group). Warps split the
 // keys: warp w owns tiles w, w + W, ... of 16 keys and streams them through its own
-// kDecodeStages-deep cp.async ring (16-byte copies, no CTA barrier in the main loop; each
+// decode_stages()-deep cp.async ring (16-byte copies, no CTA barrier in the main loop; each
 // tile's block-table entries are read one tile ahead into registers, so the dependent table
 // load never stalls a copy issue):
 //   q.k:  per four rows, lane l reads 16-byte K chunk l % C (C chunks per row) of keys
@@ -54,7 +57,6 @@
 namespace flashserve::kernels::decode {
 
 constexpr int kTile = kDecodeTileKeys;
-constexpr int kStages = kDecodeStages;
 constexpr int32_t kTokenSkip = 2;  // TokenLoc.state: not loaded (outside every row's keys); zeros
 
 
@@ -85,11 +87,14 @@ struct RowMeta {
   int64_t lo, hi;   // visible local keys within the split's range, bounded to the cache
   float slope;      // ALiBi
   int32_t active;
+  float qk_scale;   // fp8 K/V: what the f16 q.k products are multiplied by (k_descale x q_descale /
+                    // the row's power-of-two q scale); 1 otherwise
 };
 static_assert(sizeof(RowMeta) == kDecodeRowMetaBytes, "decode_config.hpp sizes shared memory with it");
-static_assert(sizeof(TokenLoc) * kTile == kDecodeLocBytes, "decode_config.hpp sizes shared memory with it");
+static_assert(sizeof(TokenLoc) * kTile == decode_loc_bytes(2) && 2 * decode_loc_bytes(2) == decode_loc_bytes(1),
+              "decode_config.hpp sizes shared memory with it");
 
-template <DType kKv, int kD, int kR>
+template <DType kKv, int kD, int kR, int kT = decode_tile_keys(kv_bytes(kKv))>
 struct Shape {
   static constexpr int kDim = kD;
   static constexpr int kWarps = decode_warps(kD);
@@ -103,11 +108,15 @@ struct Shape {
   static constexpr int kVStride = int(decode_v_stride(kVb, kD));
   static constexpr int kKeysPerLane = kChunks / 2;  // q.k: keys per lane (kChunks lanes per key)
   static constexpr bool kMma = decode_uses_mma(kVb);  // tensor-core q.k and p.v (decode_mma.cuh)
-  static constexpr int kQStride = int(decode_q_stride(kVb, kD));  // bytes per q row in shared memory
-  static constexpr size_t kStageBytes = decode_stage_bytes(kVb, kD);
-  static constexpr size_t kWarpBytes = decode_warp_bytes(kVb, kD, kR);
+  static constexpr int kQStride = int(decode_q_stride(kVb, kD));
+  static constexpr int kStages = decode_stages(kVb);  // cp.async ring depth per warp
+  static constexpr int kTile = kT;  // keys per warp tile  // bytes per q row in shared memory
+  static constexpr size_t kStageBytes = decode_stage_bytes(kVb, kD, kT);
+  static constexpr size_t kWarpBytes = decode_warp_bytes(kVb, kD, kR, kT);
+  static_assert(kWarpBytes <= decode_warp_bytes(kVb, kD, kR), "within the launch's shared memory");
+  static_assert(kMma || kT == decode_tile_keys(kVb), "the CUDA-core path runs its one tile size");
   static_assert(kChunks >= 2 && kChunks <= 32 && 32 % kChunks == 0, "a warp copies whole rows");
-  static_assert(kKeysPerLane * (32 / kChunks) == kTile, "q.k: a warp pass covers the tile");
+  static_assert(kMma || kKeysPerLane * (32 / kChunks) == kTile, "q.k: a warp pass covers the tile");
   static_assert(kTile % (32 / kChunks) == 0, "a tile is whole copy steps");
   static_assert(kChan >= 2, "channels per lane");
   static_assert(kR % 4 == 0 && kR <= decode_row_capacity(kVb, kD), "rows in fours, within the register budget");
@@ -115,7 +124,7 @@ struct Shape {
   static_assert(decode_merge_fits(kVb, kD, kR), "the merge area fits in the warps' area");
 };
 
-// A warp's view of its stage `s`: K [16, kKStride] bytes, V [16, kVStride], the bad-key mask
+// A warp's view of its stage `s`: K [kTile, kKStride] bytes, V [kTile, kVStride], the bad-key mask
 // (bit k: key k lies outside the cache; issue_tile).
 template <class S>
 struct Stage {
@@ -124,8 +133,8 @@ struct Stage {
   uint32_t* bad;
   FS_DEV Stage(unsigned char* warp_base, int s) {
     k = warp_base + size_t(s) * S::kStageBytes;
-    v = k + kTile * S::kKStride;
-    bad = reinterpret_cast<uint32_t*>(v + kTile * S::kVStride);
+    v = k + S::kTile * S::kKStride;
+    bad = reinterpret_cast<uint32_t*>(v + S::kTile * S::kVStride);
   }
 };
 

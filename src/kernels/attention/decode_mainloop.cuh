@@ -15,40 +15,89 @@ FS_DEV PackedIdx packed_idx(const AttnParams& p, int64_t g, int64_t g0, int j) {
   return {(g0 + j) / p.group, g * p.group + (g0 + j) % p.group};
 }
 
-// Fills meta [kRows] and q [kRows, kD] (f32, or q's 16-bit type on the tensor-core path; rows
-// kQStride bytes apart; zeros for inactive rows) of the row group; the
-// union of the active rows' keys is returned (the same in every thread). Ends synchronized.
+// Packed row j's metadata (inactive when j >= nrows; qk_scale 1).
+FS_DEV RowMeta row_meta(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows, int j) {
+  RowMeta m{0, 0, 0, 0.0f, 0, 1.0f};
+  if (j >= nrows) return m;
+  const PackedIdx pi = packed_idx(p, g, g0, j);
+  m.active = 1;
+  m.pos = pi.i + s.sk_global - s.rows.sq();
+  const KeyRange vis = make_visibility(p)(m.pos, s.sk_global);
+  const KeyRange k = generic::bound_to_cache({imax(vis.lo, s.range.begin), imin(vis.hi, s.range.end)}, s.cache);
+  m.lo = k.lo;
+  m.hi = k.hi;
+  if (p.alibi.data) m.slope = load_f32_2d(p.alibi, s.rows.b, pi.h, 0.0f);
+  return m;
+}
+
+// Element d of packed row j's q as float (0 past nrows).
+FS_DEV float q_elem(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows, int j, int d) {
+  if (j >= nrows) return 0.0f;
+  const PackedIdx pi = packed_idx(p, g, g0, j);
+  const int64_t q_row = s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
+  return load_as_float(p.q.data, s.rows.qb * p.q.stride[0] + q_row * p.q.stride[1] + pi.h * p.q.stride[2] + d,
+                       p.q.dtype);
+}
+
+// fp8 K/V: the row group's q as f16 in the channel order of decode_mma.cuh (fp8_q_column), one
+// warp per row. f16 and fp8 q convert exactly; a bf16 row is first multiplied by 2^e (e such
+// that its largest |q| lands in [2^15, 2^16), which f16 holds with bf16's 8 significant bits:
+// exact for every element down to 2^-32 of the row's largest, which keeps 2^-40 of it), and
+// 2^-e joins the row's qk_scale with the descales.
+template <class S>
+FS_DEV void stage_rows_fp8(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows,
+                           unsigned char* q, RowMeta* meta) {
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const bool q_fp8 = is_fp8(p.q.dtype);
+  const float desc = s.kv.k_desc * (q_fp8 ? load_f32_2d(p.q_descale, s.rows.b, g, 1.0f) : 1.0f);
+  for (int j = warp; j < S::kRows; j += S::kWarps) {
+    float x[S::kChan];
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < S::kChan; ++k) {
+      x[k] = q_elem(p, s, g, g0, nrows, j, lane + 32 * k);
+      amax = fmaxf(amax, fabsf(x[k]));
+    }
+    int shift = 0;
+    if (p.q.dtype == DType::bf16) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
+      if (amax > 0.0f && amax < INFINITY) {
+        const int e = int((__float_as_uint(amax) >> 23) & 0xffu) - 127;  // subnormal: -127 (clamped below)
+        shift = int(imin(imax(15 - e, -126), 126));
+      }
+    }
+    const float up = ldexpf(1.0f, shift);
+    __half* row = reinterpret_cast<__half*>(q + j * S::kQStride);
+#pragma unroll
+    for (int k = 0; k < S::kChan; ++k) {
+      const int d = lane + 32 * k;
+      row[fp8_q_column<S>(d)] = __float2half_rn(x[k] * up);  // exact (see above)
+    }
+    if (lane == 0) {
+      RowMeta m = row_meta(p, s, g, g0, nrows, j);
+      m.qk_scale = desc * ldexpf(1.0f, -shift);
+      meta[j] = m;
+    }
+  }
+}
+
+// Fills meta [kRows] and q [kRows, kD] (f32, or q's 16-bit type on the tensor-core path, f16 for
+// fp8 K/V; rows kQStride bytes apart; zeros for inactive rows) of the row group; the union of the
+// active rows' keys is returned (the same in every thread). Ends synchronized.
 template <class S>
 FS_DEV KeyRange setup_rows(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows,
                            unsigned char* q, RowMeta* meta) {
-  const int64_t sq = s.rows.sq();
-  if (int(threadIdx.x) < S::kRows) {
-    const int j = int(threadIdx.x);
-    RowMeta m{0, 0, 0, 0.0f, 0};
-    if (j < nrows) {
-      const PackedIdx pi = packed_idx(p, g, g0, j);
-      m.active = 1;
-      m.pos = pi.i + s.sk_global - sq;
-      const KeyRange vis = make_visibility(p)(m.pos, s.sk_global);
-      const KeyRange k =
-          generic::bound_to_cache({imax(vis.lo, s.range.begin), imin(vis.hi, s.range.end)}, s.cache);
-      m.lo = k.lo;
-      m.hi = k.hi;
-      if (p.alibi.data) m.slope = load_f32_2d(p.alibi, s.rows.b, pi.h, 0.0f);
+  if constexpr (S::kMma && S::kVb == 1) {
+    stage_rows_fp8<S>(p, s, g, g0, nrows, q, meta);
+  } else {
+    if (int(threadIdx.x) < S::kRows) meta[threadIdx.x] = row_meta(p, s, g, g0, nrows, int(threadIdx.x));
+    for (int idx = int(threadIdx.x); idx < S::kRows * S::kDim; idx += S::kThreads) {
+      const int j = idx / S::kDim, d = idx % S::kDim;
+      const float x = q_elem(p, s, g, g0, nrows, j, d);
+      if constexpr (S::kMma) store_from_float(q + j * S::kQStride, d, p.q.dtype, x);  // exact: q's own type
+      else reinterpret_cast<float*>(q + j * S::kQStride)[d] = x;
     }
-    meta[j] = m;
-  }
-  for (int idx = int(threadIdx.x); idx < S::kRows * S::kDim; idx += S::kThreads) {
-    const int j = idx / S::kDim, d = idx % S::kDim;
-    float x = 0.0f;
-    if (j < nrows) {
-      const PackedIdx pi = packed_idx(p, g, g0, j);
-      const int64_t q_row = s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
-      x = load_as_float(p.q.data, s.rows.qb * p.q.stride[0] + q_row * p.q.stride[1] + pi.h * p.q.stride[2] + d,
-                        p.q.dtype);
-    }
-    if constexpr (S::kMma) store_from_float(q + j * S::kQStride, d, p.q.dtype, x);  // exact: q's own type
-    else reinterpret_cast<float*>(q + j * S::kQStride)[d] = x;
   }
   __syncthreads();
   KeyRange u{s.range.end, s.range.begin};
@@ -83,8 +132,9 @@ FS_DEV void div_mod(int64_t a, int64_t b, int64_t& q, int64_t& r) {
   }
 }
 
+template <int kTileKeys>
 FS_DEV TileKey tile_key(const AttnParams& p, const SeqKv& kv, int64_t t0, int64_t lo, int64_t hi, int lane) {
-  const int64_t key = t0 + lane % kTile;
+  const int64_t key = t0 + lane % kTileKeys;
   TileKey k{0, 0, kTokenSkip};
   if (key < lo || key >= hi) return k;
   k.state = kTokenValid;
@@ -122,17 +172,21 @@ template <class S>
 FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st, TokenLoc* loc, const TileKey& key,
                        int lane) {
   const TokenLoc L = tile_loc(p, kv, key);
-  const uint32_t bad = __ballot_sync(kFullMask, lane < kTile && L.state == kTokenBad);
+  const uint32_t bad = __ballot_sync(kFullMask, lane < S::kTile && L.state == kTokenBad);
   if (lane == 0) *st.bad = bad;
-  if (lane < kTile) loc[lane] = L;
+  if (lane < S::kTile) loc[lane] = L;
   __syncwarp();
   const char* kg = static_cast<const char*>(p.k.data);
   const char* vg = static_cast<const char*>(p.v.data);
   constexpr int kRowsPerStep = 32 / S::kChunks;
   const int c = lane % S::kChunks;
-  const uint32_t dk = smem_u32(st.k + c * kDecodeChunk), dv = smem_u32(st.v + c * kDecodeChunk);
+  // fp8 K: chunk c of row r lands at c ^ (r & 1) (decode_config.hpp); r & 1 is the same for all
+  // of the lane's rows (an even number of rows per copy step).
+  static_assert(S::kVb != 1 || kRowsPerStep % 2 == 0, "fp8 K swizzle: one row parity per lane");
+  const int ck = S::kVb == 1 ? c ^ ((lane / S::kChunks) & 1) : c;
+  const uint32_t dk = smem_u32(st.k + ck * kDecodeChunk), dv = smem_u32(st.v + c * kDecodeChunk);
 #pragma unroll
-  for (int i = 0; i < kTile / kRowsPerStep; ++i) {
+  for (int i = 0; i < S::kTile / kRowsPerStep; ++i) {
     const int r = lane / S::kChunks + i * kRowsPerStep;
     const TokenLoc R = loc[r];  // offsets 0 unless valid: an in-bounds address, nothing read
     const bool ok = R.state == kTokenValid;  // else 16 zero bytes
@@ -343,37 +397,38 @@ FS_DEV void consume_tile(const AttnParams& p, const Stage<S>& st, const float* q
 }
 
 // The warp's tiles w, w + W, ... of keys [u.lo, u.hi) (tiles aligned to the split's start, as
-// the CPU reference), through a kStages-deep ring of cp.async groups; the block-table entries
+// the CPU reference), through an S::kStages-deep ring of cp.async groups; the block-table entries
 // of the tile after the one being issued wait in registers (`ahead`). consume(stage, t0) takes
 // each tile once its copies have landed.
 template <class S, class Consume>
 FS_DEV void stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* warp_base, KeyRange u,
                         Consume&& consume) {
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  TokenLoc* loc = reinterpret_cast<TokenLoc*>(warp_base + kStages * S::kStageBytes);
+  constexpr int kTile = S::kTile;
+  TokenLoc* loc = reinterpret_cast<TokenLoc*>(warp_base + S::kStages * S::kStageBytes);
   const int64_t base = s.range.begin + (u.lo - s.range.begin) / kTile * kTile;
   const int64_t tiles = (u.hi - base + kTile - 1) / kTile;
   const int64_t mine = tiles > warp ? (tiles - warp + S::kWarps - 1) / S::kWarps : 0;
   auto tile_start = [&](int64_t k) { return base + (warp + k * S::kWarps) * kTile; };
-  TileKey ahead = tile_key(p, s.kv, tile_start(0), u.lo, u.hi, lane);  // tile 0 (skipped if past u.hi)
+  TileKey ahead = tile_key<kTile>(p, s.kv, tile_start(0), u.lo, u.hi, lane);  // tile 0 (skipped if past u.hi)
   int issue_stage = 0, consume_stage = 0;  // ring positions of the next issue / consume
   auto issue = [&](int64_t k) {  // tile k (its key is `ahead`), then read tile k + 1's entries
     issue_tile<S>(p, s.kv, Stage<S>(warp_base, issue_stage), loc, ahead, lane);
-    issue_stage = issue_stage + 1 == kStages ? 0 : issue_stage + 1;
-    if (k + 1 < mine) ahead = tile_key(p, s.kv, tile_start(k + 1), u.lo, u.hi, lane);
+    issue_stage = issue_stage + 1 == S::kStages ? 0 : issue_stage + 1;
+    if (k + 1 < mine) ahead = tile_key<kTile>(p, s.kv, tile_start(k + 1), u.lo, u.hi, lane);
   };
 #pragma unroll
-  for (int k = 0; k < kStages - 1; ++k) {
+  for (int k = 0; k < S::kStages - 1; ++k) {
     if (k < mine) issue(k);
     cp_async_commit();
   }
   for (int64_t k = 0; k < mine; ++k) {
-    if (k + kStages - 1 < mine) issue(k + kStages - 1);
+    if (k + S::kStages - 1 < mine) issue(k + S::kStages - 1);
     cp_async_commit();
-    cp_async_wait<kStages - 1>();
+    cp_async_wait<S::kStages - 1>();
     __syncwarp();
     consume(Stage<S>(warp_base, consume_stage), tile_start(k));
-    consume_stage = consume_stage + 1 == kStages ? 0 : consume_stage + 1;
+    consume_stage = consume_stage + 1 == S::kStages ? 0 : consume_stage + 1;
     __syncwarp();  // the stage (and pbuf) are free for the next issue
   }
   cp_async_wait<0>();
@@ -439,7 +494,7 @@ FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, in
   } else {
     WarpAcc<S> w;
     const float* qf = reinterpret_cast<const float*>(q);
-    float* pbuf = reinterpret_cast<float*>(warp_base + kStages * S::kStageBytes + kDecodeLocBytes);
+    float* pbuf = reinterpret_cast<float*>(warp_base + S::kStages * S::kStageBytes + decode_loc_bytes(S::kVb, S::kTile));
     if (u.lo < u.hi)
       stream_keys<S>(p, s, warp_base, u, [&](const Stage<S>& st, int64_t t0) {
         consume_tile<kKv, S>(p, st, qf, meta, pbuf, nrows, t0, s.kv.k_desc, lane, w);
@@ -450,10 +505,11 @@ FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, in
 
 // Two CTAs per SM by shared memory for the tensor-core path and kRows <= 8 (decode_config.hpp),
 // so at most 255 registers.
-template <DType kKv, int kD, int kRows>
+// kTile: keys per warp tile (decode_tile_keys; fp8 also 16 for short splits, decode_fwd.cu).
+template <DType kKv, int kD, int kRows, int kTile = decode_tile_keys(kv_bytes(kKv))>
 __global__ void __launch_bounds__(32 * decode_warps(kD), decode_uses_mma(kv_bytes(kKv)) || kRows <= 8 ? 2 : 1)
     decode_fwd(const __grid_constant__ AttnParams p) {
-  using S = Shape<kKv, kD, kRows>;
+  using S = Shape<kKv, kD, kRows, kTile>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* q = smem_raw;                                                   // [kRows, kQStride]
   RowMeta* meta = reinterpret_cast<RowMeta*>(q + S::kRows * S::kQStride);       // [kRows]

@@ -1,4 +1,4 @@
-// The decode kernel's tensor-core path (16-bit K/V; included by decode_mainloop.cuh): one warp's
+// The decode kernel's tensor-core path (16-bit and fp8 K/V; included by decode_mainloop.cuh): one warp's
 // q.k, online softmax and p.v over a 16-key tile with mma.sync m16n8k16, for the 16 packed rows
 // of the row group (the mma's M; rows past nrows are zero queries that see no key).
 //
@@ -13,22 +13,103 @@
 //     outputs add the residue P - P16 in a second pass); V's B fragments by ldmatrix.trans;
 //     D/16 ldmatrix.x4 and D/8 mma.
 // D=128: ~100 instructions per 8 KB tile against ~1880 on the CUDA-core path.
+//
+// fp8 K/V (e4m3 / e5m2) take the same scheme with f16 operands over 32-key tiles (8 KB at D=128,
+// as a bf16 tile: the per-tile costs (table reads, copy issue, softmax shuffles) are paid per
+// byte as for bf16; 16-key fp8 tiles measured 0.89-0.93x bf16's time, not ~0.5). Every fp8
+// value is exact in f16, converted in registers by cvt.rn.f16x2.{e4m3,e5m2}x2 (two elements per
+// instruction) after plain 16-byte shared-memory loads; q is staged as f16
+// (decode_mainloop.cuh's stage_rows_fp8: exact, a bf16 row scaled by a power of two folded into
+// the row's qk_scale with the descales).
+//   K: the reduction order over channels is free, so the channels of each k-step are permuted:
+//     lane t's B fragments of all k-steps are the contiguous bytes [t D/4, (t+1) D/4) of its key
+//     rows g + 8n (byte 4 ks + i of them is k index {2t, 2t+1, 2t+8, 2t+9}[i] of k-step ks),
+//     and q's staging writes channel c to that k index (fp8_q_column); D/64 LDS.128 per key row.
+//     K rows are unpadded, chunk c of row r stored at c ^ (r & 1) (conflict-free at D=128).
+//   V: the output channels are permuted instead: n-tile n's column g is physical channel
+//     g D/8 + n, so lane (g, t) reads bytes [g D/8, (g+1) D/8) of keys 16kk + (2t, 2t+1, 2t+8,
+//     2t+9) (D/8 bytes each) and pairs the keys' bytes with one PRMT per two pairs; spill()
+//     writes the channels back in order.
+//   The scores are multiplied by the row's qk_scale before the modifiers; V's descale is
+//   applied to O in the epilogue (merge_and_store), as on the CUDA-core path.
+// Per 8 KB fp8 tile (32 keys, D=128, per warp): 16 LDS.128 (K 8, V 8), 128 cvt f16x2 (64 K,
+// 64 V), 32 PRMT, 64 HMMA (bf16: 32 per 8 KB), softmax over 32 keys (~2x bf16's + 16 FMUL),
+// 16 cp.async (as bf16): ~370 instructions against ~150-200 for a bf16 8 KB tile.
+// Prediction (H200, 2 CTAs x 4 warps per SM, 2 tiles in flight per warp as bf16): at 4.2 TB/s
+// the SM consumes an 8 KB tile every ~250 ns (~450 cycles, ~1800 issue slots): ~370
+// instructions (20%), 128 conversions at 16/clk/SM ~256 cycles of that pipe (57%, the closest
+// limit), 64 HMMA ~50 ns of the tensor pipe (20%). So fp8 should reach about bf16's fraction of
+// the copy ceiling per byte: ~3.2-3.6 TB/s at B=64 L=4k, time 0.5-0.57x bf16's.
+// Measured (H200, bench/fp8_pairs.py, commit ea8b780, same process as the bf16 rows):
+// B=64 L=4k block 16: 3054 GB/s of fp8 bytes, 0.615x bf16's time (bf16 3756 GB/s); block 256
+// 0.575x, block 1 0.639x; B=16 L=8k 0.671x; B=256 L=1k 0.742x; B=1 L=32k 0.758x; verify q_len 2
+// / 4 at B=64 L=4k 0.629x / 0.694x; short contexts B=64 L=256 0.862x, B=8 L=128 0.988x, B=256
+// L=64 1.038x (slower). The prediction's instruction count was low: the main loop's SASS has
+// ~2400 static instructions (the slow softmax path with soft-cap/ALiBi included); the kernel is
+// issue-bound, not bound by the conversions: fp8 with 16-key tiles and no conversion at all (a
+// bug) already ran at 0.89x, 32-key tiles gave 0.84x, and the softmax shortcuts below (row half
+// skip, one multiply per score on interior tiles, O rescaled only when the max moves) 0.615x.
+// Next: the scalar work per tile (table reads and 64-bit offsets of issue_tile, the softmax over
+// 16 MMA rows of which decode uses 4-8: a transposed q.k, keys as M and rows as N = 8, would
+// halve the MMAs and the softmax lanes' work).
 #pragma once
 
 namespace flashserve::kernels::decode {
 
+// fp8 K/V: the f16 q column (k index within the row) of physical channel d (see above).
+template <class S>
+FS_DEV int fp8_q_column(int d) {
+  constexpr int kLaneBytes = S::kDim / 4;  // K bytes per lane per key row
+  const int t = d / kLaneBytes, r = d % kLaneBytes, ks = r / 4, i = r % 4;
+  return 16 * ks + 2 * t + (i < 2 ? i : i + 6);
+}
+
+// Two fp8 values (low byte first) as an f16x2 register (low half first), exact.
+template <DType kKv>
+FS_DEV uint32_t fp8x2_to_f16x2(uint32_t two) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xffffu), kKv == DType::f8e4m3 ? __NV_E4M3 : __NV_E5M2);
+  return uint32_t(h.x) | (uint32_t(h.y) << 16);
+}
+
+FS_DEV uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// kBytes bytes of shared memory at src (aligned to min(16, kBytes)) as 32-bit words.
+template <int kBytes>
+FS_DEV void load_words(const unsigned char* src, uint32_t (&w)[kBytes / 4]) {
+  if constexpr (kBytes == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+#pragma unroll
+    for (int c = 0; c < kBytes / 16; ++c) {
+      const uint4 v = *reinterpret_cast<const uint4*>(src + 16 * c);
+      w[4 * c] = v.x, w[4 * c + 1] = v.y, w[4 * c + 2] = v.z, w[4 * c + 3] = v.w;
+    }
+  }
+}
+
 template <DType kKv, class S>
 struct MmaWarp {
-  using T = std::conditional_t<kKv == DType::bf16, __nv_bfloat16, __half>;
+  static constexpr bool kFp8 = kv_bytes(kKv) == 1;
+  using T = std::conditional_t<kKv == DType::bf16, __nv_bfloat16, __half>;  // fp8: f16 operands
   static constexpr int kKSteps = S::kDim / 16;  // q.k k-steps of 16 channels
   static constexpr int kNTiles = S::kDim / 8;   // p.v output tiles of 8 channels
   static constexpr bool kQInRegs = S::kDim <= 128;
+  static constexpr int kTile = S::kTile;        // keys per tile: 16 (16-bit K/V) or 32 (fp8)
+  static constexpr int kSTiles = kTile / 8;     // score n-tiles of 8 keys
 
   uint32_t qf[kQInRegs ? kKSteps : 1][4];  // Q A fragments (D <= 128)
   float o[kNTiles][4];                     // O: rows g (o[.][0..1]), g + 8 (o[.][2..3])
   float m[2], l[2];                        // rows g, g + 8: running max, lane-partial sum
   int64_t pos[2], lo[2], hi[2];
   float slope[2];
+  float qk_scale[2];  // fp8: the rows' score factors
+  bool rows_on[2];    // some lane's row g + 8r sees a key of the split (warp-uniform)
   uint32_t q_smem;
 
   // Row meta of the lane's two rows into registers; Q fragments (D <= 128).
@@ -40,8 +121,10 @@ struct MmaWarp {
       lo[r] = rm.lo;
       hi[r] = rm.hi;
       slope[r] = rm.slope;
+      qk_scale[r] = rm.qk_scale;
       m[r] = kNegInf;
       l[r] = 0.0f;
+      rows_on[r] = __any_sync(kFullMask, hi[r] > lo[r]);
     }
 #pragma unroll
     for (int n = 0; n < kNTiles; ++n)
@@ -60,11 +143,37 @@ struct MmaWarp {
   }
 
   // s[n][.] = scores of keys 8n + 2t, 8n + 2t + 1 (rows g: [0..1], g + 8: [2..3]).
-  FS_DEV void scores(const Stage<S>& st, int lane, float (&s)[2][4]) const {
+  FS_DEV void scores(const Stage<S>& st, int lane, float (&s)[kSTiles][4]) const {
 #pragma unroll
-    for (int n = 0; n < 2; ++n)
+    for (int n = 0; n < kSTiles; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+    if constexpr (kFp8) {
+      constexpr int kLaneBytes = S::kDim / 4;  // 4 per k-step
+      const int c0 = (lane % 4) * (kLaneBytes / 16), swz = (lane / 4) & 1;  // first chunk; row parity
+      const unsigned char* kr = st.k + (lane / 4) * S::kKStride;
+#pragma unroll
+      for (int n = 0; n < kSTiles; ++n) {  // keys g + 8n
+        uint32_t w[kLaneBytes / 4];      // word ks: k-step ks
+#pragma unroll
+        for (int j = 0; j < kLaneBytes / 16; ++j) {  // chunk c0 + j, stored at (c0 + j) ^ swz
+          const uint4 v = *reinterpret_cast<const uint4*>(kr + 8 * n * S::kKStride + 16 * ((c0 + j) ^ swz));
+          w[4 * j] = v.x, w[4 * j + 1] = v.y, w[4 * j + 2] = v.z, w[4 * j + 3] = v.w;
+        }
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks) {
+          uint32_t a[4];
+          if constexpr (kQInRegs) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) a[i] = qf[ks][i];
+          } else {
+            load_q(ks, lane, a);
+          }
+          mma_16816<T>(s[n], a, fp8x2_to_f16x2<kKv>(w[ks]), fp8x2_to_f16x2<kKv>(w[ks] >> 16));
+        }
+      }
+      return;
+    }
     const uint32_t kbase = smem_u32(st.k) + uint32_t((lane % 8 + 8 * (lane / 16)) * S::kKStride + 16 * ((lane / 8) % 2));
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
@@ -83,37 +192,59 @@ struct MmaWarp {
   }
 
   // Masks and modifiers, online softmax (exp2 of log2e-scaled differences); the scores become p
-  // in place. `bad`: bit k set when key t0 + k is bad (its rows NaN).
-  FS_DEV void softmax(const AttnParams& p, int64_t t0, uint32_t bad, int lane, float (&s)[2][4]) {
+  // in place. `bad`: bit k set when key t0 + k is bad (its rows NaN). Warp-uniform shortcuts:
+  // rows g + 8r that no lane needs (decode with <= 8 packed rows: the upper half) are skipped
+  // (p = 0), and a tile that every active row sees whole, with no bad key, soft-cap or ALiBi,
+  // takes one multiply per score (fmaxf: a NaN score still poisons its row through exp and l).
+  FS_DEV void softmax(const AttnParams& p, int64_t t0, uint32_t bad, int lane, float (&s)[kSTiles][4]) {
     constexpr float kLog2e = 1.4426950408889634f;
     const ScoreTransform score = make_score_transform(p);
+    const bool plain = !(score.softcap > 0.0f) && !score.alibi && bad == 0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int vlo = int(imin(imax(lo[r] - t0, 0), kTile)), vhi = int(imin(imax(hi[r] - t0, 0), kTile));
+      if (!rows_on[r]) {
+#pragma unroll
+        for (int n = 0; n < kSTiles; ++n) s[n][2 * r] = s[n][2 * r + 1] = 0.0f;
+        continue;
+      }
       float mx = kNegInf;
+      const bool act = lo[r] < hi[r];
+      if (__all_sync(kFullMask, plain && (!act || (lo[r] <= t0 && t0 + kTile <= hi[r])))) {
+        const float c = kFp8 ? score.scale * qk_scale[r] : score.scale;
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
+        for (int n = 0; n < kSTiles; ++n)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int k = 8 * n + 2 * (lane % 4) + e;
-          float& x = s[n][2 * r + e];
-          x = k < vlo || k >= vhi   ? kNegInf
-              : (bad >> k) & 1u     ? nan_value()
-                                      : score(x, pos[r], t0 + k, slope[r]);
-          mx = nan_max(mx, x);
-        }
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[n][2 * r + e];
+            x = act ? x * c : kNegInf;
+            mx = fmaxf(mx, x);
+          }
+      } else {
+        const int vlo = int(imin(imax(lo[r] - t0, 0), kTile)), vhi = int(imin(imax(hi[r] - t0, 0), kTile));
+#pragma unroll
+        for (int n = 0; n < kSTiles; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int k = 8 * n + 2 * (lane % 4) + e;
+            float& x = s[n][2 * r + e];
+            x = k < vlo || k >= vhi   ? kNegInf
+                : (bad >> k) & 1u     ? nan_value()
+                                        : score(kFp8 ? x * qk_scale[r] : x, pos[r], t0 + k, slope[r]);
+            mx = nan_max(mx, x);
+          }
+      }
       mx = nan_max(mx, __shfl_xor_sync(kFullMask, mx, 1));
       mx = nan_max(mx, __shfl_xor_sync(kFullMask, mx, 2));
       const float new_m = nan_max(m[r], mx);
       if (new_m == kNegInf) {  // nothing visible yet: p = 0, state and O unchanged
 #pragma unroll
-        for (int n = 0; n < 2; ++n) s[n][2 * r] = s[n][2 * r + 1] = 0.0f;
+        for (int n = 0; n < kSTiles; ++n) s[n][2 * r] = s[n][2 * r + 1] = 0.0f;
         continue;
       }
       const float mb = new_m * kLog2e;
       float sum = 0.0f;
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
+      for (int n = 0; n < kSTiles; ++n)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[n][2 * r + e];
@@ -123,38 +254,68 @@ struct MmaWarp {
       const float alpha = fast_exp2(fmaf(m[r], kLog2e, -mb));
       l[r] = l[r] * alpha + sum;
       m[r] = new_m;
+      if (alpha != 1.0f) {  // the running max moved (rare after the first tiles)
 #pragma unroll
-      for (int n = 0; n < kNTiles; ++n) {
-        o[n][2 * r] *= alpha;
-        o[n][2 * r + 1] *= alpha;
+        for (int n = 0; n < kNTiles; ++n) {
+          o[n][2 * r] *= alpha;
+          o[n][2 * r + 1] *= alpha;
+        }
       }
     }
   }
 
-  // O += P V over the tile's 16 keys. P is rounded to 16 bits for the mma; with `split_p` (fp32
-  // outputs, which promise full precision) the rounding residue goes through a second mma,
-  // leaving P with ~16 significant bits.
-  FS_DEV void accumulate(const Stage<S>& st, int lane, const float (&pr)[2][4], bool split_p) {
-    uint32_t a[4], r[4];
-    p_fragment<T, kTile>(pr, 0, a);
-    if (split_p) p_residue<T, kTile>(pr, 0, a, r);
-    const uint32_t vbase = smem_u32(st.v) + uint32_t((lane % 8 + 8 * ((lane / 8) % 2)) * S::kVStride + 16 * (lane / 16));
+  // O += P V over the tile's keys, one k-step of 16 keys at a time. P is rounded to 16 bits for
+  // the mma; with `split_p` (fp32 outputs, which promise full precision) the rounding residue
+  // goes through a second mma, leaving P with ~16 significant bits.
+  FS_DEV void accumulate(const Stage<S>& st, int lane, const float (&pr)[kSTiles][4], bool split_p) {
 #pragma unroll
-    for (int n2 = 0; n2 < kNTiles / 2; ++n2) {
-      uint32_t b[4];  // channels 16 n2 + (0-7 | 8-15) x keys (0-7 | 8-15)
-      ldmatrix_x4_trans(b, vbase + uint32_t(n2 * 32));
-      mma_16816<T>(o[2 * n2], a, b[0], b[1]);
-      mma_16816<T>(o[2 * n2 + 1], a, b[2], b[3]);
-      if (split_p) {
-        mma_16816<T>(o[2 * n2], r, b[0], b[1]);
-        mma_16816<T>(o[2 * n2 + 1], r, b[2], b[3]);
+    for (int kk = 0; kk < kTile / 16; ++kk) {
+      uint32_t a[4], r[4];
+      p_fragment<T, kTile>(pr, kk, a);
+      if (split_p) p_residue<T, kTile>(pr, kk, a, r);
+      if constexpr (kFp8) {
+        constexpr int kLaneBytes = S::kDim / 8;  // one byte per n-tile
+        uint32_t w[4][kLaneBytes / 4];           // keys 16 kk + (2t, 2t+1, 2t+8, 2t+9)
+        const unsigned char* vr = st.v + (16 * kk + 2 * (lane % 4)) * S::kVStride + (lane / 4) * kLaneBytes;
+        load_words<kLaneBytes>(vr, w[0]);
+        load_words<kLaneBytes>(vr + S::kVStride, w[1]);
+        load_words<kLaneBytes>(vr + 8 * S::kVStride, w[2]);
+        load_words<kLaneBytes>(vr + 9 * S::kVStride, w[3]);
+#pragma unroll
+        for (int c = 0; c < kLaneBytes / 4; ++c)  // n-tiles 4c .. 4c + 3
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {            // n-tiles 4c + 2h, 4c + 2h + 1
+            const uint32_t sel = h == 0 ? 0x5140u : 0x7362u;  // the two keys' bytes 2h, 2h + 1
+            const uint32_t lo = prmt(w[0][c], w[1][c], sel), hi = prmt(w[2][c], w[3][c], sel);
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int n = 4 * c + 2 * h + e;
+              const uint32_t b0 = fp8x2_to_f16x2<kKv>(lo >> (16 * e)), b1 = fp8x2_to_f16x2<kKv>(hi >> (16 * e));
+              mma_16816<T>(o[n], a, b0, b1);
+              if (split_p) mma_16816<T>(o[n], r, b0, b1);
+            }
+          }
+      } else {
+        const uint32_t vbase = smem_u32(st.v) + uint32_t((16 * kk + lane % 8 + 8 * ((lane / 8) % 2)) * S::kVStride +
+                                                         16 * (lane / 16));
+#pragma unroll
+        for (int n2 = 0; n2 < kNTiles / 2; ++n2) {
+          uint32_t b[4];  // channels 16 n2 + (0-7 | 8-15) x keys (0-7 | 8-15)
+          ldmatrix_x4_trans(b, vbase + uint32_t(n2 * 32));
+          mma_16816<T>(o[2 * n2], a, b[0], b[1]);
+          mma_16816<T>(o[2 * n2 + 1], a, b[2], b[3]);
+          if (split_p) {
+            mma_16816<T>(o[2 * n2], r, b[0], b[1]);
+            mma_16816<T>(o[2 * n2 + 1], r, b[2], b[3]);
+          }
+        }
       }
     }
   }
 
   FS_DEV void consume(const AttnParams& p, const Stage<S>& st, int64_t t0, int lane) {
     const uint32_t bad = *st.bad;
-    float s[2][4];
+    float s[kSTiles][4];
     scores(st, lane, s);
     softmax(p, t0, bad, lane, s);
     accumulate(st, lane, s, p.out.dtype == DType::f32);
@@ -168,10 +329,19 @@ struct MmaWarp {
       l[r] += __shfl_xor_sync(kFullMask, l[r], 2);
       const int j = lane / 4 + 8 * r;
       if (j >= nrows) continue;
-      float* row = mo + (warp * S::kRows + j) * S::kDim + 2 * (lane % 4);
+      if constexpr (kFp8) {  // column c of n-tile n is channel c D/8 + n
+        float* row = mo + (warp * S::kRows + j) * S::kDim + 2 * (lane % 4) * kNTiles;
 #pragma unroll
-      for (int n = 0; n < kNTiles; ++n)
-        *reinterpret_cast<float2*>(row + 8 * n) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+        for (int n = 0; n < kNTiles; ++n) {
+          row[n] = o[n][2 * r];
+          row[kNTiles + n] = o[n][2 * r + 1];
+        }
+      } else {
+        float* row = mo + (warp * S::kRows + j) * S::kDim + 2 * (lane % 4);
+#pragma unroll
+        for (int n = 0; n < kNTiles; ++n)
+          *reinterpret_cast<float2*>(row + 8 * n) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+      }
       if (lane % 4 == 0) {
         ms[(warp * S::kRows + j) * 2] = m[r];
         ms[(warp * S::kRows + j) * 2 + 1] = l[r];

@@ -23,11 +23,16 @@ bool chunk_aligned(const TensorRef& t) {
 
 std::string dtype_reason(const detail::AttnProblem& pr) {
   const DType qt = pr.q.dtype, kt = pr.k.dtype;
-  if (!is_half(qt)) return detail::cat("q float16/bfloat16, got ", dtype_name(qt));
+  if (!is_half(qt) && !is_fp8(qt)) return detail::cat("q float16/bfloat16 or fp8, got ", dtype_name(qt));
   if (pr.q_v) return "no q_v";
-  if (pr.k_scale_cache || pr.v_scale || pr.q_scale || pr.q_descale) return "no int8 scales or q descale";
+  if (pr.k_scale_cache || pr.v_scale || pr.q_scale) return "no int8 scales";
   if (pr.v.dtype != kt) return detail::cat("k and v of one dtype, got ", dtype_name(kt), "/", dtype_name(pr.v.dtype));
-  if (kt != qt && !is_fp8(kt)) return detail::cat("k/v of q's dtype or fp8, got ", dtype_name(kt));
+  if (is_fp8(qt)) {  // fp8 q (q_descale): f16 operands against an fp8 cache
+    if (!is_fp8(kt)) return detail::cat("fp8 q with an fp8 cache, got k/v ", dtype_name(kt));
+  } else {
+    if (pr.q_descale) return "no q descale for a 16-bit q";
+    if (kt != qt && !is_fp8(kt)) return detail::cat("k/v of q's dtype or fp8, got ", dtype_name(kt));
+  }
   return {};
 }
 
