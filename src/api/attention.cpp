@@ -1,7 +1,7 @@
 // The attention entry points: validate, plan (or check the caller's plan), dispatch by device.
 #include "flashserve/attention.hpp"
 
-#include "api/problem.hpp"
+#include "problem/attention.hpp"
 #include "flashserve/status.hpp"
 #include "reference/attention.hpp"
 

@@ -1,6 +1,6 @@
 // Per-sequence reads of the batch metadata and the content checks a CPU call makes before
 // any write: lengths within the tensors and bounds, block indices in range.
-#include "api/check.hpp"
+#include "common/check.hpp"
 #include "common/cp_layout.hpp"
 #include "api/validate_batch.hpp"
 

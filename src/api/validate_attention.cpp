@@ -2,8 +2,8 @@
 // quantization modes, score modifiers. Batch metadata is in validate_batch.cpp.
 #include <cmath>
 
-#include "api/check.hpp"
-#include "api/problem.hpp"
+#include "common/check.hpp"
+#include "problem/attention.hpp"
 #include "api/validate_batch.hpp"
 
 namespace flashserve::detail {

@@ -1,6 +1,6 @@
 #include "api/validate_batch.hpp"
 
-#include "api/check.hpp"
+#include "common/check.hpp"
 
 namespace flashserve::detail {
 

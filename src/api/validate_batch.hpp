@@ -2,7 +2,7 @@
 // cache_batch_idx, max_seqlen) and of the int8 scale operands.
 #pragma once
 
-#include "api/problem.hpp"
+#include "problem/attention.hpp"
 
 namespace flashserve::detail {
 

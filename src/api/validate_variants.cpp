@@ -4,7 +4,7 @@
 #include <cmath>
 #include <limits>
 
-#include "api/check.hpp"
+#include "common/check.hpp"
 #include "flashserve/status.hpp"
 
 namespace flashserve::detail {
@@ -160,16 +160,6 @@ GatherCacheProblem validate_gather_cache(const GatherCacheParams& p) {
   pr.dst = p.dst;
   pr.cu_seqlens_dst = p.cu_seqlens_dst;
   return pr;
-}
-
-TokenRange gather_range(const GatherCacheProblem& pr, int64_t b) {
-  const int64_t q_len =
-      pr.cu_seqlens_q ? read_index(*pr.cu_seqlens_q, b + 1) - read_index(*pr.cu_seqlens_q, b) : 0;
-  const int64_t context = std::max<int64_t>(0, read_index(pr.seqused_k, b) - q_len);
-  TokenRange r;
-  r.lo = std::min(pr.token_begin, context);
-  r.hi = std::max(r.lo, std::min(pr.token_end, context));
-  return r;
 }
 
 void check_gather_contents(const GatherCacheProblem& pr) {

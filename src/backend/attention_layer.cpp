@@ -4,7 +4,7 @@
 // a varlen attention call over the paged cache.
 #include <algorithm>
 
-#include "api/check.hpp"
+#include "common/check.hpp"
 #include "backend/layer_ops.hpp"
 #include "flashserve/backend.hpp"
 #include "flashserve/status.hpp"

@@ -20,7 +20,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "api/check.hpp"
+#include "common/check.hpp"
 #include "backend/layer_ops.hpp"
 #include "common/cp_layout.hpp"
 #include "flashserve/backend_variants.hpp"

@@ -8,7 +8,7 @@
 //   out = differential_combine(a1 = out, a2): RMSNorm(a1 - λ a2) * (1 - λ_init) in place
 #include <cmath>
 
-#include "api/check.hpp"
+#include "common/check.hpp"
 #include "backend/layer_ops.hpp"
 #include "flashserve/backend_variants.hpp"
 #include "flashserve/status.hpp"

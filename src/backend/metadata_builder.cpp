@@ -22,7 +22,7 @@
 // offset): its block table holds slots, so the caller passes that view of the cache.
 #include <algorithm>
 
-#include "api/check.hpp"
+#include "common/check.hpp"
 #include "common/cp_layout.hpp"
 #include "backend/builder_state.hpp"
 #include "backend/layer_ops.hpp"

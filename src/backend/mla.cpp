@@ -4,7 +4,7 @@
 // part and q_v (512) against the latent part of one [num_blocks, block_size, 576] cache.
 #include <cmath>
 
-#include "api/check.hpp"
+#include "common/check.hpp"
 #include "backend/layer_ops.hpp"
 #include "flashserve/backend_variants.hpp"
 #include "flashserve/status.hpp"

@@ -2,7 +2,7 @@
 // dispatches here for cuda tensors). Plain C++: no CUDA headers. Defined only in CUDA builds.
 #pragma once
 
-#include "api/problem.hpp"
+#include "problem/attention.hpp"
 #include "flashserve/plan.hpp"
 
 namespace flashserve::kernels {

@@ -16,7 +16,7 @@
 
 #include <span>
 
-#include "api/validate_cache.hpp"
+#include "problem/cache.hpp"
 #include "flashserve/cache.hpp"
 #include "flashserve/tensor.hpp"
 

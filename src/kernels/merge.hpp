@@ -2,7 +2,7 @@
 // without CUDA headers. Defined only in CUDA builds (FLASHSERVE_WITH_CUDA=1).
 #pragma once
 
-#include "api/validate_merge.hpp"
+#include "problem/merge.hpp"
 
 namespace flashserve::kernels {
 

@@ -14,7 +14,7 @@
 // or with the device's expf/logf, so results may differ from the CPU's in the last bits of fp32.
 #pragma once
 
-#include "api/validate_variants.hpp"
+#include "problem/variants.hpp"
 
 namespace flashserve::kernels {
 

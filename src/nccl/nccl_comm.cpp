@@ -7,7 +7,7 @@
 
 #include <cstring>
 
-#include "api/check.hpp"
+#include "common/check.hpp"
 #include "flashserve/status.hpp"
 
 namespace flashserve::backend {

@@ -7,7 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 
-#include "api/check.hpp"
+#include "common/check.hpp"
 #include "common/cp_layout.hpp"
 #include "common/softmax_state.hpp"
 #include "flashserve/numeric.hpp"

@@ -2,7 +2,7 @@
 // and the implementation that serves CPU tensors.
 #pragma once
 
-#include "api/problem.hpp"
+#include "problem/attention.hpp"
 #include "flashserve/plan.hpp"
 
 namespace flashserve::reference {

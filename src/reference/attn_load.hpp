@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "api/problem.hpp"
+#include "problem/attention.hpp"
 #include "flashserve/tensor.hpp"
 
 namespace flashserve::reference {

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <span>
 
-#include "api/validate_cache.hpp"
+#include "problem/cache.hpp"
 #include "flashserve/cache.hpp"
 #include "flashserve/tensor.hpp"
 

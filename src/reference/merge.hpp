@@ -2,7 +2,7 @@
 // src/api/validate_merge.*.
 #pragma once
 
-#include "api/validate_merge.hpp"
+#include "problem/merge.hpp"
 
 namespace flashserve::reference {
 

@@ -3,7 +3,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "api/check.hpp"
+#include "common/check.hpp"
 #include "common/softmax_state.hpp"
 #include "flashserve/numeric.hpp"
 

@@ -2,7 +2,7 @@
 // src/api/validate_variants.* (gather_cache's contents included).
 #pragma once
 
-#include "api/validate_variants.hpp"
+#include "problem/variants.hpp"
 
 namespace flashserve::reference {
 

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "api/problem.hpp"
+#include "problem/attention.hpp"
 #include "gpu_attention_case.hpp"
 #include "kernels/attention/select.hpp"
 

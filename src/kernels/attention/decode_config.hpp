@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <string>
 
-#include "api/problem.hpp"
+#include "problem/attention.hpp"
 #include "flashserve/plan.hpp"
 #include "flashserve/tensor.hpp"
 

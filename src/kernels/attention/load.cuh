@@ -75,7 +75,7 @@ struct TokenLoc {
 };
 static_assert(sizeof(TokenLoc) == kGenericTokenLocBytes, "select.hpp sizes shared memory with it");
 
-// Sequence b's KV in the normalized k/v views (api/problem.hpp).
+// Sequence b's KV in the normalized k/v views (problem/attention.hpp).
 struct SeqKv {
   int64_t b = 0, g = 0;       // sequence, KV head
   int64_t kb = 0;             // contiguous: cache row (batched) or 0 (varlen)

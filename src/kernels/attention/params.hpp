@@ -1,5 +1,5 @@
 // The one type the attention launchers and kernels share: every operand as a base pointer,
-// dtype and element strides of its normalized view (api/problem.hpp), plus sizes, score
+// dtype and element strides of its normalized view (problem/attention.hpp), plus sizes, score
 // modifiers, the split-KV plan and the tiling the selection chose. Plain C++ (no CUDA
 // headers); filled on the host by kernels/attention/launch.cu, passed by value to kernels.
 #pragma once

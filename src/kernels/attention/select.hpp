@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <string>
 
-#include "api/problem.hpp"
+#include "problem/attention.hpp"
 #include "kernels/attention/decode_config.hpp"
 #include "flashserve/plan.hpp"
 

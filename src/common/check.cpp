@@ -1,4 +1,4 @@
-#include "api/check.hpp"
+#include "common/check.hpp"
 
 #include <cstdint>
 
