@@ -163,7 +163,8 @@ void BM_ForwardDispatch(benchmark::State& state) {
   const be::AttentionMetadata& md = builder.build(x.batch.common());
   be::AttentionLayer layer(x.spec);
   std::vector<unsigned char> ws(layer.workspace_bytes(builder.config()) + 256);
-  const be::KvCache cache{x.t(x.key_cache, {n, kBlockSize, 1, D}), x.t(x.value_cache, {n, kBlockSize, 1, D}), {}, {}, {}};
+  const be::KvCache cache{.key_cache = x.t(x.key_cache, {n, kBlockSize, 1, D}),
+                          .value_cache = x.t(x.value_cache, {n, kBlockSize, 1, D})};
   const fs::TensorRef q = x.t(x.q, {n, 1, D}), k = x.t(x.k, {n, 1, D}), v = x.t(x.v, {n, 1, D});
   const fs::TensorRef out = x.t(x.out, {n, 1, D});
   const be::LayerWorkspace w{ws.data(), ws.size(), {}};

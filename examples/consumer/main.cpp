@@ -120,7 +120,7 @@ int main() {
   be::AttentionLayer layer(spec);
   std::vector<uint8_t> ws_bytes(layer.workspace_bytes(cfg));
   std::vector<float> key = randn(2 * Hkv * D), value = randn(2 * Hkv * D), out2(q.size(), NAN);
-  be::KvCache cache{p.k, p.v, {}, {}, {}};
+  be::KvCache cache{.key_cache = p.k, .value_cache = p.v};
   layer.forward(md, p.q, fs::TensorRef::contiguous(key.data(), fs::DType::f32, {2, Hkv, D}),
                 fs::TensorRef::contiguous(value.data(), fs::DType::f32, {2, Hkv, D}), &cache,
                 fs::TensorRef::contiguous(out2.data(), fs::DType::f32, {2, H, D}),

@@ -205,7 +205,7 @@ be::CommonMetadata Engine::common_metadata() {
 }
 
 be::KvCache Engine::cache_of(int layer) const {
-  be::KvCache cache{key_cache_[size_t(layer)].ref, value_cache_[size_t(layer)].ref, {}, {}, {}};
+  be::KvCache cache{.key_cache = key_cache_[size_t(layer)].ref, .value_cache = value_cache_[size_t(layer)].ref};
   if (cfg_.fp8_cache()) cache.k_scale = cache.v_scale = kv_scale_.ref;
   return cache;
 }

@@ -70,12 +70,12 @@ std::vector<int> kv_cache_stride_order(KvLayout layout, bool include_num_layers_
 
 // One layer's paged cache as the forward sees it.
 struct KvCache {
-  TensorRef key_cache;        // [num_blocks, block_size, H_kv, D] (NHD) or HND, per layout
-  TensorRef value_cache;      // as key_cache with Dv
-  OptTensor k_scale;          // fp8: fp32 [] / [H_kv]; int8 K8V8: unused for k
-  OptTensor v_scale;          // fp8: as k_scale; int8 K8V8: fp32 [H_kv, Dv]
-  OptTensor k_scale_cache;    // int8: fp32 [num_blocks, H_kv, block_size]
-  OptTensor q_descale;        // fp8 q (the engine quantized it; vLLM's layer._q_scale): fp32
+  TensorRef key_cache{};      // [num_blocks, block_size, H_kv, D] (NHD) or HND, per layout
+  TensorRef value_cache{};    // as key_cache with Dv
+  OptTensor k_scale{};        // fp8: fp32 [] / [H_kv]; int8 K8V8: unused for k
+  OptTensor v_scale{};        // fp8: as k_scale; int8 K8V8: fp32 [H_kv, Dv]
+  OptTensor k_scale_cache{};  // int8: fp32 [num_blocks, H_kv, block_size]
+  OptTensor q_descale{};      // fp8 q (the engine quantized it; vLLM's layer._q_scale): fp32
                               // [] / [1] / [H_kv]; absent = 1.0. Given for a non-fp8 q: an error
 };
 

@@ -118,7 +118,8 @@ void DifferentialAttentionLayer::forward(const AttentionMetadata& md, const Tens
     for (int vh = 0; vh < 2; ++vh) {
       const KvCache& kc = *halves[qh];
       const KvCache& vc = *halves[vh];
-      const KvCache mixed{kc.key_cache, vc.value_cache, kc.k_scale, vc.v_scale, kc.k_scale_cache};
+      const KvCache mixed{.key_cache = kc.key_cache, .value_cache = vc.value_cache, .k_scale = kc.k_scale,
+                          .v_scale = vc.v_scale, .k_scale_cache = kc.k_scale_cache, .q_descale = kc.q_descale};
       const TensorRef dst = half_heads(qh == 0 ? out : a2, vh);
       half.forward(md, half_heads(q, qh), half_heads(key, qh), half_heads(value, vh), encoder ? nullptr : &mixed,
                    dst, rest, ctx);

@@ -294,7 +294,7 @@ TEST(DecodeContextParallel, MetadataOfAnotherRankIsRejected) {
   HostTensor lse = HostTensor::zeros(DType::f32, {4, 1});
   HostTensor kc = HostTensor::zeros(DType::f32, {4, kBs, 2, kD}), vc = HostTensor::zeros(DType::f32, {4, kBs, 2, kD});
   try {
-    other.attend(md, q_all, be::KvCache{kc.ref, vc.ref, {}, {}, {}}, out_all, lse, {});
+    other.attend(md, q_all, be::KvCache{.key_cache = kc.ref, .value_cache = vc.ref}, out_all, lse, {});
     ADD_FAILURE() << "expected an error";
   } catch (const fs::Error& e) {
     EXPECT_NE(std::string(e.what()).find("rank 1 of 2"), std::string::npos) << e.what();

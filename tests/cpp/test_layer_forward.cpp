@@ -62,7 +62,7 @@ struct Built {
   HostTensor table, slots, cu_q, seqused;
 
   be::KvCache cache(bool ref = false) const {
-    be::KvCache c{(ref ? kc_ref : kc).ref, (ref ? vc_ref : vc).ref, {}, {}, {}};
+    be::KvCache c{.key_cache = (ref ? kc_ref : kc).ref, .value_cache = (ref ? vc_ref : vc).ref};
     if (k_scale.bytes) c.k_scale = k_scale.ref;
     if (v_scale.bytes) c.v_scale = v_scale.ref;
     if (ksc.bytes) c.k_scale_cache = (ref ? ksc_ref : ksc).ref;

@@ -225,7 +225,7 @@ void run_case(int W, const NcclCase& c) {
           const DeviceTensor kc = on(sh.kc, r), vc = on(sh.vc, r);  // a fresh shard per run
           DeviceTensor out = on(*dst, r);
           fsgpu::poison(out);
-          dcp.forward(md, dq.ref.slice(1, r * Hl, (r + 1) * Hl), dk.ref, dv.ref, be::KvCache{kc.ref, vc.ref, {}, {}, {}, {}},
+          dcp.forward(md, dq.ref.slice(1, r * Hl, (r + 1) * Hl), dk.ref, dv.ref, be::KvCache{.key_cache = kc.ref, .value_cache = vc.ref},
                       out.ref, lws, ctx);
           check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
           out.copy_to(*dst);

@@ -214,7 +214,7 @@ Outcome run_cpu(const Scenario& sc, const Batch& b, const StepFn& step, be::Atte
   const be::AttentionMetadata& md = step(mb, common_of(sc, b, b.table, b.slots));
   const be::AttentionLayer layer(sc.spec);
   std::vector<unsigned char> ws(layer.workspace_bytes(mb.config()));
-  be::KvCache cache{o.kc.ref, o.vc.ref, {}, {}, {}};
+  be::KvCache cache{.key_cache = o.kc.ref, .value_cache = o.vc.ref};
   if (b.k_scale.bytes) cache.k_scale = b.k_scale.ref;
   if (b.v_scale.bytes) cache.v_scale = b.v_scale.ref;
   fstest::poison(o.out);
@@ -289,7 +289,7 @@ struct GpuRun {
     const be::AttentionLayer layer(sc.spec);
     const size_t bytes = layer.workspace_bytes(config());
     if (!ws) ws = fsgpu::device_alloc(bytes);
-    be::KvCache cache{kc.ref, vc.ref, {}, {}, {}};
+    be::KvCache cache{.key_cache = kc.ref, .value_cache = vc.ref};
     if (b.k_scale.bytes) cache.k_scale = k_scale.ref;
     if (b.v_scale.bytes) cache.v_scale = v_scale.ref;
     fs::ExecContext ctx;
