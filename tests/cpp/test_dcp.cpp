@@ -13,6 +13,7 @@
 #include "flashserve/backend_variants.hpp"
 #include "flashserve/status.hpp"
 #include "support/checks.hpp"
+#include "support/dcp_shard.hpp"
 #include "support/host_tensor.hpp"
 #include "support/sim_comm.hpp"
 
@@ -26,69 +27,12 @@ using fstest::HostTensor;
 
 constexpr int64_t kBs = 16, kD = 64;
 
-// One cache (the whole one, or rank r's shard) and its metadata inputs.
-struct Shard {
-  std::vector<std::vector<int32_t>> blocks;  // per request
-  HostTensor kc, vc, table, slots;           // slots: the new tokens' (-1: not on this shard)
-  be::KvCache cache() const { return {kc.ref, vc.ref, {}, {}, {}}; }
-};
+using Batch = fstest::DcpBatch;
+using Shard = fstest::DcpShard;
 
-// A batch of decode requests: global KV lengths, q_len new tokens each (the last positions).
-struct Batch {
-  int64_t q_len = 1, H_kv = 2;
-  std::vector<int32_t> seq_lens, qsl{0};
-  std::vector<HostTensor> k, v;  // per request, every global position [seq_len, H_kv, D]
-  int64_t B() const { return int64_t(seq_lens.size()); }
-  int64_t T() const { return qsl.back(); }
-};
-
-// The shard of rank r of W (W = 1: the whole cache), filled through reshape_and_cache with
-// slot -1 for the positions another rank owns: every position, or (context_only) those before
-// the step's new tokens, which the layer writes.
+// Rank r of W's shard in f32, unwritten slots NaN (support/dcp_shard).
 Shard make_shard(const Batch& bt, int W, int r, int64_t il, bool context_only, std::mt19937_64& rng) {
-  Shard s;
-  int64_t nb = 2, width = 1;
-  for (int32_t len : bt.seq_lens) nb += (be::DcpAttentionLayer::local_len(len, W, r, il) + kBs - 1) / kBs;
-  std::vector<int32_t> ids(static_cast<size_t>(nb));
-  std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), rng);
-  size_t next = 0;
-  for (int32_t len : bt.seq_lens) {
-    const int64_t n = (be::DcpAttentionLayer::local_len(len, W, r, il) + kBs - 1) / kBs;
-    s.blocks.emplace_back(ids.begin() + int64_t(next), ids.begin() + int64_t(next) + n);
-    next += size_t(n);
-    width = std::max(width, n + 1);
-  }
-  s.kc = HostTensor::zeros(DType::f32, {nb, kBs, bt.H_kv, kD});
-  s.vc = HostTensor::zeros(DType::f32, {nb, kBs, bt.H_kv, kD});
-  fstest::poison_storage(s.kc);
-  fstest::poison_storage(s.vc);
-  s.table = HostTensor::zeros(DType::i32, {bt.B(), width});
-  for (int64_t q = 0; q < bt.B(); ++q)
-    for (size_t j = 0; j < s.blocks[size_t(q)].size(); ++j) s.table.set({q, int64_t(j)}, float(s.blocks[size_t(q)][j]));
-  const auto slot = [&](int64_t q, int64_t pos) -> int64_t {
-    if (be::DcpAttentionLayer::owner(pos, W, il) != r) return -1;
-    const int64_t local = be::DcpAttentionLayer::local_index(pos, W, il);
-    return int64_t(s.blocks[size_t(q)][size_t(local / kBs)]) * kBs + local % kBs;
-  };
-  for (int64_t q = 0; q < bt.B(); ++q) {
-    const int64_t len = bt.seq_lens[size_t(q)];
-    HostTensor sm = HostTensor::zeros(DType::i64, {len});
-    for (int64_t p = 0; p < len; ++p)
-      *static_cast<int64_t*>(sm.ref.at(p)) = context_only && p >= len - bt.q_len ? -1 : slot(q, p);
-    fs::CacheWriteParams w;
-    w.key = bt.k[size_t(q)];
-    w.value = bt.v[size_t(q)];
-    w.key_cache = s.kc;
-    w.value_cache = s.vc;
-    w.slot_mapping = sm;
-    fs::reshape_and_cache(w);
-  }
-  s.slots = HostTensor::zeros(DType::i64, {bt.T()});
-  for (int64_t q = 0; q < bt.B(); ++q)
-    for (int64_t i = 0; i < bt.q_len; ++i)
-      *static_cast<int64_t*>(s.slots.ref.at(bt.qsl[size_t(q)] + i)) = slot(q, bt.seq_lens[size_t(q)] - bt.q_len + i);
-  return s;
+  return fstest::make_dcp_shard(bt, W, r, il, context_only, rng, {kBs, kD, DType::f32, true});
 }
 
 be::BuilderConfig config_of(const be::LayerSpec& spec, int W, int r, int64_t il = 1, int threshold = 4) {

@@ -21,6 +21,7 @@
 #include "kernels/device_info.hpp"
 #include "support/checks.hpp"
 #include "support/device_tensor.hpp"
+#include "support/dcp_shard.hpp"
 #include "support/host_tensor.hpp"
 
 #if FLASHSERVE_WITH_NCCL
@@ -39,63 +40,12 @@ using fstest::HostTensor;
 constexpr int64_t kBs = 16, kD = 128;
 constexpr DType kAct = DType::bf16;
 
-struct Batch {
-  int64_t q_len = 1, H_kv = 2;
-  std::vector<int32_t> seq_lens, qsl{0};
-  std::vector<HostTensor> k, v;  // per request [seq_len, H_kv, D]
-  int64_t B() const { return int64_t(seq_lens.size()); }
-  int64_t T() const { return qsl.back(); }
-};
+using Batch = fstest::DcpBatch;
+using Shard = fstest::DcpShard;
 
-struct Shard {
-  std::vector<std::vector<int32_t>> blocks;
-  HostTensor kc, vc, table, slots;
-};
-
-// Rank r of W's shard (W = 1: the whole cache): every position, or (context_only) those before
-// the step's new tokens.
+// Rank r of W's shard in the activation dtype (support/dcp_shard).
 Shard make_shard(const Batch& bt, int W, int r, int64_t il, bool context_only, std::mt19937_64& rng) {
-  Shard s;
-  int64_t nb = 2, width = 1;
-  for (int32_t len : bt.seq_lens) nb += (be::DcpAttentionLayer::local_len(len, W, r, il) + kBs - 1) / kBs;
-  std::vector<int32_t> ids(static_cast<size_t>(nb));
-  std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), rng);
-  size_t next = 0;
-  for (int32_t len : bt.seq_lens) {
-    const int64_t n = (be::DcpAttentionLayer::local_len(len, W, r, il) + kBs - 1) / kBs;
-    s.blocks.emplace_back(ids.begin() + int64_t(next), ids.begin() + int64_t(next) + n);
-    next += size_t(n);
-    width = std::max(width, n + 1);
-  }
-  s.kc = HostTensor::zeros(kAct, {nb, kBs, bt.H_kv, kD});
-  s.vc = HostTensor::zeros(kAct, {nb, kBs, bt.H_kv, kD});
-  s.table = HostTensor::zeros(DType::i32, {bt.B(), width});
-  for (int64_t q = 0; q < bt.B(); ++q)
-    for (size_t j = 0; j < s.blocks[size_t(q)].size(); ++j) s.table.set({q, int64_t(j)}, float(s.blocks[size_t(q)][j]));
-  const auto slot = [&](int64_t q, int64_t pos) -> int64_t {
-    if (be::DcpAttentionLayer::owner(pos, W, il) != r) return -1;
-    const int64_t local = be::DcpAttentionLayer::local_index(pos, W, il);
-    return int64_t(s.blocks[size_t(q)][size_t(local / kBs)]) * kBs + local % kBs;
-  };
-  for (int64_t q = 0; q < bt.B(); ++q) {
-    const int64_t len = bt.seq_lens[size_t(q)];
-    HostTensor sm = HostTensor::zeros(DType::i64, {len});
-    for (int64_t p = 0; p < len; ++p)
-      *static_cast<int64_t*>(sm.ref.at(p)) = context_only && p >= len - bt.q_len ? -1 : slot(q, p);
-    fs::CacheWriteParams w;
-    w.key = bt.k[size_t(q)];
-    w.value = bt.v[size_t(q)];
-    w.key_cache = s.kc;
-    w.value_cache = s.vc;
-    w.slot_mapping = sm;
-    fs::reshape_and_cache(w);
-  }
-  s.slots = HostTensor::zeros(DType::i64, {bt.T()});
-  for (int64_t q = 0; q < bt.B(); ++q)
-    for (int64_t i = 0; i < bt.q_len; ++i)
-      *static_cast<int64_t*>(s.slots.ref.at(bt.qsl[size_t(q)] + i)) = slot(q, bt.seq_lens[size_t(q)] - bt.q_len + i);
-  return s;
+  return fstest::make_dcp_shard(bt, W, r, il, context_only, rng, {kBs, kD, kAct, false});
 }
 
 be::BuilderConfig config_of(const be::LayerSpec& spec, int W, int r, int64_t il, const fs::DeviceProps& dev,
