@@ -337,7 +337,7 @@ def print_table(header: dict, configs: list[Config], rows: list[dict]) -> None:
           "formulation; n/s: the peer does not support it (fa4: no split-KV on SM90);\n!: flashserve output "
           "non-finite or all zeros;\nfs/best: best peer time / flashserve time "
           "(fp8 rows: bf16 time / fp8 time; shared *_cascade rows: split-KV time / cascade time;\nprefill_mods rows "
-          "without a peer (alibi, alibi_sqrt, chunk): TFLOP/s over the plain row's of the same shape);\nfs%ceil: of the "
+          "without an ok peer row (alibi, alibi_sqrt, chunk; fa4 absent): TFLOP/s over the plain row's of the same shape);\nfs%ceil: of the "
           "GEMM (prefill) or copy (decode) ceiling")
 
 
