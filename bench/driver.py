@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """The one benchmark driver (../shared/BENCH.md): flashserve's CUDA attention beside cuDNN and
-PyTorch's FlashAttention-2 (through SDPA) and FlexAttention, on the headline configurations,
+PyTorch's FlashAttention-2 (through SDPA), FlashAttention-4 (flash_attn.cute, optional: absent
+means no fa4 rows) and FlexAttention, on the headline configurations,
 in one run on one GPU, with the copy and GEMM ceilings re-measured in the header.
 
     python3 bench/driver.py [--quick] [--only NAME,...] [--out DIR] [--dry-run] ...
@@ -25,7 +26,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BINARY = REPO / "build" / "cuda-dev" / "bench" / "attn_bench"
-PEERS = ("cudnn", "fa2", "flex", "flex_paged")
+PEERS = ("cudnn", "fa2", "fa4", "flex", "flex_paged")   # run in this order: the compiled flex ones last
+FA4_MODS = ("sinks", "softcap", "window")   # prefill modifiers FA4 takes (learnable_sink, softcap, window_size)
+FA4_BLOCKS = (16, 64)                       # paged decode page sizes the fa4 peer runs
 ALL_PEERS = ("flashserve",) + PEERS
 
 
@@ -137,16 +140,17 @@ def all_configs() -> list[Config]:
                 out.append(Config(
                     name=f"prefill_d{d}_s{_k(s)}{'_causal' if causal else ''}", family="prefill",
                     op="prefill", B=16384 // s, H=2048 // d, Hkv=2048 // d, D=d, S=s, causal=causal,
-                    peers=("cudnn", "fa2", "flex"), quick=d == 128 and s >= 2048))
+                    peers=("cudnn", "fa2", "fa4", "flex"), quick=d == 128 and s >= 2048))
     # Score modifiers on the prefill shape (bf16 D = 128, causal): each against the plain row of
     # the same shape (vs_plain: TFLOP/s over the plain row's; chunk and window count only the
-    # visible pairs). flashserve only: the SDPA peers take none of them.
+    # visible pairs). The SDPA peers take none of them; fa4 takes sinks, softcap and window.
     for s in (2048, 8192):
         plain = f"prefill_d128_s{_k(s)}_causal"
         for mod, w in (("sinks", 0), ("alibi", 0), ("alibi_sqrt", 0), ("softcap", 0), ("chunk", s // 4),
                        ("window", s // 4)):
             out.append(Config(name=f"{plain}_{mod}", family="prefill_mods", op="prefill", B=16384 // s, H=16,
-                              Hkv=16, D=128, S=s, causal=True, mod=mod, W=w, plain=plain, quick=s == 8192))
+                              Hkv=16, D=128, S=s, causal=True, mod=mod, W=w, plain=plain, quick=s == 8192,
+                              peers=("fa4",) if mod in FA4_MODS else ()))
     # Head sizes beyond the headline three: D = 96 and 192, and MLA prefill's 192/128 (H·D = 2048
     # for D = Dv; MLA with 16 heads), S = 8k causal. flashserve only.
     for d, dv, h in ((96, 0, 2048 // 96), (192, 0, 2048 // 192), (192, 128, 16)):
@@ -157,10 +161,11 @@ def all_configs() -> list[Config]:
     for b, l in decode_shapes:
         out.append(Config(name=f"decode_b{b}_l{_k(l)}_bs16", family="paged_decode", B=b, L=l, block=16,
                           peers=PEERS, quick=b in (16, 64), **common))
-    for bs in (1, 256):
+    for bs in (1, 64, 256):  # other page sizes (64: FA4's second measured size)
         for b, l in decode_shapes:
+            peers = (("fa4",) if bs in FA4_BLOCKS else ()) + (("flex_paged",) if bs >= 16 else ())
             out.append(Config(name=f"decode_b{b}_l{_k(l)}_bs{bs}", family="small_pages", B=b, L=l, block=bs,
-                              peers=("flex_paged",) if bs >= 16 else (), quick=b == 64, **common))
+                              peers=peers, quick=b == 64, **common))
     for b, l in decode_shapes:
         out.append(Config(name=f"decode_fp8_b{b}_l{_k(l)}_bs16", family="fp8_decode", B=b, L=l, block=16,
                           kv="fp8", quick=b == 64, **common))
@@ -295,7 +300,7 @@ def figure(r: dict | None) -> str:
     st = r.get("status")
     if st != "ok":
         return {"not_implemented": "n/i", "missing": "no-bin", "timeout": "t/o", "skipped": "skip",
-                "infeasible": "n/a"}.get(st, "err")
+                "infeasible": "n/a", "unsupported": "n/s"}.get(st, "err")
     v = r.get("tflops", r.get("gbps", 0.0))
     flag = "!" if r.get("out_check", "ok") != "ok" else ""
     return (f"{v:.1f}" if v < 100 else f"{v:.0f}") + flag
@@ -324,10 +329,15 @@ def print_table(header: dict, configs: list[Config], rows: list[dict]) -> None:
             gqa.setdefault(r["peer"], set()).add(r["gqa"])
     if gqa:
         print("decode GQA: " + ", ".join(f"{p} {'/'.join(sorted(v))}" for p, v in gqa.items()))
+    fa4 = header.get("fa4")
+    if fa4 is not None:
+        print("fa4: " + (f"flash-attn-4 {fa4.get('version')}, nvidia-cutlass-dsl {fa4.get('cutlass_dsl')}"
+                         if fa4.get("available") else f"absent ({fa4.get('error')}): no fa4 rows"))
     print("n/i: not implemented in flashserve; err: error in results.json; skip: time budget; n/a: infeasible "
-          "formulation; !: flashserve output non-finite or all zeros;\nfs/best: best peer time / flashserve time "
-          "(fp8 rows: bf16 time / fp8 time; shared *_cascade rows: split-KV time / cascade time;\nprefill_mods rows: "
-          "TFLOP/s over the plain row's of the same shape);\nfs%ceil: of the "
+          "formulation; n/s: the peer does not support it (fa4: no split-KV on SM90);\n!: flashserve output "
+          "non-finite or all zeros;\nfs/best: best peer time / flashserve time "
+          "(fp8 rows: bf16 time / fp8 time; shared *_cascade rows: split-KV time / cascade time;\nprefill_mods rows "
+          "without an ok peer row (alibi, alibi_sqrt, chunk; fa4 absent): TFLOP/s over the plain row's of the same shape);\nfs%ceil: of the "
           "GEMM (prefill) or copy (decode) ceiling")
 
 
@@ -384,6 +394,16 @@ def main(argv: list[str]) -> int:
                   command="python3 bench/driver.py " + " ".join(argv), attn_bench=str(args.attn_bench))
     print(f"driver: {header['device']}, ceilings copy {header['ceilings']['copy_gbps']:.0f} GB/s, "
           f"GEMM {header['ceilings']['gemm_tflops']:.0f} TFLOP/s ({time.monotonic() - t0:.0f} s)", flush=True)
+    peers = args.peers
+    if "fa4" in peers:  # optional: carried as wheels (tools/carry-fa4); absent -> the other peers only
+        header["fa4"] = peer_mod.fa4_status()
+        if header["fa4"]["available"]:
+            print(f"driver: FlashAttention-4 {header['fa4'].get('version')} (flash_attn.cute) imported "
+                  f"({time.monotonic() - t0:.0f} s); its first call per shape JIT-compiles (untimed)", flush=True)
+        else:
+            print(f"driver: FlashAttention-4 absent ({header['fa4'].get('error')}); continuing without the fa4 "
+                  "peer (tools/carry-fa4 says how to carry it)", flush=True)
+            peers = tuple(p for p in peers if p != "fa4")
 
     rows: list[dict] = []
     if not args.no_flashserve:
@@ -393,7 +413,7 @@ def main(argv: list[str]) -> int:
         rows += flashserve_rows(configs, args.attn_bench, max(left * 0.5, 1.0), extra)
         print(f"driver: flashserve rows done ({time.monotonic() - t0:.0f} s)", flush=True)
     # Cheap peers first over every configuration, then the compiled ones.
-    for peer in args.peers:
+    for peer in peers:
         for c in configs:
             if peer not in c.peers:
                 continue

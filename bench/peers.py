@@ -4,8 +4,9 @@ re-measured ceilings).
 Peers: "cudnn" and "fa2" are torch.nn.functional.scaled_dot_product_attention restricted with
 sdpa_kernel to CUDNN_ATTENTION and FLASH_ATTENTION; "flex" is torch.compile'd flex_attention on
 contiguous tensors; "flex_paged" is flex_attention over a physical page pool with a block mask
-converted from the logical one (torch.nn.attention.experimental._paged_attention). Torch
-tensors are BHSD contiguous; decode KV is contiguous GQA [B, H_kv, L, D] with enable_gqa=True
+converted from the logical one (torch.nn.attention.experimental._paged_attention); "fa4" is
+FlashAttention-4 (flash_attn.cute, CuTe DSL; optional: fa4_status() says whether it imports), varlen
+THD prefill and paged decode through page_table. SDPA and flex tensors are BHSD contiguous; decode KV is contiguous GQA [B, H_kv, L, D] with enable_gqa=True
 (or repeated to H heads where a backend refuses GQA: the row says which).
 
 Timing: CUDA events around each call after warm-up, median of >= min_iters runs; the GPU is kept
@@ -16,6 +17,7 @@ with the error; nothing here raises to the driver.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import subprocess
 import time
@@ -328,6 +330,136 @@ def _flex_paged(c, min_iters: int) -> dict:
         {"note": note} if note else {})
 
 
+# ---------------------------------------------------------------- FlashAttention-4 peer
+
+_fa4_import = None   # (flash_attn_varlen_func or None, status dict), filled by fa4_status()
+
+
+def fa4_status() -> dict:
+    """Imports flash_attn.cute once: {"available": bool, "version", "cutlass_dsl", "error"}. The
+    package is optional (carried as wheels, tools/carry-fa4); its absence is not an error."""
+    global _fa4_import
+    if _fa4_import is None:
+        st = {"available": False}
+        try:
+            from flash_attn.cute import flash_attn_varlen_func
+            st["available"] = True
+            from importlib.metadata import PackageNotFoundError, version
+            for key, dist in (("version", "flash-attn-4"), ("cutlass_dsl", "nvidia-cutlass-dsl")):
+                try:
+                    st[key] = version(dist)
+                except PackageNotFoundError:
+                    st[key] = None
+            _fa4_import = (flash_attn_varlen_func, st)
+        except Exception as e:  # noqa: BLE001 -- ImportError, or the DSL failing to load its libraries
+            st["error"] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+            _fa4_import = (None, st)
+    return dict(_fa4_import[1])
+
+
+def _fa4_first_call(fn) -> float:
+    """The first call of a shape JIT-compiles (or loads the compiled kernel from
+    FLASH_ATTENTION_CUTE_DSL_CACHE_DIR): done and timed here, outside the timed runs."""
+    t = time.perf_counter()
+    fn(0)
+    torch.cuda.synchronize()
+    return round(time.perf_counter() - t, 2)
+
+
+def _fa4_func():
+    if fa4_status()["available"]:
+        return _fa4_import[0]
+    raise RuntimeError(f"flash_attn.cute absent: {_fa4_import[1].get('error')}")
+
+
+def _fa4_mod_kwargs(c) -> dict:
+    """The score modifier of a prefill_mods row as FA4 arguments (the same parameters as
+    attn_bench: sinks f32 [H] in [-2, 2), soft-cap 30, left window W (W, 0) causal / (W, W) not)."""
+    if c.mod == "":
+        return {}
+    if c.mod == "sinks":
+        return {"learnable_sink": torch.rand(c.H, device="cuda", dtype=torch.float32) * 4 - 2}
+    if c.mod == "softcap":
+        return {"softcap": 30.0}
+    if c.mod == "window":
+        return {"window_size": (c.W, 0 if c.causal else c.W)}
+    raise ValueError(f"mod {c.mod}: FA4 has no such argument")
+
+
+def _fa4_prefill(c, min_iters: int) -> dict:
+    """Varlen THD: q [B*S, H, D], k, v [B*S, H_kv, D], cu_seqlens of B equal sequences."""
+    fn = _fa4_func()
+    if c.mod not in FA4_MODS:
+        return {"status": "unsupported", "kernel": "fa4", "error": f"mod {c.mod}: no FA4 argument for it"}
+    set_bytes = 2 * c.B * c.S * (2 * c.H + 2 * c.Hkv) * c.D
+    sets = [(_randn(c.B * c.S, c.H, c.D), _randn(c.B * c.S, c.Hkv, c.D), _randn(c.B * c.S, c.Hkv, c.D))
+            for _ in range(choose_sets(set_bytes))]
+    cu = torch.arange(0, (c.B + 1) * c.S, c.S, device="cuda", dtype=torch.int32)
+    kw = _fa4_mod_kwargs(c)
+
+    def call(i):
+        q, k, v = sets[i]
+        return fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=c.S, max_seqlen_k=c.S,
+                  causal=c.causal, **kw)
+
+    jit_s = _fa4_first_call(call)
+    t = time_gpu(call, len(sets), min_iters=min_iters)
+    note = t.pop("note")
+    mod = {"sinks": ", learnable_sink f32 [H]", "softcap": ", softcap 30",
+           "window": f", window_size {kw.get('window_size')}"}.get(c.mod, "")
+    return {"kernel": "fa4 flash_attn_varlen_func", "layout": f"varlen THD, cu_seqlens{mod}", "sets": len(sets),
+            "first_call_s": jit_s, **t} | ({"note": note} if note else {})
+
+
+def _fa4_decode(c, min_iters: int) -> dict:
+    """Paged decode: q [B, 1, H, D] over one pool k, v [pages, block, H_kv, D] for all sets,
+    page_table [B, L/block] int32 a shuffled permutation of the pool per set, seqused_k = L."""
+    fn = _fa4_func()
+    major, minor = torch.cuda.get_device_capability()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    unsplit = major == 9 and 2 * c.B * c.Hkv < sms
+    if unsplit and os.environ.get("FLASHSERVE_FA4_TIME_UNSPLIT") != "1":
+        # SM90 FA4 asserts num_splits == 1 ("SplitKV not supported on SM 9.0"): a decode gets one
+        # CTA per (sequence, KV head) (pack_gqa), so B = 1 reads a long context on H_kv SMs.
+        return {"status": "unsupported", "kernel": "fa4",
+                "error": f"no split-KV on SM {major}.{minor}: B*H_kv = {c.B * c.Hkv} CTAs for {sms} SMs "
+                         "(FLASHSERVE_FA4_TIME_UNSPLIT=1 times it anyway)"}
+    per = -(-c.L // c.block)
+    nsets = choose_sets(c.kv_bytes + 4 * c.B * c.H * c.D)
+    pool = nsets * c.B * per
+    kc = _randn(pool, c.block, c.Hkv, c.D)
+    vc = _randn(pool, c.block, c.Hkv, c.D)
+    tables = torch.randperm(pool, device="cuda").to(torch.int32).view(nsets, c.B, per)
+    tables = [tables[i].contiguous() for i in range(nsets)]
+    qs = [_randn(c.B, 1, c.H, c.D) for _ in range(nsets)]
+    used = torch.full((c.B,), c.L, device="cuda", dtype=torch.int32)
+
+    def call(i):
+        return fn(qs[i], kc, vc, seqused_k=used, page_table=tables[i], max_seqlen_q=1, max_seqlen_k=c.L)
+
+    jit_s = _fa4_first_call(call)
+    t = time_gpu(call, nsets, min_iters=min_iters)
+    note = "; ".join(x for x in (t.pop("note"), "unsplit: no split-KV on SM90, B*H_kv CTAs" if unsplit else "")
+                     if x)
+    return {"kernel": "fa4 flash_attn_varlen_func", "layout": f"paged: pool of {pool} pages of {c.block}, "
+            "shuffled, page_table + seqused_k", "sets": nsets, "gqa": "native (pack_gqa)", "first_call_s": jit_s,
+            **t} | (
+        {"note": note} if note else {})
+
+
+FA4_MODS = ("", "sinks", "softcap", "window")   # prefill modifiers FA4 takes as arguments
+
+
+def _fa4(c, min_iters: int) -> dict:
+    if c.kv != "bf16":
+        return {"status": "unsupported", "kernel": "fa4", "error": "FA4's fp8 forward is SM100 only"}
+    if c.op == "prefill":
+        return _fa4_prefill(c, min_iters)
+    if c.op == "decode":
+        return _fa4_decode(c, min_iters)
+    return {"status": "unsupported", "kernel": "fa4", "error": f"op {c.op}"}
+
+
 # ---------------------------------------------------------------- entry
 
 _RUNNERS = {
@@ -335,6 +467,7 @@ _RUNNERS = {
     "fa2": lambda c, n: _sdpa("FLASH_ATTENTION", c, n),
     "flex": _flex_contiguous,
     "flex_paged": _flex_paged,
+    "fa4": _fa4,
 }
 
 
@@ -351,6 +484,8 @@ def run_peer(peer: str, c, min_iters: int = 20) -> dict:
     except Exception as e:  # noqa: BLE001 -- every failure becomes the row's error
         msg = f"{type(e).__name__}: {str(e).strip()[:400]}"
         row.update(status="error", error=msg)
+        if peer == "fa4" and isinstance(e, (AssertionError, NotImplementedError)) and "not supported" in msg:
+            row["status"] = "unsupported"  # FA4's own capability checks (e.g. SplitKV on SM 9.0)
         if "CUDA error" in msg or "illegal" in msg.lower() or "AcceleratorError" in msg:
             _context_lost = True
     finally:

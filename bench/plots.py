@@ -4,7 +4,8 @@
   prefill.png  TFLOP/s vs sequence length, one line per peer, one panel per (D, causal);
                the dashed line is the bf16 GEMM ceiling of the run.
   decode.png   KV GB/s vs batch (B, L pairs), one line per peer (paged bf16, block 16), plus
-               flashserve with blocks of 1 and 256 and with an fp8 KV cache; the dashed line
+               flashserve with blocks of 1, 64 and 256 and with an fp8 KV cache, fa4 with
+               blocks of 64, flex_paged with blocks of 256; the dashed line
                is the copy ceiling of the run.
 
     python3 bench/plots.py results.json [--out DIR]
@@ -16,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-STYLE = {"flashserve": "C3", "cudnn": "C0", "fa2": "C1", "flex": "C2", "flex_paged": "C4"}
+STYLE = {"flashserve": "C3", "cudnn": "C0", "fa2": "C1", "flex": "C2", "flex_paged": "C4", "fa4": "C6"}
 
 
 def _ok(rows, **match):
@@ -62,7 +63,9 @@ def _decode(plt, result, out: Path) -> Path | None:
     series += [("flashserve", dict(block=1, kv="bf16"), STYLE["flashserve"], ":"),
                ("flashserve", dict(block=256, kv="bf16"), STYLE["flashserve"], "-."),
                ("flashserve", dict(block=16, kv="fp8"), "C5", "-"),
-               ("flex_paged", dict(block=256, kv="bf16"), STYLE["flex_paged"], "-.")]
+               ("flex_paged", dict(block=256, kv="bf16"), STYLE["flex_paged"], "-."),
+               ("flashserve", dict(block=64, kv="bf16"), STYLE["flashserve"], (0, (5, 2))),
+               ("fa4", dict(block=64, kv="bf16"), STYLE["fa4"], (0, (5, 2)))]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for peer, want, color, ls in series:
         pts = sorted((x_of[(cfg[r["config"]]["B"], cfg[r["config"]]["L"])], r["gbps"])
@@ -77,7 +80,7 @@ def _decode(plt, result, out: Path) -> Path | None:
     ax.set_xticks(range(len(shapes)), [f"B={b}\nL={l // 1024}k" for b, l in shapes])
     ax.set_ylabel("GB/s of KV read")
     ax.set_ylim(bottom=0)
-    ax.set_title("decode, H=32, H_kv=8, D=128: flashserve and flex_paged paged, cudnn/fa2/flex contiguous GQA KV",
+    ax.set_title("decode, H=32, H_kv=8, D=128: flashserve, fa4, flex_paged paged; cudnn/fa2/flex contiguous KV",
                  fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
