@@ -159,9 +159,10 @@ def get_scheduler_metadata(
     sm_margin=0,
 ) -> Any:
     """The plan of a later call with these shapes, as an int32 1-D tensor on cache_seqlens'
-    device (opaque; engines copy it into a persistent buffer). Its length is PLAN_WORDS + the
-    plan's split count: calls with a CUDA tensor take the split count from the length and
-    plan their own shape with it (the contents are not read: no synchronization, CUDA-graph
+    device (opaque; engines copy it into a persistent buffer): PLAN_WORDS (13) words whatever
+    the shape, which fits the buffer engines size for FlashAttention-3's metadata. Calls with a
+    CUDA tensor do not read it: they plan their own shape with their own num_splits, which is
+    what the metadata computed for the same shape and bound (no synchronization; CUDA-graph
     capture and inference tensors work, and so does a copy into a slice of another buffer);
     calls with host metadata (numpy, CPU torch) decode the whole plan and raise ValueError
     naming scheduler_metadata when it was made for another shape. The rows of q are not part
