@@ -234,7 +234,7 @@ class _CudaGraphMixin:
                                            self.req_to_token, req_pool_indices, dm["strided_indices"],
                                            (max_len + self.page_size - 1) // self.page_size, seq_lens, 0,
                                            self.page_size)
-                self._update_local_attn_metadata_for_replay(metadata, bs)
+                self._update_local_attn_metadata_for_replay(metadata, bs, seq_lens_cpu)
         elif _is_target_verify(forward_mode):
             n_draft = self._num_draft_tokens()
             if self.topk <= 1:
@@ -312,23 +312,26 @@ class _CudaGraphMixin:
             local_block_table=buf["local_block_table"][:b0, :b1],
             local_max_query_len=1, local_max_seq_len=max_seq_len)
 
-    def _update_local_attn_metadata_for_replay(self, metadata: FlashAttentionMetadata, bs: int) -> None:
+    def _update_local_attn_metadata_for_replay(self, metadata: FlashAttentionMetadata, bs: int,
+                                               seq_lens_cpu: torch.Tensor) -> None:
         """Decode replays with chunked local attention: the virtual batches are rebuilt on the
         host (as SGLang does) and copied into the captured buffers. A decode query has one
-        virtual batch, so the captured shapes (bs virtual batches) still hold."""
+        virtual batch, so the captured shapes (bs virtual batches) still hold. The lengths are
+        read from seq_lens_cpu (what cache_seqlens_int32[:bs] was just set to), not read back
+        from the device."""
         if self.attention_chunk_size is None:
             return
         buf = self.decode_cuda_graph_local_attn_metadata
         local_q_buf, local_k_buf, local_block_buf = (buf["local_query_start_loc"], buf["local_seqused_k"],
                                                      buf["local_block_table"])
         cu_seqlens_q = torch.arange(bs + 1, dtype=torch.int32)
-        seqlens = metadata.cache_seqlens_int32[:bs]
-        max_seq_len = int(seqlens.max().item())
+        seqlens = seq_lens_cpu[:bs].to(torch.int32)
+        max_seq_len = _host_max(seqlens)
         page_table = metadata.page_table[:bs, :max_seq_len]
         if self.is_hybrid:
             page_table = self.full_to_swa_index_mapping[page_table].to(torch.int32)
         q_local, cu_q_local, k_local, table_local = local_virtual_batches(
-            self.attention_chunk_size, cu_seqlens_q.numpy(), seqlens.cpu().numpy(), page_table, self.page_size)
+            self.attention_chunk_size, cu_seqlens_q.numpy(), seqlens.numpy(), page_table, self.page_size)
         device = local_q_buf.device
         cu_q_local_t = torch.from_numpy(cu_q_local).to(device)
         k_local_t = torch.from_numpy(k_local).to(device)
