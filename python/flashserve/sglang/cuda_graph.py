@@ -101,17 +101,9 @@ class _CudaGraphMixin:
                     dm[bs] = metadata
                 else:
                     normal, expand = self.draft_decode_metadata_topk_normal, self.draft_decode_metadata_topk_expand
-                    metadata.cache_seqlens_int32 = normal["cache_seqlens"][:bs]
-                    metadata.max_seq_len_q = self.topk
+                    _view_buffers(metadata, normal, bs, max_seq_len_q=self.topk)
                     metadata.max_seq_len_k = int(seq_lens.max().item())
-                    metadata.cu_seqlens_q = normal["cu_seqlens_q"][:bs + 1]
-                    metadata.cu_seqlens_k = normal["cu_seqlens_k"][:bs + 1]
-                    metadata.page_table = normal["page_table"][:bs, :]
-                    metadata_expand.cache_seqlens_int32 = expand["cache_seqlens"][:bs * self.topk]
-                    metadata_expand.max_seq_len_q = 1
-                    metadata_expand.cu_seqlens_q = expand["cu_seqlens_q"][:bs * self.topk + 1]
-                    metadata_expand.cu_seqlens_k = expand["cu_seqlens_k"][:bs * self.topk + 1]
-                    metadata_expand.page_table = expand["page_table"][:bs * self.topk]
+                    _view_buffers(metadata_expand, expand, bs * self.topk, max_seq_len_q=1)
                     normal[bs] = metadata
                     expand[bs] = metadata_expand
             else:
@@ -139,27 +131,15 @@ class _CudaGraphMixin:
                 tv[bs] = metadata
             else:
                 normal, expand = self.target_verify_metadata_topk_normal, self.target_verify_metadata_topk_expand
-                metadata.cache_seqlens_int32 = normal["cache_seqlens"][:bs]
-                metadata.max_seq_len_q = n_draft
+                _view_buffers(metadata, normal, bs, max_seq_len_q=n_draft)
                 metadata.max_seq_len_k = int(seq_lens.max().item())
-                metadata.cu_seqlens_q = normal["cu_seqlens_q"][:bs + 1]
-                metadata.cu_seqlens_k = normal["cu_seqlens_k"][:bs + 1]
-                metadata.page_table = normal["page_table"][:bs, :]
-                metadata_expand.cache_seqlens_int32 = expand["cache_seqlens"][:bs * n_draft]
-                metadata_expand.max_seq_len_q = 1
-                metadata_expand.cu_seqlens_q = expand["cu_seqlens_q"][:bs * n_draft + 1]
-                metadata_expand.cu_seqlens_k = expand["cu_seqlens_k"][:bs * n_draft + 1]
-                metadata_expand.page_table = expand["page_table"][:bs * n_draft]
+                _view_buffers(metadata_expand, expand, bs * n_draft, max_seq_len_q=1)
                 normal[bs] = metadata
                 expand[bs] = metadata_expand
                 if self.has_swa:
                     swa_buf = self.target_verify_metadata_topk_swa
                     swa = FlashAttentionMetadata()
-                    swa.cache_seqlens_int32 = swa_buf["cache_seqlens"][:bs * n_draft]
-                    swa.max_seq_len_q = 1
-                    swa.cu_seqlens_q = swa_buf["cu_seqlens_q"][:bs * n_draft + 1]
-                    swa.cu_seqlens_k = swa_buf["cu_seqlens_k"][:bs * n_draft + 1]
-                    swa.page_table = swa_buf["page_table"][:bs * n_draft]
+                    _view_buffers(swa, swa_buf, bs * n_draft, max_seq_len_q=1)
                     swa_buf[bs] = swa
                     metadata.swa_spec_metadata = swa
         elif _is_draft_extend(forward_mode):
@@ -349,6 +329,16 @@ class _CudaGraphMixin:
             lam = metadata.local_attn_metadata
             lam.local_max_query_len = int(q_local.max())
             lam.local_max_seq_len = int(k_local.max())
+
+
+def _view_buffers(md: FlashAttentionMetadata, buffers: dict, n: int, *, max_seq_len_q: int) -> None:
+    """Points md's cache_seqlens_int32, cu_seqlens_q / _k and page_table at the first n rows
+    (n + 1 for the cu_seqlens) of the graph buffers."""
+    md.cache_seqlens_int32 = buffers["cache_seqlens"][:n]
+    md.max_seq_len_q = max_seq_len_q
+    md.cu_seqlens_q = buffers["cu_seqlens_q"][:n + 1]
+    md.cu_seqlens_k = buffers["cu_seqlens_k"][:n + 1]
+    md.page_table = buffers["page_table"][:n]
 
 
 class _Captured(dict):
