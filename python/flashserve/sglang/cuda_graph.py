@@ -8,8 +8,9 @@ from typing import Any, Optional
 
 import torch
 
-from .metadata import (FlashAttentionMetadata, LocalAttentionMetadata, _cumsum0, _host_max, _is_decode_or_idle,
-                       _is_draft_extend, _is_target_verify, _mode, local_virtual_batches, normal_decode_set_metadata)
+from .metadata import (FlashAttentionMetadata, LocalAttentionMetadata, _cumsum0, _cumsum_into, _host_max,
+                       _is_decode_or_idle, _is_draft_extend, _is_target_verify, _mode, local_virtual_batches,
+                       normal_decode_set_metadata)
 
 
 class _CudaGraphMixin:
@@ -110,7 +111,7 @@ class _CudaGraphMixin:
                 metadata.cache_seqlens_int32 = dm["cache_seqlens"][:bs]
                 metadata.cache_seqlens_int32.copy_(seq_lens[:bs])
                 metadata.cu_seqlens_k = dm["cu_seqlens_k"][:bs + 1]
-                metadata.cu_seqlens_k[1:].copy_(torch.cumsum(seq_lens[:bs], dim=0, dtype=torch.int32))
+                _cumsum_into(metadata.cu_seqlens_k, seq_lens[:bs])
                 metadata.max_seq_len_k = int(seq_lens.max().item())
                 metadata.page_table = dm["page_table"][:bs, :]
                 metadata.cu_seqlens_q = dm["cu_seqlens_q"][:bs + 1]
@@ -195,8 +196,7 @@ class _CudaGraphMixin:
                     metadata = _Captured(self.draft_decode_metadata_topk_normal, bs)[bs]
                     metadata.cache_seqlens_int32.copy_(seq_lens)
                     metadata.max_seq_len_k = _host_max(seq_lens_cpu)
-                    metadata.cu_seqlens_k[1:].copy_(torch.cumsum(metadata.cache_seqlens_int32, dim=0,
-                                                                 dtype=torch.int32))
+                    _cumsum_into(metadata.cu_seqlens_k, metadata.cache_seqlens_int32)
                     page_table = self.req_to_token[req_pool_indices, :metadata.max_seq_len_k]
                     metadata.page_table[:, :metadata.max_seq_len_k].copy_(page_table)
                     metadata_expand = _Captured(self.draft_decode_metadata_topk_expand, bs)[bs]
@@ -221,7 +221,7 @@ class _CudaGraphMixin:
                 metadata = _Captured(self.target_verify_metadata, bs)[bs]
                 metadata.cache_seqlens_int32.copy_(seq_lens + n_draft)
                 metadata.max_seq_len_k = _host_max(seq_lens_cpu) + n_draft
-                metadata.cu_seqlens_k[1:].copy_(torch.cumsum(metadata.cache_seqlens_int32, dim=0, dtype=torch.int32))
+                _cumsum_into(metadata.cu_seqlens_k, metadata.cache_seqlens_int32)
                 max_seq_pages = (metadata.max_seq_len_k + self.page_size - 1) // self.page_size
                 page_indices = self.req_to_token[req_pool_indices[:, None], dm["strided_indices"][:max_seq_pages]]
                 metadata.page_table[:, :max_seq_pages].copy_(page_indices // self.page_size)
@@ -229,7 +229,7 @@ class _CudaGraphMixin:
                 metadata = _Captured(self.target_verify_metadata_topk_normal, bs)[bs]
                 metadata.cache_seqlens_int32.copy_(seq_lens)
                 metadata.max_seq_len_k = _host_max(seq_lens_cpu)
-                metadata.cu_seqlens_k[1:].copy_(torch.cumsum(metadata.cache_seqlens_int32, dim=0, dtype=torch.int32))
+                _cumsum_into(metadata.cu_seqlens_k, metadata.cache_seqlens_int32)
                 page_table = self.req_to_token[req_pool_indices, :metadata.max_seq_len_k]
                 metadata.page_table[:, :metadata.max_seq_len_k].copy_(page_table)
                 metadata_expand = _Captured(self.target_verify_metadata_topk_expand, bs)[bs]
@@ -239,8 +239,7 @@ class _CudaGraphMixin:
                     None if positions is None else positions.numel())
                 metadata_expand.page_table.copy_(page_table_e)
                 metadata_expand.cache_seqlens_int32.copy_(lens)
-                metadata_expand.cu_seqlens_k[1:].copy_(torch.cumsum(metadata_expand.cache_seqlens_int32, dim=0,
-                                                                    dtype=torch.int32))
+                _cumsum_into(metadata_expand.cu_seqlens_k, metadata_expand.cache_seqlens_int32)
                 if self.has_swa:
                     swa = _Captured(self.target_verify_metadata_topk_swa, bs)[bs]
                     self._init_sliding_window_attn_spec_metadata(metadata, metadata_expand, swa)
@@ -248,11 +247,11 @@ class _CudaGraphMixin:
             metadata = _Captured(self.draft_extend_metadata, bs)[bs]
             metadata.cache_seqlens_int32.copy_(seq_lens)
             metadata.max_seq_len_k = _host_max(seq_lens_cpu)
-            metadata.cu_seqlens_k[1:].copy_(torch.cumsum(metadata.cache_seqlens_int32, dim=0, dtype=torch.int32))
+            _cumsum_into(metadata.cu_seqlens_k, metadata.cache_seqlens_int32)
             accept_length = spec_info.accept_length[:bs]
             accept_cpu = getattr(spec_info, "accept_length_cpu", None)
             metadata.max_seq_len_q = (max(accept_cpu) + 1) if accept_cpu else 1
-            metadata.cu_seqlens_q[1:].copy_(torch.cumsum(accept_length, dim=0, dtype=torch.int32))
+            _cumsum_into(metadata.cu_seqlens_q, accept_length)
             max_seq_pages = (metadata.max_seq_len_k + self.page_size - 1) // self.page_size
             page_indices = self.req_to_token[req_pool_indices[:, None],
                                              self.draft_extend_metadata["strided_indices"][:max_seq_pages]]
@@ -264,8 +263,7 @@ class _CudaGraphMixin:
             enc = encoder_lens[:bs]
             metadata.encoder_max_seq_len_k = self.max_context_len  # bounded by encoder_lens_int32 per request
             metadata.encoder_lens_int32.copy_(enc)
-            metadata.encoder_cu_seqlens_k[1:].copy_(torch.cumsum(metadata.encoder_lens_int32, dim=0,
-                                                                 dtype=torch.int32))
+            _cumsum_into(metadata.encoder_cu_seqlens_k, metadata.encoder_lens_int32)
             width = min(metadata.encoder_page_table.shape[1], self.req_to_token.shape[1])
             metadata.encoder_page_table[:, :width].copy_(self.req_to_token[req_pool_indices, :width])
             table = self._decoder_page_table(req_pool_indices, metadata.encoder_lens_int32, metadata.max_seq_len_k)

@@ -56,6 +56,11 @@ def _cumsum0(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(torch.cumsum(x, dim=0, dtype=torch.int32), (1, 0))
 
 
+def _cumsum_into(cu: torch.Tensor, x: torch.Tensor) -> None:
+    """cu[1:] = cumsum(x) as int32, in place (cu[0] stays 0): the cu_seqlens of graph buffers."""
+    cu[1:].copy_(torch.cumsum(x, dim=0, dtype=torch.int32))
+
+
 @dataclass
 class LocalAttentionMetadata:
     local_query_start_loc: Optional[torch.Tensor] = None  # cu_seqlens_q for local attention
@@ -192,6 +197,6 @@ def normal_decode_set_metadata(cache_seqlens_int32: torch.Tensor, cu_seqlens_k: 
                                seq_lens: torch.Tensor, seq_len_delta: int, page_size: int) -> None:
     """In-place update of the decode graph buffers (SGLang's function of the same name)."""
     cache_seqlens_int32.copy_(seq_lens + seq_len_delta)
-    cu_seqlens_k[1:].copy_(torch.cumsum(cache_seqlens_int32, dim=0, dtype=torch.int32))
+    _cumsum_into(cu_seqlens_k, cache_seqlens_int32)
     page_indices = req_to_token[req_pool_indices[:, None], strided_indices[:max_seq_pages][None, :]]
     page_table[:, :max_seq_pages].copy_(page_indices // page_size)
