@@ -66,9 +66,9 @@ from .metadata import cdiv, make_local_attention_virtual_batches, normal_decode_
 
 
 # the public names backend.py defined before its split, importable from here as before
-__all__ = ["FlashAttentionBackend", "FlashAttentionMetadata", "FlashAttentionMultiStepBackend", "LocalAttentionMetadata",
-           "cdiv", "local_virtual_batches", "make_local_attention_virtual_batches", "normal_decode_set_metadata",
-           "prepare_swa_spec_page_table"]
+__all__ = ["FlashAttentionBackend", "FlashAttentionMetadata", "FlashAttentionMultiStepBackend",
+           "LocalAttentionMetadata", "cdiv", "local_virtual_batches", "make_local_attention_virtual_batches",
+           "normal_decode_set_metadata", "prepare_swa_spec_page_table"]
 
 
 class FlashAttentionBackend(_ForwardMixin, _CudaGraphMixin):
