@@ -194,11 +194,7 @@ class _CudaGraphMixin:
                                                self.speculative_step_id + 1, self.page_size)
                 else:
                     metadata = _Captured(self.draft_decode_metadata_topk_normal, bs)[bs]
-                    metadata.cache_seqlens_int32.copy_(seq_lens)
-                    metadata.max_seq_len_k = _host_max(seq_lens_cpu)
-                    _cumsum_into(metadata.cu_seqlens_k, metadata.cache_seqlens_int32)
-                    page_table = self.req_to_token[req_pool_indices, :metadata.max_seq_len_k]
-                    metadata.page_table[:, :metadata.max_seq_len_k].copy_(page_table)
+                    self._replay_topk_normal(metadata, req_pool_indices, seq_lens, seq_lens_cpu)
                     metadata_expand = _Captured(self.draft_decode_metadata_topk_expand, bs)[bs]
                     decode_length = self.speculative_step_id + 1
                     if out_cache_loc is None:
@@ -227,11 +223,7 @@ class _CudaGraphMixin:
                 metadata.page_table[:, :max_seq_pages].copy_(page_indices // self.page_size)
             else:
                 metadata = _Captured(self.target_verify_metadata_topk_normal, bs)[bs]
-                metadata.cache_seqlens_int32.copy_(seq_lens)
-                metadata.max_seq_len_k = _host_max(seq_lens_cpu)
-                _cumsum_into(metadata.cu_seqlens_k, metadata.cache_seqlens_int32)
-                page_table = self.req_to_token[req_pool_indices, :metadata.max_seq_len_k]
-                metadata.page_table[:, :metadata.max_seq_len_k].copy_(page_table)
+                self._replay_topk_normal(metadata, req_pool_indices, seq_lens, seq_lens_cpu)
                 metadata_expand = _Captured(self.target_verify_metadata_topk_expand, bs)[bs]
                 positions = getattr(spec_info, "positions", None)
                 page_table_e, lens = self._verify_expand_page_table(
@@ -270,6 +262,16 @@ class _CudaGraphMixin:
             metadata.page_table[:, :metadata.max_seq_len_k].copy_(table)
         self.forward_metadata = metadata
         self.forward_metadata_spec_decode_expand = metadata_expand
+
+    def _replay_topk_normal(self, metadata: FlashAttentionMetadata, req_pool_indices: torch.Tensor,
+                            seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor) -> None:
+        """Replay of top-k > 1's prefix ("normal") metadata: lengths, cu_seqlens_k and the
+        token-granular page table updated in place."""
+        metadata.cache_seqlens_int32.copy_(seq_lens)
+        metadata.max_seq_len_k = _host_max(seq_lens_cpu)
+        _cumsum_into(metadata.cu_seqlens_k, metadata.cache_seqlens_int32)
+        page_table = self.req_to_token[req_pool_indices, :metadata.max_seq_len_k]
+        metadata.page_table[:, :metadata.max_seq_len_k].copy_(page_table)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """seq_lens value of the padded requests of a replayed batch."""
