@@ -71,6 +71,19 @@ __all__ = ["FlashAttentionBackend", "FlashAttentionMetadata", "FlashAttentionMul
            "normal_decode_set_metadata", "prepare_swa_spec_page_table"]
 
 
+def _fixed_q_metadata(metadata: FlashAttentionMetadata, cache_seqlens_int32: torch.Tensor, max_seq_len_k: int,
+                      q_per_request: int, req_to_token: torch.Tensor, rows: torch.Tensor, batch_size: int) -> None:
+    """Eager metadata of the modes with q_per_request queries per request (decode, draft
+    decode, target verify): lengths, cu_seqlens and the token-granular page table."""
+    metadata.cache_seqlens_int32 = cache_seqlens_int32
+    metadata.max_seq_len_q = q_per_request
+    metadata.max_seq_len_k = max_seq_len_k
+    metadata.cu_seqlens_q = torch.arange(0, batch_size * q_per_request + 1, q_per_request, dtype=torch.int32,
+                                         device=cache_seqlens_int32.device)
+    metadata.cu_seqlens_k = _cumsum0(cache_seqlens_int32)
+    metadata.page_table = req_to_token[rows, :max_seq_len_k]
+
+
 class FlashAttentionBackend(_ForwardMixin, _CudaGraphMixin):
     """SGLang's FlashAttentionBackend over flashserve (see the module docstring).
 
@@ -135,47 +148,26 @@ class FlashAttentionBackend(_ForwardMixin, _CudaGraphMixin):
             if forward_batch.spec_info is not None:  # draft decode
                 if self.topk <= 1:
                     step = self.speculative_step_id + 1
-                    metadata.cache_seqlens_int32 = (seqlens_in_batch + step).to(torch.int32)
-                    metadata.max_seq_len_k = max_seq_cpu + step
-                    metadata.cu_seqlens_q = torch.arange(0, batch_size + 1, dtype=torch.int32, device=device)
-                    metadata.cu_seqlens_k = _cumsum0(metadata.cache_seqlens_int32)
-                    metadata.page_table = req_to_token[rows, :metadata.max_seq_len_k]
+                    _fixed_q_metadata(metadata, (seqlens_in_batch + step).to(torch.int32), max_seq_cpu + step, 1,
+                                      req_to_token, rows, batch_size)
                 else:
-                    metadata.cache_seqlens_int32 = seqlens_in_batch.to(torch.int32)
-                    metadata.max_seq_len_q = self.topk
-                    metadata.max_seq_len_k = max_seq_cpu
-                    metadata.cu_seqlens_q = torch.arange(0, batch_size * self.topk + 1, step=self.topk,
-                                                         dtype=torch.int32, device=device)
-                    metadata.cu_seqlens_k = _cumsum0(metadata.cache_seqlens_int32)
-                    metadata.page_table = req_to_token[rows, :metadata.max_seq_len_k]
+                    _fixed_q_metadata(metadata, seqlens_in_batch.to(torch.int32), max_seq_cpu, self.topk,
+                                      req_to_token, rows, batch_size)
                     self.forward_metadata_spec_decode_expand = self._draft_decode_expand(
                         forward_batch.out_cache_loc, seqlens_in_batch.numel(), device)
             else:  # normal decode
-                metadata.cache_seqlens_int32 = seqlens_in_batch.to(torch.int32)
-                metadata.max_seq_len_k = max_seq_cpu
-                metadata.cu_seqlens_q = torch.arange(0, batch_size + 1, dtype=torch.int32, device=device)
-                metadata.cu_seqlens_k = _cumsum0(seqlens_in_batch)
-                metadata.page_table = req_to_token[rows, :metadata.max_seq_len_k]
+                _fixed_q_metadata(metadata, seqlens_in_batch.to(torch.int32), max_seq_cpu, 1, req_to_token, rows,
+                                  batch_size)
                 local = True
         elif _is_target_verify(mode):
             n_draft = self._num_draft_tokens()
             if self.topk <= 1:
-                metadata.cache_seqlens_int32 = (seqlens_in_batch + n_draft).to(torch.int32)
-                metadata.max_seq_len_q = n_draft
-                metadata.max_seq_len_k = max_seq_cpu + n_draft
-                metadata.cu_seqlens_q = torch.arange(0, batch_size * n_draft + 1, n_draft, dtype=torch.int32,
-                                                     device=device)
-                metadata.cu_seqlens_k = _cumsum0(metadata.cache_seqlens_int32)
-                metadata.page_table = req_to_token[rows, :metadata.max_seq_len_k]
+                _fixed_q_metadata(metadata, (seqlens_in_batch + n_draft).to(torch.int32), max_seq_cpu + n_draft,
+                                  n_draft, req_to_token, rows, batch_size)
                 local = True
             else:
-                metadata.cache_seqlens_int32 = seqlens_in_batch.to(torch.int32)
-                metadata.max_seq_len_q = n_draft
-                metadata.max_seq_len_k = max_seq_cpu
-                metadata.cu_seqlens_q = torch.arange(0, batch_size * n_draft + 1, step=n_draft, dtype=torch.int32,
-                                                     device=device)
-                metadata.cu_seqlens_k = _cumsum0(metadata.cache_seqlens_int32)
-                metadata.page_table = req_to_token[rows, :metadata.max_seq_len_k]
+                _fixed_q_metadata(metadata, seqlens_in_batch.to(torch.int32), max_seq_cpu, n_draft, req_to_token,
+                                  rows, batch_size)
                 metadata_expand = FlashAttentionMetadata()
                 metadata_expand.max_seq_len_q = 1
                 metadata_expand.cu_seqlens_q = torch.arange(0, seqlens_in_batch.numel() * n_draft + 1,
