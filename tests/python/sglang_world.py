@@ -6,14 +6,13 @@ decode, CUDA graph steps) and the references the tests compare with."""
 from __future__ import annotations
 
 import enum
-import math
 
 import torch
 
 import flashserve
 from flashserve.sglang import FlashAttentionBackend
 
-from helpers_torch import Case, check_bits, check_out
+from helpers_torch import Case, check_bits, check_out, poisoned
 from torch_reference import attention_ref
 
 BF16 = torch.bfloat16
@@ -57,10 +56,8 @@ class MHATokenToKVPool:
     """Per-layer buffers [size, H_kv, D]; set_kv_buffer writes rows at loc."""
 
     def __init__(self, size: int, heads_kv: int, d: int, dv: int, dtype, device: str, layers: int = 1) -> None:
-        self.k_buffer = [torch.full((size, heads_kv, d), math.nan, dtype=dtype, device=device)
-                         for _ in range(layers)]
-        self.v_buffer = [torch.full((size, heads_kv, dv), math.nan, dtype=dtype, device=device)
-                         for _ in range(layers)]
+        self.k_buffer = [poisoned((size, heads_kv, d), dtype, device) for _ in range(layers)]
+        self.v_buffer = [poisoned((size, heads_kv, dv), dtype, device) for _ in range(layers)]
 
     def set_kv_buffer(self, layer, loc, cache_k, cache_v, k_scale=None, v_scale=None) -> None:
         dtype = self.k_buffer[0].dtype
@@ -84,7 +81,7 @@ class MLATokenToKVPool:
     """Per-layer latent buffers [size, 1, kv_lora_rank + rope]."""
 
     def __init__(self, size: int, width: int, dtype, device: str, layers: int = 1) -> None:
-        self.kv_buffer = [torch.full((size, 1, width), math.nan, dtype=dtype, device=device) for _ in range(layers)]
+        self.kv_buffer = [poisoned((size, 1, width), dtype, device) for _ in range(layers)]
 
     def set_mla_kv_buffer(self, layer, loc, cache_k_nope, cache_k_rope) -> None:
         self.kv_buffer[layer.layer_id][loc] = torch.cat([cache_k_nope, cache_k_rope], dim=-1).to(
