@@ -138,6 +138,16 @@ inline void run_gpu(fstest::AttentionCase& ac, const DeviceCase& dc, const fs::E
   if (ac.cfg.lse) download(dc.mirror_of(ac.lse), ac.lse);
 }
 
+// run_gpu under `plan` (ctx.plan) with a workspace of the plan's size.
+inline void run_gpu_planned(fstest::AttentionCase& ac, const DeviceCase& dc, const fs::Plan& plan) {
+  const auto ws = device_alloc(plan.workspace.total_bytes);
+  fs::ExecContext ctx;
+  ctx.workspace = ws.get();
+  ctx.workspace_bytes = plan.workspace.total_bytes;
+  ctx.plan = &plan;
+  run_gpu(ac, dc, ctx);
+}
+
 // One unit in the last place of x in an output dtype (0 for f32).
 inline double out_ulp(double x, fs::DType t) {
   const int bits = t == fs::DType::f16 ? 10 : t == fs::DType::bf16 ? 7 : -1;

@@ -88,12 +88,7 @@ std::string run_and_check(fstest::AttentionCase& ac, std::string& kernel) {
   kernel = selected_kernel(ac, dc.params);
   const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
   const auto cpu = fsgpu::run_cpu(ac, plan);
-  const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
-  fs::ExecContext ctx;
-  ctx.workspace = ws.get();
-  ctx.workspace_bytes = plan.workspace.total_bytes;
-  ctx.plan = &plan;
-  fsgpu::run_gpu(ac, dc, ctx);
+  fsgpu::run_gpu_planned(ac, dc, plan);
   std::string err = fstest::check_case(ac);
   const double rel = relative_error(ac, cpu.first);
   if (!(rel < 1e-2)) err += "relative error against the CPU reference " + std::to_string(rel) + "\n";
@@ -332,12 +327,7 @@ TEST(GpuPrefill, ContextParallel) {
         const std::string kernel = selected_kernel(ac, dc.params);
         const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
         const auto cpu = fsgpu::run_cpu(ac, plan);
-        const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
-        fs::ExecContext ctx;
-        ctx.workspace = ws.get();
-        ctx.workspace_bytes = plan.workspace.total_bytes;
-        ctx.plan = &plan;
-        fsgpu::run_gpu(ac, dc, ctx);
+        fsgpu::run_gpu_planned(ac, dc, plan);
         const std::string what = "world " + std::to_string(world) + " rank " + std::to_string(rank) + " variant " +
                                  std::to_string(variant) + " kernel " + kernel + "\n" + fstest::describe(c);
         EXPECT_EQ(fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(kernel, c)), "") << what;
