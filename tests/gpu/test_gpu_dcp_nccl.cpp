@@ -50,17 +50,8 @@ Shard make_shard(const Batch& bt, int W, int r, int64_t il, bool context_only, s
 
 be::BuilderConfig config_of(const be::LayerSpec& spec, int W, int r, int64_t il, const fs::DeviceProps& dev,
                             void* stream) {
-  be::BuilderConfig c;
-  c.layer = spec;
-  c.block_size = kBs;
-  c.max_num_tokens = 256;
-  c.max_num_reqs = 16;
-  c.max_blocks_per_req = 128;
-  c.reorder_batch_threshold = 4;
+  be::BuilderConfig c = fstest::dcp_builder_config(spec, W, r, il, kBs, 128, 4);
   c.num_splits = 1;
-  c.dcp_world_size = W;
-  c.dcp_rank = r;
-  c.dcp_interleave = il;
   c.device = dev;
   c.stream = stream;
   return c;

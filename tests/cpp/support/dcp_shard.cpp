@@ -12,6 +12,21 @@ namespace fstest {
 namespace be = flashserve::backend;
 namespace fs = flashserve;
 
+be::BuilderConfig dcp_builder_config(const be::LayerSpec& spec, int W, int r, int64_t il, int64_t block_size,
+                                     int64_t max_blocks_per_req, int threshold) {
+  be::BuilderConfig c;
+  c.layer = spec;
+  c.block_size = block_size;
+  c.max_num_tokens = 256;
+  c.max_num_reqs = 16;
+  c.max_blocks_per_req = max_blocks_per_req;
+  c.reorder_batch_threshold = threshold;
+  c.dcp_world_size = W;
+  c.dcp_rank = r;
+  c.dcp_interleave = il;
+  return c;
+}
+
 DcpShard make_dcp_shard(const DcpBatch& bt, int W, int r, int64_t il, bool context_only, std::mt19937_64& rng,
                         const DcpShardShape& shape) {
   const int64_t bs = shape.block_size, D = shape.head_dim;

@@ -34,6 +34,13 @@ struct DcpShardShape {
   bool poison = true;                                // unwritten cache slots hold NaN
 };
 
+// A MetadataBuilder config for rank r of W with interleave il, sized for the DCP tests' batches
+// (256 tokens, 16 requests of at most max_blocks_per_req blocks); device, stream and splits
+// stay the defaults.
+flashserve::backend::BuilderConfig dcp_builder_config(const flashserve::backend::LayerSpec& spec, int W, int r,
+                                                      int64_t il, int64_t block_size, int64_t max_blocks_per_req,
+                                                      int threshold);
+
 // The shard of rank r of W (W = 1: the whole cache) with interleave il, filled through
 // reshape_and_cache with slot -1 for the positions another rank owns: every position, or
 // (context_only) those before the step's new tokens, which the layer writes. Blocks are
