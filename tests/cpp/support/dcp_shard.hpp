@@ -28,6 +28,12 @@ struct DcpShard {
   flashserve::backend::KvCache cache() const { return {.key_cache = kc.ref, .value_cache = vc.ref}; }
 };
 
+// The step's new K/V [T, H_kv, head_dim] in `dtype`: each request's last q_len positions.
+struct DcpNewKv {
+  HostTensor key, value;
+};
+DcpNewKv dcp_new_kv(const DcpBatch& bt, int64_t head_dim, flashserve::DType dtype);
+
 struct DcpShardShape {
   int64_t block_size = 16, head_dim = 64;
   flashserve::DType dtype = flashserve::DType::f32;  // the caches'
