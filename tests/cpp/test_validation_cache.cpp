@@ -72,6 +72,19 @@ HostTensor ints(DType t, std::initializer_list<int64_t> shape, std::initializer_
   return h;
 }
 
+// The reshape_and_cache params both write setups fill alike (scales are each setup's own).
+fs::CacheWriteParams write_params(const HostTensor& key, const HostTensor& value, const HostTensor& kc,
+                                  const HostTensor& vc, const HostTensor& slots, KvCacheDType mode) {
+  fs::CacheWriteParams p;
+  p.key = key;
+  p.value = value;
+  p.key_cache = kc;
+  p.value_cache = vc;
+  p.slot_mapping = slots;
+  p.cache_dtype = mode;
+  return p;
+}
+
 // ---- reshape_and_cache: T = 4 tokens, H_kv = 2, D = 8, 3 blocks of 4 slots, NHD.
 struct WriteSetup {
   HostTensor key = filled(DType::f16, {5, 2, 8}, -2, 2), value = filled(DType::f16, {5, 2, 8}, -2, 2);
@@ -88,12 +101,7 @@ struct WriteSetup {
     kc = HostTensor::zeros(fp8 ? DType::u8 : int8 ? DType::i8 : DType::f16, {3, 4, 2, 8});
     vc = HostTensor::zeros(fp8 ? DType::u8 : mode == KvCacheDType::int8_k8v8 ? DType::i8 : DType::f16, {3, 4, 2, 8});
     for (const HostTensor* t : {&kc, &vc, &ksc}) fstest::poison_storage(*t);
-    p.key = key;
-    p.value = value;
-    p.key_cache = kc;
-    p.value_cache = vc;
-    p.slot_mapping = slots;
-    p.cache_dtype = mode;
+    p = write_params(key, value, kc, vc, slots, mode);
     if (fp8) p.k_scale = k_scale.ref, p.v_scale = v_scale.ref;
     if (mode == KvCacheDType::int8_k8v8) p.v_scale = v_scale_i8.ref;
     if (int8) p.k_scale_cache = ksc.ref;
@@ -183,12 +191,7 @@ struct GivenSetup {
     value = k8v8 ? filled(DType::i8, {5, 2, 8}, -100, 100) : filled(DType::bf16, {5, 2, 8}, -2, 2);
     vc = HostTensor::zeros(k8v8 ? DType::i8 : DType::bf16, {3, 4, 2, 8});
     for (const HostTensor* t : {&kc, &vc, &ksc}) fstest::poison_storage(*t);
-    p.key = key;
-    p.value = value;
-    p.key_cache = kc;
-    p.value_cache = vc;
-    p.slot_mapping = slots;
-    p.cache_dtype = mode;
+    p = write_params(key, value, kc, vc, slots, mode);
     p.k_scale_cache = ksc.ref;
     p.key_scale = key_scale.ref;
   }

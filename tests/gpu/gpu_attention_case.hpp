@@ -138,6 +138,29 @@ inline void run_gpu(fstest::AttentionCase& ac, const DeviceCase& dc, const fs::E
   if (ac.cfg.lse) download(dc.mirror_of(ac.lse), ac.lse);
 }
 
+// run_gpu under `plan` (ctx.plan) with a workspace of the plan's size.
+inline void run_gpu_planned(fstest::AttentionCase& ac, const DeviceCase& dc, const fs::Plan& plan) {
+  const auto ws = device_alloc(plan.workspace.total_bytes);
+  fs::ExecContext ctx;
+  ctx.workspace = ws.get();
+  ctx.workspace_bytes = plan.workspace.total_bytes;
+  ctx.plan = &plan;
+  run_gpu(ac, dc, ctx);
+}
+
+// Context parallelism on the case (before mirror_case): rank `rank` of `world` with interleave
+// `il`, the global KV lengths `global` in an i32 tensor the case keeps (cp_tot_seqused_k).
+inline void set_context_parallel(fstest::AttentionCase& ac, const std::vector<int64_t>& global, int world, int rank,
+                                 int64_t il = 1) {
+  const fstest::HostTensor tot = fstest::HostTensor::zeros(fs::DType::i32, {int64_t(global.size())});
+  for (size_t b = 0; b < global.size(); ++b) tot.ref.ptr<int32_t>()[b] = int32_t(global[b]);
+  ac.storage.push_back(tot);
+  ac.params.cp_world_size = world;
+  ac.params.cp_rank = rank;
+  ac.params.cp_interleave = il;
+  ac.params.cp_tot_seqused_k = tot.ref;
+}
+
 // One unit in the last place of x in an output dtype (0 for f32).
 inline double out_ulp(double x, fs::DType t) {
   const int bits = t == fs::DType::f16 ? 10 : t == fs::DType::bf16 ? 7 : -1;

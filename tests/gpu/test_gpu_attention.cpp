@@ -419,13 +419,7 @@ TEST(GpuAttentionEdge, ContextParallelMatchesReference) {
         c.num_splits = variant + 1;
         auto rng = fstest::make_rng(15);
         fstest::AttentionCase ac = fstest::build_case(c, rng);
-        const fstest::HostTensor tot = fstest::HostTensor::zeros(DType::i32, {int64_t(global.size())});
-        for (size_t b = 0; b < global.size(); ++b) tot.ref.ptr<int32_t>()[b] = int32_t(global[b]);
-        ac.storage.push_back(tot);
-        ac.params.cp_world_size = world;
-        ac.params.cp_rank = rank;
-        ac.params.cp_interleave = il;
-        ac.params.cp_tot_seqused_k = tot.ref;
+        fsgpu::set_context_parallel(ac, global, world, rank, il);
         const fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
         const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
         const auto cpu = fsgpu::run_cpu(ac, plan);

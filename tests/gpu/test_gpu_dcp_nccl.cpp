@@ -50,17 +50,8 @@ Shard make_shard(const Batch& bt, int W, int r, int64_t il, bool context_only, s
 
 be::BuilderConfig config_of(const be::LayerSpec& spec, int W, int r, int64_t il, const fs::DeviceProps& dev,
                             void* stream) {
-  be::BuilderConfig c;
-  c.layer = spec;
-  c.block_size = kBs;
-  c.max_num_tokens = 256;
-  c.max_num_reqs = 16;
-  c.max_blocks_per_req = 128;
-  c.reorder_batch_threshold = 4;
+  be::BuilderConfig c = fstest::dcp_builder_config(spec, W, r, il, kBs, 128, 4);
   c.num_splits = 1;
-  c.dcp_world_size = W;
-  c.dcp_rank = r;
-  c.dcp_interleave = il;
   c.device = dev;
   c.stream = stream;
   return c;
@@ -114,15 +105,7 @@ void run_case(int W, const NcclCase& c) {
   const int64_t T = bt.T();
   HostTensor q = HostTensor::zeros(kAct, {T, H, kD});
   fstest::fill_uniform(q, rng, -1.0f, 1.0f);
-  HostTensor key = HostTensor::zeros(kAct, {T, c.H_kv, kD}), value = HostTensor::zeros(kAct, {T, c.H_kv, kD});
-  for (int64_t b = 0; b < bt.B(); ++b)
-    for (int64_t i = 0; i < bt.q_len; ++i)
-      for (int64_t h = 0; h < c.H_kv; ++h)
-        for (int64_t d = 0; d < kD; ++d) {
-          const int64_t pos = bt.seq_lens[size_t(b)] - bt.q_len + i, t = bt.qsl[size_t(b)] + i;
-          key.set({t, h, d}, bt.k[size_t(b)].get({pos, h, d}));
-          value.set({t, h, d}, bt.v[size_t(b)].get({pos, h, d}));
-        }
+  auto [key, value] = fstest::dcp_new_kv(bt, kD, kAct);  // the step's new K/V [T, H_kv, D]
 
   // The single-device result on the CPU: every head over the whole cache.
   be::LayerSpec full;

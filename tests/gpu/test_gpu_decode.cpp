@@ -308,12 +308,7 @@ TEST(GpuDecode, BadBlockIndexGivesNanRows) {
         const int32_t good_id = *entry;
         *entry = bad_id;
         dc.upload(ac);
-        const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
-        fs::ExecContext ctx;
-        ctx.workspace = ws.get();
-        ctx.workspace_bytes = plan.workspace.total_bytes;
-        ctx.plan = &plan;
-        fsgpu::run_gpu(ac, dc, ctx);
+        fsgpu::run_gpu_planned(ac, dc, plan);
         for (int64_t b = 0; b < 3; ++b)
           for (int64_t h = 0; h < c.H; ++h)
             for (int64_t d = 0; d < c.Dv; ++d) {

@@ -88,12 +88,7 @@ std::string run_and_check(fstest::AttentionCase& ac, std::string& kernel) {
   kernel = selected_kernel(ac, dc.params);
   const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
   const auto cpu = fsgpu::run_cpu(ac, plan);
-  const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
-  fs::ExecContext ctx;
-  ctx.workspace = ws.get();
-  ctx.workspace_bytes = plan.workspace.total_bytes;
-  ctx.plan = &plan;
-  fsgpu::run_gpu(ac, dc, ctx);
+  fsgpu::run_gpu_planned(ac, dc, plan);
   std::string err = fstest::check_case(ac);
   const double rel = relative_error(ac, cpu.first);
   if (!(rel < 1e-2)) err += "relative error against the CPU reference " + std::to_string(rel) + "\n";
@@ -322,22 +317,12 @@ TEST(GpuPrefill, ContextParallel) {
         if (variant == 2) c.alibi = 1;
         auto rng = fstest::make_rng(60 + uint64_t(world * 10 + rank * 3 + variant));
         fstest::AttentionCase ac = fstest::build_case(c, rng);
-        const fstest::HostTensor tot = fstest::HostTensor::zeros(DType::i32, {int64_t(global.size())});
-        for (size_t b = 0; b < global.size(); ++b) tot.ref.ptr<int32_t>()[b] = int32_t(global[b]);
-        ac.storage.push_back(tot);
-        ac.params.cp_world_size = world;
-        ac.params.cp_rank = rank;
-        ac.params.cp_tot_seqused_k = tot.ref;
+        fsgpu::set_context_parallel(ac, global, world, rank);
         fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
         const std::string kernel = selected_kernel(ac, dc.params);
         const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
         const auto cpu = fsgpu::run_cpu(ac, plan);
-        const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
-        fs::ExecContext ctx;
-        ctx.workspace = ws.get();
-        ctx.workspace_bytes = plan.workspace.total_bytes;
-        ctx.plan = &plan;
-        fsgpu::run_gpu(ac, dc, ctx);
+        fsgpu::run_gpu_planned(ac, dc, plan);
         const std::string what = "world " + std::to_string(world) + " rank " + std::to_string(rank) + " variant " +
                                  std::to_string(variant) + " kernel " + kernel + "\n" + fstest::describe(c);
         EXPECT_EQ(fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(kernel, c)), "") << what;

@@ -108,9 +108,9 @@ struct Shape {
   static constexpr int kVStride = int(decode_v_stride(kVb, kD));
   static constexpr int kKeysPerLane = kChunks / 2;  // q.k: keys per lane (kChunks lanes per key)
   static constexpr bool kMma = decode_uses_mma(kVb);  // tensor-core q.k and p.v (decode_mma.cuh)
-  static constexpr int kQStride = int(decode_q_stride(kVb, kD));
+  static constexpr int kQStride = int(decode_q_stride(kVb, kD));  // bytes per q row in shared memory
   static constexpr int kStages = decode_stages(kVb);  // cp.async ring depth per warp
-  static constexpr int kTile = kT;  // keys per warp tile  // bytes per q row in shared memory
+  static constexpr int kTile = kT;  // keys per warp tile
   static constexpr size_t kStageBytes = decode_stage_bytes(kVb, kD, kT);
   static constexpr size_t kWarpBytes = decode_warp_bytes(kVb, kD, kR, kT);
   static_assert(kWarpBytes <= decode_warp_bytes(kVb, kD, kR), "within the launch's shared memory");

@@ -12,6 +12,35 @@ namespace fstest {
 namespace be = flashserve::backend;
 namespace fs = flashserve;
 
+DcpNewKv dcp_new_kv(const DcpBatch& bt, int64_t head_dim, fs::DType dtype) {
+  const int64_t T = bt.T(), D = head_dim;
+  DcpNewKv n{HostTensor::zeros(dtype, {T, bt.H_kv, D}), HostTensor::zeros(dtype, {T, bt.H_kv, D})};
+  for (int64_t b = 0; b < bt.B(); ++b)
+    for (int64_t i = 0; i < bt.q_len; ++i)
+      for (int64_t h = 0; h < bt.H_kv; ++h)
+        for (int64_t d = 0; d < D; ++d) {
+          const int64_t pos = bt.seq_lens[size_t(b)] - bt.q_len + i, t = bt.qsl[size_t(b)] + i;
+          n.key.set({t, h, d}, bt.k[size_t(b)].get({pos, h, d}));
+          n.value.set({t, h, d}, bt.v[size_t(b)].get({pos, h, d}));
+        }
+  return n;
+}
+
+be::BuilderConfig dcp_builder_config(const be::LayerSpec& spec, int W, int r, int64_t il, int64_t block_size,
+                                     int64_t max_blocks_per_req, int threshold) {
+  be::BuilderConfig c;
+  c.layer = spec;
+  c.block_size = block_size;
+  c.max_num_tokens = 256;
+  c.max_num_reqs = 16;
+  c.max_blocks_per_req = max_blocks_per_req;
+  c.reorder_batch_threshold = threshold;
+  c.dcp_world_size = W;
+  c.dcp_rank = r;
+  c.dcp_interleave = il;
+  return c;
+}
+
 DcpShard make_dcp_shard(const DcpBatch& bt, int W, int r, int64_t il, bool context_only, std::mt19937_64& rng,
                         const DcpShardShape& shape) {
   const int64_t bs = shape.block_size, D = shape.head_dim;

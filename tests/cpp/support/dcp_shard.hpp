@@ -28,11 +28,24 @@ struct DcpShard {
   flashserve::backend::KvCache cache() const { return {.key_cache = kc.ref, .value_cache = vc.ref}; }
 };
 
+// The step's new K/V [T, H_kv, head_dim] in `dtype`: each request's last q_len positions.
+struct DcpNewKv {
+  HostTensor key, value;
+};
+DcpNewKv dcp_new_kv(const DcpBatch& bt, int64_t head_dim, flashserve::DType dtype);
+
 struct DcpShardShape {
   int64_t block_size = 16, head_dim = 64;
   flashserve::DType dtype = flashserve::DType::f32;  // the caches'
   bool poison = true;                                // unwritten cache slots hold NaN
 };
+
+// A MetadataBuilder config for rank r of W with interleave il, sized for the DCP tests' batches
+// (256 tokens, 16 requests of at most max_blocks_per_req blocks); device, stream and splits
+// stay the defaults.
+flashserve::backend::BuilderConfig dcp_builder_config(const flashserve::backend::LayerSpec& spec, int W, int r,
+                                                      int64_t il, int64_t block_size, int64_t max_blocks_per_req,
+                                                      int threshold);
 
 // The shard of rank r of W (W = 1: the whole cache) with interleave il, filled through
 // reshape_and_cache with slot -1 for the positions another rank owns: every position, or
