@@ -39,18 +39,11 @@ def _check_metadata(md: FlashServeMetadata) -> None:
 
 # ---------------------------------------------------------------- differential attention
 
-class FlashServeDifferentialBackend:
-    """vLLM's DifferentialFlashAttentionBackend: the cache holds the two head halves."""
+class _BuilderBackendBase:
+    """The vLLM AttentionBackend static interface shared by the backends whose metadata comes
+    from a FlashServeMetadataBuilder (FlashServeBackend, FlashServeDifferentialBackend)."""
 
     accept_output_buffer: bool = True
-
-    @staticmethod
-    def get_name() -> str:
-        return "FLASHSERVE_DIFFERENTIAL"
-
-    @staticmethod
-    def get_impl_cls() -> type:
-        return FlashServeDifferentialImpl
 
     @staticmethod
     def get_builder_cls() -> type:
@@ -60,9 +53,21 @@ class FlashServeDifferentialBackend:
     def get_metadata_cls() -> type:
         return FlashServeMetadata
 
-    @staticmethod
-    def get_supported_head_sizes() -> list[int]:
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
         return list(_C.Capabilities.supported_head_sizes())
+
+
+class FlashServeDifferentialBackend(_BuilderBackendBase):
+    """vLLM's DifferentialFlashAttentionBackend: the cache holds the two head halves."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHSERVE_DIFFERENTIAL"
+
+    @staticmethod
+    def get_impl_cls() -> type:
+        return FlashServeDifferentialImpl
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
