@@ -287,10 +287,8 @@ class FlashServeImpl:
         if attn_metadata is None:  # the engine's profiling run
             return output
         md = attn_metadata
+        md.check_current()
         builder = md.builder
-        if md.generation != builder._generation:
-            raise ValueError(f"attn_metadata: expected the builder's latest metadata (build "
-                             f"{builder._generation}), got build {md.generation}")
         q = query.view(-1, self.num_heads, self.head_size) if query.dim() == 2 else query
         out = output.view(-1, self.num_heads, self.head_size_v) if output.dim() == 2 else output
         key, value = self._views(key, value)

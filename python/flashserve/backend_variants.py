@@ -31,12 +31,6 @@ def _float(arg: str, value: Any) -> float:
     return float(value)
 
 
-def _check_metadata(md: FlashServeMetadata) -> None:
-    if md.generation != md.builder._generation:
-        raise ValueError(f"attn_metadata: expected the builder's latest metadata (build "
-                         f"{md.builder._generation}), got build {md.generation}")
-
-
 # ---------------------------------------------------------------- differential attention
 
 class _BuilderBackendBase:
@@ -185,7 +179,7 @@ class FlashServeDifferentialImpl:
         out = output.view(-1, H, D)
         if attn_metadata is None:  # the engine's profiling run
             return output.view(-1, H * D)
-        _check_metadata(attn_metadata)
+        attn_metadata.check_current()
         if k is not None:
             k = k.view(-1, self.num_kv_heads, D)
         if v is not None:
