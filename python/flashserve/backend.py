@@ -18,7 +18,7 @@ from .backend_builder import FlashServeMetadataBuilder, device_props
 from .backend_impl import FlashServeImpl
 from .backend_variants import (FlashServeDifferentialBackend, FlashServeDifferentialImpl,
                                FlashServeMLAPrefillBackend, FlashServeMLAPrefillImpl,
-                               MLAChunkedContextMetadata, MLAPrefillMetadata)
+                               MLAChunkedContextMetadata, MLAPrefillMetadata, _BuilderBackendBase)
 from .backend_types import (KV_CACHE_LAYOUTS, AttentionCGSupport, AttentionType,
                             CommonAttentionMetadata, DraftTree, FlashServeEngineConfig,
                             FlashServeKVCacheSpec, FlashServeMetadata, MultipleOf, check_positive,
@@ -66,10 +66,9 @@ def reorder_decodes_first(query_lens: Any, threshold: int = 1) -> list[int]:
     return _C.reorder_decodes_first(query_lens, threshold)
 
 
-class FlashServeBackend:
+class FlashServeBackend(_BuilderBackendBase):
     """The backend's static description (vLLM's AttentionBackend interface)."""
 
-    accept_output_buffer: bool = True
     # False: the engine calls FlashServeImpl.do_kv_cache_update and the forward does not write
     # (read by each FlashServeImpl at construction).
     forward_includes_kv_cache_update: bool = True
@@ -89,23 +88,11 @@ class FlashServeBackend:
     def get_impl_cls() -> type:
         return FlashServeImpl
 
-    @staticmethod
-    def get_builder_cls() -> type:
-        return FlashServeMetadataBuilder
-
-    @staticmethod
-    def get_metadata_cls() -> type:
-        return FlashServeMetadata
-
     @classmethod
     def get_supported_dtypes(cls, device: Any = None) -> list:
         """Activation dtypes on `device` (None: any CUDA device; the CPU adds float32)."""
         props = _ANY_GPU if device is None else device_props(device)
         return [_as_dtype(n) for n in _C.Capabilities.supported_dtypes(props)]
-
-    @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return list(_C.Capabilities.supported_head_sizes())
 
     @classmethod
     def supports_head_size(cls, head_size: int, head_size_v: Optional[int] = None) -> bool:

@@ -154,9 +154,14 @@ class FlashServeImpl:
             attention_chunk_size=self.attention_chunk_size, softcap=self.logits_soft_cap,
             alibi_slopes=on(self.alibi_slopes), sinks=on(self.sinks),
             kv_cache_dtype=self._cache_dtype, kv_layout=self.kv_cache_layout, dtype=self.dtype,
-            writes_kv_cache=(writes and self.kv_sharing_target_layer_name is None
-                             and self.forward_includes_kv_cache_update),
+            writes_kv_cache=writes and self._forward_writes,
             alibi_sqrt=sqrt_alibi)
+
+    @property
+    def _forward_writes(self) -> bool:
+        """Whether the forward writes the new K/V (not a layer sharing another's cache, and
+        forward_includes_kv_cache_update)."""
+        return self.kv_sharing_target_layer_name is None and self.forward_includes_kv_cache_update
 
     def _layer_on(self, device: Any, sqrt_alibi: bool, writes: bool = True) -> Any:
         key = (device, sqrt_alibi, writes)
@@ -287,10 +292,8 @@ class FlashServeImpl:
         if attn_metadata is None:  # the engine's profiling run
             return output
         md = attn_metadata
+        md.check_current()
         builder = md.builder
-        if md.generation != builder._generation:
-            raise ValueError(f"attn_metadata: expected the builder's latest metadata (build "
-                             f"{builder._generation}), got build {md.generation}")
         q = query.view(-1, self.num_heads, self.head_size) if query.dim() == 2 else query
         out = output.view(-1, self.num_heads, self.head_size_v) if output.dim() == 2 else output
         key, value = self._views(key, value)
@@ -333,8 +336,7 @@ class FlashServeImpl:
         if self._ws_builder != ws_key:
             self._ws_bytes = layer.attend_workspace_bytes(builder._c)
             self._ws_builder = ws_key
-        write = (not kv_cache_updated and self.forward_includes_kv_cache_update
-                 and self.kv_sharing_target_layer_name is None)
+        write = not kv_cache_updated and self._forward_writes
         dcp_forward(layer, md.handle, q, key, value, key_cache, value_cache, out, builder.dcp_group,
                     builder.workspace(self._ws_bytes), write=write, k_scale=k_scale, v_scale=v_scale,
                     k_scale_cache=k_scale_cache, q_descale=q_descale, fused_heads=self.sinks is None)

@@ -179,3 +179,10 @@ class FlashServeMetadata:
     builder: Any = field(default=None, repr=False)  # the FlashServeMetadataBuilder that built it
     handle: Any = field(default=None, repr=False)   # flashserve._C.AttentionMetadata
     generation: int = 0                  # the builder's build count when it was built
+
+    def check_current(self) -> None:
+        """ValueError unless this is the builder's latest metadata (its handle is rewritten by
+        each build)."""
+        if self.generation != self.builder._generation:
+            raise ValueError(f"attn_metadata: expected the builder's latest metadata (build "
+                             f"{self.builder._generation}), got build {self.generation}")

@@ -31,26 +31,13 @@ def _float(arg: str, value: Any) -> float:
     return float(value)
 
 
-def _check_metadata(md: FlashServeMetadata) -> None:
-    if md.generation != md.builder._generation:
-        raise ValueError(f"attn_metadata: expected the builder's latest metadata (build "
-                         f"{md.builder._generation}), got build {md.generation}")
-
-
 # ---------------------------------------------------------------- differential attention
 
-class FlashServeDifferentialBackend:
-    """vLLM's DifferentialFlashAttentionBackend: the cache holds the two head halves."""
+class _BuilderBackendBase:
+    """The vLLM AttentionBackend static interface shared by the backends whose metadata comes
+    from a FlashServeMetadataBuilder (FlashServeBackend, FlashServeDifferentialBackend)."""
 
     accept_output_buffer: bool = True
-
-    @staticmethod
-    def get_name() -> str:
-        return "FLASHSERVE_DIFFERENTIAL"
-
-    @staticmethod
-    def get_impl_cls() -> type:
-        return FlashServeDifferentialImpl
 
     @staticmethod
     def get_builder_cls() -> type:
@@ -60,9 +47,21 @@ class FlashServeDifferentialBackend:
     def get_metadata_cls() -> type:
         return FlashServeMetadata
 
-    @staticmethod
-    def get_supported_head_sizes() -> list[int]:
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
         return list(_C.Capabilities.supported_head_sizes())
+
+
+class FlashServeDifferentialBackend(_BuilderBackendBase):
+    """vLLM's DifferentialFlashAttentionBackend: the cache holds the two head halves."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "FLASHSERVE_DIFFERENTIAL"
+
+    @staticmethod
+    def get_impl_cls() -> type:
+        return FlashServeDifferentialImpl
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
@@ -180,7 +179,7 @@ class FlashServeDifferentialImpl:
         out = output.view(-1, H, D)
         if attn_metadata is None:  # the engine's profiling run
             return output.view(-1, H * D)
-        _check_metadata(attn_metadata)
+        attn_metadata.check_current()
         if k is not None:
             k = k.view(-1, self.num_kv_heads, D)
         if v is not None:

@@ -61,17 +61,6 @@ DType activation_dtype_arg(std::string_view s) {
 
 // ---------------------------------------------------------------- arguments
 
-// A host int32 1-D array (numpy or a CPU torch tensor) as a span; None gives an empty span.
-std::span<const int32_t> host_i32(nb::handle obj, const char* name) {
-  if (obj.is_none()) return {};
-  const TensorRef t = tensor_arg(obj, name);
-  if (t.device.type != DeviceType::cpu) fail_arg(name, "a host (CPU) array", to_string(t.device));
-  if (t.dtype != DType::i32) fail_arg(name, "int32", dtype_name(t.dtype));
-  if (t.ndim != 1) fail_arg(name, "a 1-D array", t.shape_str());
-  if (t.size(0) > 1 && t.stride[0] != 1) fail_arg(name, "a contiguous array", detail::cat("stride ", t.stride[0]));
-  return {t.ptr<const int32_t>(), size_t(t.size(0))};
-}
-
 TensorRef tensor_or_none(nb::handle obj, const char* name) { return opt_tensor_arg(obj, name).value_or(TensorRef{}); }
 
 // ---------------------------------------------------------------- owning wrappers
@@ -151,15 +140,15 @@ const AttentionMetadata& build(PyBuilder& b, nb::handle query_start_loc, nb::han
   cm.num_actual_tokens = num_actual_tokens;
   cm.max_query_len = max_query_len;
   cm.max_seq_len = max_seq_len;
-  cm.query_start_loc = host_i32(query_start_loc, "query_start_loc");
-  cm.seq_lens = host_i32(seq_lens, "seq_lens");
+  cm.query_start_loc = opt_host_i32_arg(query_start_loc, "query_start_loc");
+  cm.seq_lens = opt_host_i32_arg(seq_lens, "seq_lens");
   cm.block_table = tensor_or_none(block_table, "block_table");
   cm.slot_mapping = tensor_or_none(slot_mapping, "slot_mapping");
   cm.causal = causal;
-  cm.encoder_seq_lens = host_i32(encoder_seq_lens, "encoder_seq_lens");
+  cm.encoder_seq_lens = opt_host_i32_arg(encoder_seq_lens, "encoder_seq_lens");
   if (draft_parents.is_none() != num_drafts.is_none())
     fail_arg(draft_parents.is_none() ? "draft_parents" : "num_drafts", "given together with the other", "None");
-  const DraftTree tree{host_i32(draft_parents, "draft_parents"), host_i32(num_drafts, "num_drafts")};
+  const DraftTree tree{opt_host_i32_arg(draft_parents, "draft_parents"), opt_host_i32_arg(num_drafts, "num_drafts")};
   const AttentionMetadata& md = b.builder.build(cm, common_prefix_len, draft_parents.is_none() ? nullptr : &tree);
   b.block_table = nb::borrow(block_table);
   b.slot_mapping = nb::borrow(slot_mapping);
@@ -313,7 +302,7 @@ nb::tuple int_tuple(const auto& values) {
 }
 
 std::vector<int32_t> reorder(nb::handle query_lens, int threshold) {
-  return reorder_decodes_first(host_i32(query_lens, "query_lens"), threshold);
+  return reorder_decodes_first(opt_host_i32_arg(query_lens, "query_lens"), threshold);
 }
 
 // ---------------------------------------------------------------- registration
@@ -513,7 +502,7 @@ void register_capabilities(nb::module_& m) {
       "use_cascade",
       [](int64_t common_prefix_len, nb::handle query_lens, const PyLayerSpec& s, int dcp_world_size,
          const DeviceProps& d) {
-        return use_cascade(common_prefix_len, host_i32(query_lens, "query_lens"), s.spec, dcp_world_size, d);
+        return use_cascade(common_prefix_len, opt_host_i32_arg(query_lens, "query_lens"), s.spec, dcp_world_size, d);
       },
       "common_prefix_len"_a, "query_lens"_a, "spec"_a, "dcp_world_size"_a = 1, "device"_a = DeviceProps::cpu());
 }

@@ -21,16 +21,6 @@ namespace flashserve::py {
 
 namespace {
 
-// A host int32 1-D array (numpy or a CPU torch tensor) as a span.
-std::span<const int32_t> host_i32_arg(nb::handle obj, const char* name) {
-  const TensorRef t = tensor_arg(obj, name);
-  if (t.device.type != DeviceType::cpu) fail_arg(name, "a host (CPU) array", to_string(t.device));
-  if (t.dtype != DType::i32) fail_arg(name, "int32", dtype_name(t.dtype));
-  if (t.ndim != 1) fail_arg(name, "a 1-D array", t.shape_str());
-  if (t.size(0) > 1 && t.stride[0] != 1) fail_arg(name, "a contiguous array", detail::cat("stride ", t.stride[0]));
-  return {t.ptr<const int32_t>(), size_t(t.size(0))};
-}
-
 using I32 = std::vector<int32_t>;
 
 std::tuple<I32, I32, I32, I32> local_virtual_batches(nb::handle query_start_loc, nb::handle seq_lens, int64_t chunk) {

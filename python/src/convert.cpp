@@ -14,6 +14,7 @@
 #include <array>
 #include <cstdlib>
 #include <cstdint>
+#include <span>
 #include <string>
 
 #include "flashserve/status.hpp"
@@ -220,6 +221,20 @@ TensorRef tensor_arg(nb::handle obj, const char* name) {
 OptTensor opt_tensor_arg(nb::handle obj, const char* name) {
   if (obj.is_none()) return std::nullopt;
   return tensor_arg(obj, name);
+}
+
+std::span<const int32_t> host_i32_arg(nb::handle obj, const char* name) {
+  const TensorRef t = tensor_arg(obj, name);
+  if (t.device.type != DeviceType::cpu) fail_arg(name, "a host (CPU) array", to_string(t.device));
+  if (t.dtype != DType::i32) fail_arg(name, "int32", dtype_name(t.dtype));
+  if (t.ndim != 1) fail_arg(name, "a 1-D array", t.shape_str());
+  if (t.size(0) > 1 && t.stride[0] != 1) fail_arg(name, "a contiguous array", detail::cat("stride ", t.stride[0]));
+  return {t.ptr<const int32_t>(), size_t(t.size(0))};
+}
+
+std::span<const int32_t> opt_host_i32_arg(nb::handle obj, const char* name) {
+  if (obj.is_none()) return {};
+  return host_i32_arg(obj, name);
 }
 
 void* stream_arg(nb::handle stream) {

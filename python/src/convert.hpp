@@ -3,6 +3,8 @@
 // arguments and calls the C++ API (include/flashserve/*.hpp).
 #pragma once
 
+#include <cstdint>
+#include <span>
 #include <string>
 
 #include <nanobind/nanobind.h>
@@ -17,6 +19,10 @@ namespace flashserve::py {
 TensorRef tensor_arg(nanobind::handle obj, const char* name);
 // As tensor_arg; None gives an empty OptTensor.
 OptTensor opt_tensor_arg(nanobind::handle obj, const char* name);
+// A host int32 1-D array (numpy or a CPU torch tensor) as a span (ValueError otherwise).
+std::span<const int32_t> host_i32_arg(nanobind::handle obj, const char* name);
+// As host_i32_arg; None gives an empty span.
+std::span<const int32_t> opt_host_i32_arg(nanobind::handle obj, const char* name);
 // A cudaStream_t passed as a Python int (torch.cuda.current_stream().cuda_stream); None or 0 =
 // the default stream.
 void* stream_arg(nanobind::handle stream);
