@@ -317,7 +317,6 @@ def test_vllm_paged_attention_int8_decode(rng, device, k8v8, fused):
     want = reference(s, int8_query, query_scale, scale=scale, causal=True)
     torch.testing.assert_close(output[:T].double(), want, atol=2e-2, rtol=2e-2)
     if fused:  # the fused write equals the fork's separate one
-        other = fork_step  # noqa: F841
         kq, ks = quant_ref(s["key"])
         bs = s["bs"]
         for i, slot in enumerate(s["slots"].tolist()):
