@@ -236,6 +236,9 @@ def reshape_and_cache_flash(key: Any, value: Any, key_cache: Any, value_cache: A
 
 _FORK_NAMES = {"window": "window_size", "s_aux": "sinks", "alibi_sqrt": "sqrt_alibi"}
 _INT8_NAMES = {"window": "window_size", "k_scale_cache": "k_scale", "alibi_sqrt": "sqrt_alibi"}
+_KVCACHE_NAMES = dict(_FORK_NAMES, alibi_sqrt="use_sqrt_alibi", k="k_cache", v="v_cache",
+                      seqused_k="cache_seqlens", cu_seqlens_q="cu_query_lens", max_seqlen_q="max_query_len",
+                      out="out")
 
 
 def _out_for(q: Any, v: Any, out: Any, dtype: Any, shape: tuple) -> Any:
@@ -399,10 +402,7 @@ def flash_attn_with_kvcache(
             float(softcap or 0.0), _on(alibi_slopes, q.device), use_sqrt_alibi,
             _on(sinks if sinks is not None else s_aux, q.device), None, None, None, None, None, None)
     except (ValueError, NotImplementedError) as e:
-        raise renamed(e, {"window": "window_size", "s_aux": "sinks", "alibi_sqrt": "use_sqrt_alibi",
-                          "k": "k_cache", "v": "v_cache", "seqused_k": "cache_seqlens",
-                          "cu_seqlens_q": "cu_query_lens", "max_seqlen_q": "max_query_len",
-                          "out": "out"}) from None
+        raise renamed(e, _KVCACHE_NAMES) from None
     if return_softmax_lse:
         return out, lse.view(H, B, sq).permute(1, 0, 2)
     return out
