@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import _C
 import numpy as np
 
+from . import _C
 from ._tensors import cuda_stream, device_of, is_torch, schedule, torch, workspace_allocator
 
 _RUN = 0
@@ -81,12 +81,14 @@ def scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, nu
                        num_heads_kv: int, headdim: int, headdim_v: int, cache_seqlens: Any,
                        cu_seqlens_q: Optional[Any], page_size: int, causal: bool, local: bool,
                        num_splits: int) -> Any:
-    """The plan of a call with this shape as PLAN_WORDS int32 words on cache_seqlens' device
-    (host metadata is decoded by the call; CUDA metadata is not read: _tensors.schedule)."""
+    """The plan of a call with this shape (_C.plan_for_shape) as PLAN_WORDS int32 words on
+    cache_seqlens' device (host metadata is decoded by the call; CUDA metadata is not read:
+    _tensors.schedule). A fixed length: it fits the persistent buffers engines size for
+    FlashAttention-3's metadata, 1 + 4 * round_up(max_batch, 4) words."""
     total_q = batch_size * max_seqlen_q  # a bound on the rows (not part of the plan's shape)
     kind, index = device_of(cache_seqlens)
-    words = plan_words(kind, index, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
-                       headdim_v, total_q, page_size, causal, local, num_splits)
+    words = list(_C.plan_for_shape(kind, index, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv,
+                                   headdim, headdim_v, total_q, page_size, causal, local, num_splits))
     if not is_torch(cache_seqlens):
         return np.asarray(words, dtype=np.int32)
     return _on_device(words, cache_seqlens.device)
@@ -105,16 +107,6 @@ def _on_device(words: list, device: Any) -> Any:
         if word:
             metadata[i].fill_(word)
     return metadata
-
-
-def plan_words(kind: str, index: int, batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,
-               num_heads_kv: int, headdim: int, headdim_v: int, total_q: int, page_size: int, causal: bool,
-               local: bool, num_splits: int) -> list:
-    """_C.plan_for_shape's PLAN_WORDS words (a fixed length: it fits the persistent buffers
-    engines size for FlashAttention-3's metadata, 1 + 4 * round_up(max_batch, 4) words)."""
-    return list(_C.plan_for_shape(kind, index, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv,
-                                  headdim, headdim_v, total_q, page_size, causal, local, num_splits))
-
 
 
 def quantize_int8(x: Any, out: Any, scale: Any, transpose_scale: bool) -> None:

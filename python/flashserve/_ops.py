@@ -88,6 +88,7 @@ def _metadata_fake(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_head
     """scheduler_metadata's output: PLAN_WORDS words, whatever the shape."""
     return cache_seqlens.new_empty((PLAN_WORDS,), dtype=torch.int32)
 
+
 def _register(name: str, impl: Callable[..., Any], fake: Callable[..., Any] = _nothing) -> Any:
     op = torch.library.custom_op(f"flashserve::{name}", impl, mutates_args=_MUTATES[name],
                                  schema=SCHEMAS[name])

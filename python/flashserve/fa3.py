@@ -30,6 +30,7 @@ import torch
 
 from . import _calls, _dispatch
 from ._api import _not_implemented, _out_dtype, _scale
+from ._api import _window as _api_window
 from ._tensors import not_a_tensor, renamed
 
 _VERSIONS = (3, 4)
@@ -43,17 +44,13 @@ _WRITE_NAMES = {"key": "k", "value": "v", "key_cache": "k_cache", "value_cache":
 
 
 def _window(window_size: Any) -> tuple:
-    """(left, right) from a tuple, a list or a 2-element tensor (read on the host)."""
-    if window_size is None:
-        return -1, -1
+    """(left, right) from None, a tuple, a list (_api._window) or a 2-element tensor (read on
+    the host)."""
     if isinstance(window_size, torch.Tensor):
         if window_size.numel() != 2:
             raise ValueError(f"window_size: expected (left, right), got a tensor of shape {list(window_size.shape)}")
-        left, right = window_size.tolist()
-        return int(left), int(right)
-    if len(window_size) != 2:
-        raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
-    return int(window_size[0]), int(window_size[1])
+        window_size = window_size.tolist()
+    return _api_window(window_size)
 
 
 def _check_common(sm_margin: int, ver: int, attention_chunk: int) -> None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from . import _calls, _dispatch
-from ._api import _check_fa_version, _not_implemented, _scale, _window
+from ._api import _check_fa_version, _not_implemented, _out_dtype, _scale, _window
 from ._api import get_scheduler_metadata  # noqa: F401  (the fork imports it from fa_utils)
 from ._tensors import renamed, torch
 
@@ -236,6 +236,9 @@ def reshape_and_cache_flash(key: Any, value: Any, key_cache: Any, value_cache: A
 
 _FORK_NAMES = {"window": "window_size", "s_aux": "sinks", "alibi_sqrt": "sqrt_alibi"}
 _INT8_NAMES = {"window": "window_size", "k_scale_cache": "k_scale", "alibi_sqrt": "sqrt_alibi"}
+_KVCACHE_NAMES = dict(_FORK_NAMES, alibi_sqrt="use_sqrt_alibi", k="k_cache", v="v_cache",
+                      seqused_k="cache_seqlens", cu_seqlens_q="cu_query_lens", max_seqlen_q="max_query_len",
+                      out="out")
 
 
 def _out_for(q: Any, v: Any, out: Any, dtype: Any, shape: tuple) -> Any:
@@ -320,8 +323,7 @@ def flash_attn_varlen_func(
     _tensor("q", q)
     _tensor("v", v)
     left, right = _window(window_size)
-    dtype = torch.bfloat16 if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else q.dtype
-    out = _out_for(q, v, out, None if out is not None else dtype, tuple(q.shape[:-1]) + (v.shape[-1],))
+    out = _out_for(q, v, out, None if out is not None else _out_dtype(q), tuple(q.shape[:-1]) + (v.shape[-1],))
     lse = torch.empty((q.shape[-2], q.shape[0]), dtype=torch.float32, device=q.device) if return_softmax_lse else None
     try:
         _dispatch.call("fork_varlen_fwd")(
@@ -382,8 +384,7 @@ def flash_attn_with_kvcache(
         raise _not_implemented("return_softmax_lse", "True with cu_query_lens")
     B, sq, H, D = q.shape
     Dv = v_cache.shape[-1]
-    dtype = torch.bfloat16 if q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else q.dtype
-    out = _out_for(q, v_cache, out, None if out is not None else dtype, (B, sq, H, Dv))
+    out = _out_for(q, v_cache, out, None if out is not None else _out_dtype(q), (B, sq, H, Dv))
     rows = q.reshape(B * sq, H, D)
     out_rows = out.view(B * sq, H, Dv)
     if cu_query_lens is not None:
@@ -401,10 +402,7 @@ def flash_attn_with_kvcache(
             float(softcap or 0.0), _on(alibi_slopes, q.device), use_sqrt_alibi,
             _on(sinks if sinks is not None else s_aux, q.device), None, None, None, None, None, None)
     except (ValueError, NotImplementedError) as e:
-        raise renamed(e, {"window": "window_size", "s_aux": "sinks", "alibi_sqrt": "use_sqrt_alibi",
-                          "k": "k_cache", "v": "v_cache", "seqused_k": "cache_seqlens",
-                          "cu_seqlens_q": "cu_query_lens", "max_seqlen_q": "max_query_len",
-                          "out": "out"}) from None
+        raise renamed(e, _KVCACHE_NAMES) from None
     if return_softmax_lse:
         return out, lse.view(H, B, sq).permute(1, 0, 2)
     return out

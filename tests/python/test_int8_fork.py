@@ -317,7 +317,6 @@ def test_vllm_paged_attention_int8_decode(rng, device, k8v8, fused):
     want = reference(s, int8_query, query_scale, scale=scale, causal=True)
     torch.testing.assert_close(output[:T].double(), want, atol=2e-2, rtol=2e-2)
     if fused:  # the fused write equals the fork's separate one
-        other = fork_step  # noqa: F841
         kq, ks = quant_ref(s["key"])
         bs = s["bs"]
         for i, slot in enumerate(s["slots"].tolist()):
@@ -445,16 +444,7 @@ def test_merge_attn_states_fork_order(rng, device):
 def fork_prefill_step(c, query, key, value, slots, cu_q, cu_k, block_table, max_q, out, dtype):
     """The fork's quant_type 1/2 prefill path: quantize, write, attend."""
     int8_query, query_scale = ixf.scaled_int8_quant_for_attn(query, 2, transpose_scale=True)
-    i8_key, key_scale = ixf.scaled_int8_quant_for_attn(key, 2, transpose_scale=False)
-    if c.k8v8:
-        i8_value, _ = ixf.scaled_int8_quant_for_attn(value, 0, transpose_scale=False, scale=c.value_scale)
-        ixf.reshape_and_cache_flash_int8(key=i8_key, value=i8_value, k_scale=key_scale, key_cache=c.key_cache,
-                                         value_cache=c.value_cache, key_scale_cache=c.key_scale_cache,
-                                         slot_mapping=slots, kv_cache_dtype="")
-    else:
-        ixf.reshape_and_cache_flash_mix(key=i8_key, value=value, k_scale=key_scale, key_cache=c.key_cache,
-                                        value_cache=c.value_cache, key_scale_cache=c.key_scale_cache,
-                                        slot_mapping=slots, kv_cache_dtype="")
+    c.write(key, value, slots)
     ixf.flash_attn_varlen_int8_func(q=int8_query, k=c.key_cache, v=c.value_cache, q_scale=query_scale,
                                     k_scale=c.key_scale_cache, v_scale=c.value_scale, cu_seqlens_q=cu_q,
                                     cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_q, softmax_scale=0.1,
