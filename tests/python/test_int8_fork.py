@@ -108,10 +108,27 @@ class ForkCaches:
         self.k8v8, self.dtype = k8v8, dtype
         self.kv = torch.randint(-128, 128, (2 if k8v8 else 3, nb, H_kv, bs, D), dtype=torch.int8,
                                 generator=g).to(device)  # garbage everywhere: must stay where not written
-        self.key_cache = self.kv[0]
-        self.value_cache = self.kv[1] if k8v8 else self.kv[1:].view(dtype).reshape(nb, H_kv, bs, D)
+        self.own_values = None  # K8V16 values in a tensor of their own (_clone_caches)
         self.key_scale_cache = torch.full((nb, H_kv, bs), NAN, device=device)
         self.value_scale = (torch.rand(H_kv, D, generator=g) * 0.02 + 0.01).to(device) if k8v8 else None
+
+    # The planes are views taken from kv where they are used, as the fork's attention takes
+    # kv_cache[0] / kv_cache[1] inside its forward: under torch.compile the base is then a graph
+    # input. Views of one base lifted as separate inputs and both mutated by one op are copied
+    # through a base-sized clone read from the view's pointer under inductor (out of bounds;
+    # pytorch/pytorch#139628), a torch limitation no op can work around.
+    @property
+    def key_cache(self):
+        return self.kv[0]
+
+    @property
+    def value_cache(self):
+        if self.k8v8:
+            return self.kv[1]
+        if self.own_values is not None:
+            return self.own_values
+        _, nb, H_kv, bs, D = self.kv.shape
+        return self.kv[1:].view(self.dtype).reshape(nb, H_kv, bs, D)
 
     def write(self, key, value, slots) -> None:
         """The fork's has_prefill write (quant_type 1 / 2)."""
@@ -460,11 +477,7 @@ def _clone_caches(c, own_values: bool = False):
     d = object.__new__(ForkCaches)
     d.__dict__.update(c.__dict__)
     d.kv = c.kv.clone()
-    d.key_cache = d.kv[0]
-    nb, H_kv, bs, D = c.key_cache.shape
-    d.value_cache = d.kv[1] if c.k8v8 else d.kv[1:].view(c.dtype).reshape(nb, H_kv, bs, D)
-    if own_values and not c.k8v8:
-        d.value_cache = d.value_cache.clone()
+    d.own_values = c.value_cache.clone() if own_values and not c.k8v8 else None
     d.key_scale_cache = c.key_scale_cache.clone()
     return d
 
