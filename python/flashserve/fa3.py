@@ -162,10 +162,9 @@ def flash_attn_with_kvcache(
     q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
     window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
     scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0, return_softmax_lse=False,
-    sinks=None, ver=3, batch_invariant=False,
+    sinks=None, ver=3,
 ) -> Any:
-    """Attention over a KV cache, appending k/v first when given. batch_invariant (flashserve's
-    keyword): flashserve._api's batch-invariant mode (SGLang's enable_deterministic_inference).
+    """Attention over a KV cache, appending k/v first when given.
 
     q: batched [B, sq, H, D], or varlen [total_q, H, D] with cu_seqlens_q and max_seqlen_q.
     Caches: contiguous [B_cache, S_cache, H_kv, D] (rows chosen by cache_batch_idx) or paged
@@ -246,13 +245,12 @@ def flash_attn_with_kvcache(
         if varlen:
             args = (query, k_attn, v_attn, out, cu_seqlens_q, max_seqlen_q, table.shape[1] * k_attn.shape[1], lse,
                     None, seqused, table, qv, scale, causal, left, right, softcap, None, sinks, q_descale,
-                    k_descale, v_descale, num_splits, scheduler_metadata, 1, 0, None, attention_chunk,
-                    bool(batch_invariant))
+                    k_descale, v_descale, num_splits, scheduler_metadata, 1, 0, None, attention_chunk)
             name = "varlen_fwd"
         else:
             args = (query, k_attn, v_attn, out, lse, seqused, batch_idx, table, scale, causal, left, right,
                     softcap, None, sinks, q_descale, k_descale, v_descale, num_splits, scheduler_metadata,
-                    1, 0, None, qv, attention_chunk, bool(batch_invariant))
+                    1, 0, None, qv, attention_chunk)
             name = "kvcache_fwd"
         try:
             if mode is None:
