@@ -86,7 +86,13 @@ struct AttentionParams {
   OptTensor cp_tot_seqused_k;   // int32 [B]: global KV lengths (required when cp_world_size > 1)
 
   // ---- execution
-  int num_splits = 0;           // 0 heuristic, 1 none (deterministic, batch-invariant), >1 forced
+  int num_splits = 0;           // 0 heuristic, 1 none (deterministic), >1 forced
+  // Batch-invariant mode (plan.hpp, kBatchInvariantSplitKeys): a row's reduction order, kernel
+  // and tile depend on its own sequence only, so its output is bitwise the same whatever else
+  // the call holds, among calls of one class: max_seqlen_q <= kBatchInvariantDecodeMaxQ
+  // (decode and verify: KV split at multiples of a fixed size, the decode kernel where it
+  // serves, else the others unsplit) or longer (never split). num_splits 0 or 1 (none).
+  bool batch_invariant = false;
 };
 
 // Varlen attention (flash_attn_varlen_func): q varlen; KV contiguous (cu_seqlens_k) or paged

@@ -123,6 +123,14 @@ struct BuilderConfig {
   // The builder stages in pinned memory it owns; the next build waits for that copy to finish
   // before rewriting the staging buffer.
   void* stream = nullptr;
+  // Batch-invariant mode (AttentionParams::batch_invariant): every part's calls are planned with
+  // it (fixed-size splits for the decode part, none for longer queries: the prefill part's
+  // max_seqlen_q bound is raised past kBatchInvariantDecodeMaxQ so its class never follows the
+  // batch), cascade is off (its prefix depends on the batch); num_splits 0 or 1,
+  // reorder_batch_threshold <= kBatchInvariantDecodeMaxQ; the workspace bound is
+  // max_invariant_split_rows. vLLM's VLLM_BATCH_INVARIANT, SGLang's
+  // enable_deterministic_inference.
+  bool batch_invariant = false;
 };
 
 // One varlen attention call over a contiguous run of (reordered) requests.

@@ -33,6 +33,7 @@ struct ProblemShape {
   int64_t page_size = 0;      // 0: contiguous KV
   bool causal = false;
   bool local = false;         // window or chunked local attention
+  bool batch_invariant = false;  // AttentionParams::batch_invariant (plan.hpp: split_size)
   friend bool operator==(const ProblemShape&, const ProblemShape&) = default;
 };
 
@@ -47,6 +48,14 @@ inline constexpr size_t kWorkspaceAlign = 256;
 inline constexpr int kMaxWorkspaceBuffers = 4;
 inline constexpr int kMaxSplits = 128;
 
+// Batch-invariant mode (AttentionParams::batch_invariant): a call whose max_seqlen_q is at most
+// kBatchInvariantDecodeMaxQ (decode and verify steps) splits each sequence's KV at multiples of
+// kBatchInvariantSplitKeys (a multiple of every kernel's KV tile and split granule: 16-128 keys),
+// ceil(sk / size) splits for sk keys, whatever the rest of the batch; a longer call is not
+// split. The reduction order of a row then depends on its own sequence only.
+inline constexpr int64_t kBatchInvariantSplitKeys = 1024;
+inline constexpr int64_t kBatchInvariantDecodeMaxQ = 16;
+
 struct WorkspaceSpec {
   std::array<WorkspaceBuffer, kMaxWorkspaceBuffers> buffers{};
   int count = 0;
@@ -60,6 +69,12 @@ struct Plan {
   ProblemShape shape;       // what it was made for; a call checks it matches
   int num_splits = 1;       // KV splits per (sequence, head) (flash-decoding), 1..kMaxSplits
   int split_granularity = 1;  // split boundaries are multiples of this many KV tokens
+  // > 0 (batch-invariant mode): a sequence of sk keys has its own split count
+  // seq_num_splits(sk, num_splits, split_size) = ceil(sk / split_size) (at least 1), split s
+  // covering [s * split_size, (s + 1) * split_size) of its keys; num_splits is then the bound
+  // of the call (ceil(max_seqlen_k / split_size)), the grid's extent, and sequences of one split
+  // are written directly (no partial, no combine). 0: every sequence has num_splits splits.
+  int64_t split_size = 0;
   WorkspaceSpec workspace;  // empty when num_splits == 1
 };
 
@@ -74,6 +89,25 @@ constexpr KvRange split_kv_range(int64_t sk, int n, int s, int64_t g) {
   return {b, e};
 }
 
+// A sequence's own split count: num_splits (split_size 0), else ceil(sk / split_size) clamped
+// into [1, num_splits] (a sequence longer than the plan's max_seqlen_k is a caller's error).
+constexpr int seq_num_splits(int64_t sk, int num_splits, int64_t split_size) {
+  if (split_size <= 0) return num_splits;
+  const int64_t n = (sk + split_size - 1) / split_size;
+  return n < 1 ? 1 : (n > num_splits ? num_splits : int(n));
+}
+// KV range of split s of a sequence of sk keys under (num_splits, granularity g, split_size):
+// split_kv_range when split_size is 0; else the fixed-size split (the last one of its own
+// seq_num_splits taking the rest, so a clamped count still covers every key).
+constexpr KvRange seq_split_range(int64_t sk, int num_splits, int s, int64_t g, int64_t split_size) {
+  if (split_size <= 0) return split_kv_range(sk, num_splits, s, g);
+  const int own = seq_num_splits(sk, num_splits, split_size);
+  if (s >= own) return {sk, sk};
+  const int64_t b = int64_t(s) * split_size < sk ? int64_t(s) * split_size : sk;
+  const int64_t e = s + 1 == own ? sk : (b + split_size < sk ? b + split_size : sk);
+  return {b, e};
+}
+
 // The split count for a shape: `requested` 0 = heuristic, 1 = none, >1 = forced (capped at
 // kMaxSplits, at the number of granules of KV and, on CUDA, at max_split_rows / (total_q x H)).
 int choose_num_splits(const ProblemShape& shape, const DeviceProps& dev, int requested);
@@ -83,8 +117,15 @@ int choose_num_splits(const ProblemShape& shape, const DeviceProps& dev, int req
 // heuristic splits only small row counts: decode-like shapes up to 2 waves of resident CTAs of
 // 16 packed rows; 2x that). H200: 16,896 rows, 8.7 MB at Dv = 128.
 int64_t max_split_rows(const DeviceProps& dev);
+// The bound in batch-invariant mode (its split count follows the KV length, not the shape):
+// 8 x max_split_rows. A plan needing more throws, naming it, rather than splitting otherwise.
+int64_t max_invariant_split_rows(const DeviceProps& dev);
 
 // Plan for a shape: split count and workspace (split_workspace of splits x total_q x H rows).
+// shape.batch_invariant: requested_splits 0 gives the fixed-size splits (split_size) when
+// max_seqlen_q <= kBatchInvariantDecodeMaxQ, else none; 1 none; > 1 is an error. Throws when
+// ceil(max_seqlen_k / split_size) exceeds kMaxSplits or, on CUDA, its partial rows exceed
+// max_invariant_split_rows.
 Plan make_plan(const ProblemShape& shape, const DeviceProps& dev, int requested_splits);
 
 // The split-KV workspace of `partial_rows` (splits x rows x heads) partial states:

@@ -7,9 +7,16 @@ a value that would change the result: dropout_p != 0, return_attn_probs=True, ou
 softmax_scale=0, k/v appends, rotary_cos/sin, cache_leftpad; for get_scheduler_metadata
 cu_seqlens_k_new, cache_leftpad, max_seqlen_k_new != 0 and sm_margin != 0. Keywords that only
 tune speed or the backward pass are accepted: deterministic (the forward is deterministic for
-a given shape and num_splits; num_splits=1 is also batch-invariant), pack_gqa (the planner
+a given shape and num_splits), pack_gqa (the planner
 packs GQA heads itself), rotary_interleaved (no rotary), has_softcap and qkv_dtype (plans
 depend on shapes alone).
+
+batch_invariant=True (flashserve's keyword on both calls; vLLM's VLLM_BATCH_INVARIANT, SGLang's
+enable_deterministic_inference): a request's output is bitwise the same whatever else the
+call holds. Calls with max_seqlen_q (flash_attn_with_kvcache: q's sq) <= 16 (decode and
+verify) split each sequence's KV at multiples of a fixed 1024 keys; longer calls are not
+split; num_splits must be 0 or 1 (none). A request gets the same bits in every call of its
+class (keep decode/verify steps and prefills in separate calls, as the engines' backends do).
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ def flash_attn_varlen_func(
     return_attn_probs=False, block_table=None, return_softmax_lse=False, out=None,
     scheduler_metadata=None, q_descale=None, k_descale=None, v_descale=None,
     num_splits=0, output_scale=None, fa_version=DEFAULT_FA_VERSION, s_aux=None,
-    cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None,
+    cp_world_size=1, cp_rank=0, cp_tot_seqused_k=None, batch_invariant=False,
 ) -> Any:
     """Attention over a varlen batch: q [total_q, H, D]; KV contiguous (cu_seqlens_k) or paged
     (block_table + seqused_k). Returns out [total_q, H, Dv], or (out, softmax_lse [H, total_q]
@@ -98,7 +105,7 @@ def flash_attn_varlen_func(
         call(q, k, v, out, cu_seqlens_q, max_seqlen_q, max_seqlen_k, lse, cu_seqlens_k, seqused_k,
              block_table, q_v, _scale(softmax_scale), causal,
              left, right, softcap, alibi_slopes, s_aux, q_descale, k_descale, v_descale, num_splits,
-             scheduler_metadata, cp_world_size, cp_rank, cp_tot_seqused_k)
+             scheduler_metadata, cp_world_size, cp_rank, cp_tot_seqused_k, batch_invariant=bool(batch_invariant))
     except (ValueError, NotImplementedError) as e:
         raise renamed(e, _VARLEN_NAMES) from None
     return (out, lse) if return_softmax_lse else out
@@ -122,7 +129,7 @@ def flash_attn_with_kvcache(
     rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False,
     *, out=None, scheduler_metadata=None, q_descale=None, k_descale=None, v_descale=None,
     fa_version=DEFAULT_FA_VERSION, s_aux=None, cp_world_size=1, cp_rank=0,
-    cp_tot_seqused_k=None,
+    cp_tot_seqused_k=None, batch_invariant=False,
 ) -> Any:
     """Batched attention over a KV cache: q [B, sq, H, D]; caches paged (block_table) or
     contiguous [B_cache, S_cache, H_kv, D]; cache_seqlens int32 [B] or an int. Returns out
@@ -145,7 +152,7 @@ def flash_attn_with_kvcache(
         call(q, k_cache, v_cache, out, lse, cache_seqlens, cache_batch_idx, block_table,
              _scale(softmax_scale), causal, left, right, softcap,
              alibi_slopes, s_aux, q_descale, k_descale, v_descale, num_splits, scheduler_metadata,
-             cp_world_size, cp_rank, cp_tot_seqused_k)
+             cp_world_size, cp_rank, cp_tot_seqused_k, batch_invariant=bool(batch_invariant))
     except (ValueError, NotImplementedError) as e:
         raise renamed(e, _KVCACHE_NAMES) from None
     return (out, lse) if return_softmax_lse else out
@@ -156,7 +163,7 @@ def get_scheduler_metadata(
     cache_seqlens, qkv_dtype=_BF16, headdim_v=None, cu_seqlens_q=None,
     cu_seqlens_k_new=None, cache_leftpad=None, page_size=None, max_seqlen_k_new=0,
     causal=False, window_size=(-1, -1), has_softcap=False, num_splits=0, pack_gqa=None,
-    sm_margin=0,
+    sm_margin=0, batch_invariant=False,
 ) -> Any:
     """The plan of a later call with these shapes, as an int32 1-D tensor on cache_seqlens'
     device (opaque; engines copy it into a persistent buffer): PLAN_WORDS (13) words whatever
@@ -177,12 +184,12 @@ def get_scheduler_metadata(
         raise _not_implemented("max_seqlen_k_new", max_seqlen_k_new)
     return scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
                               cache_seqlens, headdim_v, cu_seqlens_q, page_size, causal, window_size, 0,
-                              num_splits, sm_margin)
+                              num_splits, sm_margin, batch_invariant)
 
 
 def scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
                        cache_seqlens, headdim_v, cu_seqlens_q, page_size, causal, window_size,
-                       attention_chunk, num_splits, sm_margin) -> Any:
+                       attention_chunk, num_splits, sm_margin, batch_invariant=False) -> Any:
     """get_scheduler_metadata's checks and call, shared with flashserve.fa3's."""
     if sm_margin != 0:
         raise _not_implemented("sm_margin", sm_margin)
@@ -195,7 +202,8 @@ def scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_
     call = _dispatch.call("scheduler_metadata") if is_torch(cache_seqlens) else _calls.scheduler_metadata
     return call(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
                 headdim if headdim_v is None else headdim_v, cache_seqlens, cu_seqlens_q,
-                0 if page_size is None else page_size, bool(causal), local, num_splits)
+                0 if page_size is None else page_size, bool(causal), local, num_splits,
+                batch_invariant=bool(batch_invariant))
 
 
 def fa_version_unsupported_reason(fa_version: int, device: Union[None, int, str, Any] = None) -> Optional[str]:

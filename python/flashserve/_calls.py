@@ -24,7 +24,8 @@ def varlen_fwd(q: Any, k: Any, v: Any, out: Any, cu_seqlens_q: Any, max_seqlen_q
                q_descale: Optional[Any] = None, k_descale: Optional[Any] = None,
                v_descale: Optional[Any] = None, num_splits: int = 0,
                scheduler_metadata: Optional[Any] = None, cp_world_size: int = 1, cp_rank: int = 0,
-               cp_tot_seqused_k: Optional[Any] = None, chunk_size: int = 0, *, mode: int = _RUN) -> None:
+               cp_tot_seqused_k: Optional[Any] = None, chunk_size: int = 0, batch_invariant: bool = False,
+               *, mode: int = _RUN) -> None:
     """Varlen attention into out (and softmax_lse [H, total_q] when given). softmax_scale 0:
     the default scale; chunk_size > 0: chunked local attention. mode=VALIDATE (not part of the
     op's schema): check the arguments only."""
@@ -34,7 +35,7 @@ def varlen_fwd(q: Any, k: Any, v: Any, out: Any, cu_seqlens_q: Any, max_seqlen_q
                  softmax_scale, softcap, alibi_slopes, False, causal, window_left, window_right, chunk_size,
                  s_aux, q_descale, k_descale, v_descale, None, None, None,
                  cp_world_size, cp_rank, cp_tot_seqused_k,
-                 num_splits, plan, workspace_allocator(q), cuda_stream(q))
+                 num_splits, bool(batch_invariant), plan, workspace_allocator(q), cuda_stream(q))
 
 
 def kvcache_fwd(q: Any, k_cache: Any, v_cache: Any, out: Any, softmax_lse: Optional[Any] = None,
@@ -46,7 +47,7 @@ def kvcache_fwd(q: Any, k_cache: Any, v_cache: Any, out: Any, softmax_lse: Optio
                 v_descale: Optional[Any] = None, num_splits: int = 0,
                 scheduler_metadata: Optional[Any] = None, cp_world_size: int = 1, cp_rank: int = 0,
                 cp_tot_seqused_k: Optional[Any] = None, q_v: Optional[Any] = None,
-                chunk_size: int = 0, *, mode: int = _RUN) -> None:
+                chunk_size: int = 0, batch_invariant: bool = False, *, mode: int = _RUN) -> None:
     """Batched attention over a KV cache into out (and softmax_lse [B, H, sq] when given)."""
     plan, num_splits = schedule(scheduler_metadata, num_splits)
     _C.attention(mode, True, q, q_v, out, softmax_lse, k_cache, v_cache, False,
@@ -54,7 +55,7 @@ def kvcache_fwd(q: Any, k_cache: Any, v_cache: Any, out: Any, softmax_lse: Optio
                  softmax_scale, softcap, alibi_slopes, False, causal, window_left, window_right, chunk_size,
                  s_aux, q_descale, k_descale, v_descale, None, None, None,
                  cp_world_size, cp_rank, cp_tot_seqused_k,
-                 num_splits, plan, workspace_allocator(q), cuda_stream(q))
+                 num_splits, bool(batch_invariant), plan, workspace_allocator(q), cuda_stream(q))
 
 
 def merge_attn_states(output: Any, output_lse: Optional[Any], prefix_output: Any, prefix_lse: Any,
@@ -80,7 +81,7 @@ def reshape_and_cache_flash(key: Any, value: Any, key_cache: Any, value_cache: A
 def scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,
                        num_heads_kv: int, headdim: int, headdim_v: int, cache_seqlens: Any,
                        cu_seqlens_q: Optional[Any], page_size: int, causal: bool, local: bool,
-                       num_splits: int) -> Any:
+                       num_splits: int, batch_invariant: bool = False) -> Any:
     """The plan of a call with this shape (_C.plan_for_shape) as PLAN_WORDS int32 words on
     cache_seqlens' device (host metadata is decoded by the call; CUDA metadata is not read:
     _tensors.schedule). A fixed length: it fits the persistent buffers engines size for
@@ -88,7 +89,8 @@ def scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, nu
     total_q = batch_size * max_seqlen_q  # a bound on the rows (not part of the plan's shape)
     kind, index = device_of(cache_seqlens)
     words = list(_C.plan_for_shape(kind, index, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv,
-                                   headdim, headdim_v, total_q, page_size, causal, local, num_splits))
+                                   headdim, headdim_v, total_q, page_size, causal, local, num_splits,
+                                   bool(batch_invariant)))
     if not is_torch(cache_seqlens):
         return np.asarray(words, dtype=np.int32)
     return _on_device(words, cache_seqlens.device)
@@ -154,4 +156,4 @@ def fork_varlen_fwd(q: Any, k: Any, v: Any, out: Any, cu_seqlens_q: Any, max_seq
                  cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, None, max_seqlen_q, max_seqlen_k,
                  softmax_scale, softcap, alibi_slopes, alibi_sqrt, causal, window_left, window_right, 0,
                  s_aux, q_descale, k_descale, v_descale, q_scale, k_scale_cache, v_scale,
-                 1, 0, None, 0, None, workspace_allocator(q), cuda_stream(q))
+                 1, 0, None, 0, False, None, workspace_allocator(q), cuda_stream(q))

@@ -40,11 +40,11 @@ SCHEMAS = {
         "(Tensor q, Tensor k, Tensor v, Tensor! out, Tensor cu_seqlens_q, int max_seqlen_q, "
         "int max_seqlen_k, Tensor!? softmax_lse=None, Tensor? cu_seqlens_k=None, "
         "Tensor? seqused_k=None, Tensor? block_table=None, Tensor? q_v=None, "
-        + _SCORE_AND_EXEC + ", int chunk_size=0) -> ()"),
+        + _SCORE_AND_EXEC + ", int chunk_size=0, bool batch_invariant=False) -> ()"),
     "kvcache_fwd": (
         "(Tensor q, Tensor k_cache, Tensor v_cache, Tensor! out, Tensor!? softmax_lse=None, "
         "Tensor? cache_seqlens=None, Tensor? cache_batch_idx=None, Tensor? block_table=None, "
-        + _SCORE_AND_EXEC + ", Tensor? q_v=None, int chunk_size=0) -> ()"),
+        + _SCORE_AND_EXEC + ", Tensor? q_v=None, int chunk_size=0, bool batch_invariant=False) -> ()"),
     "quantize_int8": "(Tensor x, Tensor! out, Tensor! scale, bool transpose_scale) -> ()",
     "quantize_int8_static": "(Tensor x, Tensor! scale, Tensor! out, bool compute_scale) -> ()",
     "reshape_and_cache_int8": (
@@ -61,7 +61,7 @@ SCHEMAS = {
     "scheduler_metadata": (
         "(int batch_size, int max_seqlen_q, int max_seqlen_k, int num_heads_q, int num_heads_kv, "
         "int headdim, int headdim_v, Tensor cache_seqlens, Tensor? cu_seqlens_q, int page_size, "
-        "bool causal, bool local, int num_splits) -> Tensor"),
+        "bool causal, bool local, int num_splits, bool batch_invariant=False) -> Tensor"),
 }
 
 _MUTATES = {
@@ -84,7 +84,8 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 
 
 def _metadata_fake(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, headdim_v,
-                   cache_seqlens, cu_seqlens_q, page_size, causal, local, num_splits) -> torch.Tensor:
+                   cache_seqlens, cu_seqlens_q, page_size, causal, local, num_splits,
+                   batch_invariant=False) -> torch.Tensor:
     """scheduler_metadata's output: PLAN_WORDS words, whatever the shape."""
     return cache_seqlens.new_empty((PLAN_WORDS,), dtype=torch.int32)
 

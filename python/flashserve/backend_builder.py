@@ -134,6 +134,7 @@ class FlashServeMetadataBuilder:
             dcp_world_size=self.dcp_world_size,
             dcp_rank=self.dcp_rank,
             dcp_interleave=self.cp_kv_cache_interleave_size,
+            batch_invariant=bool(config.batch_invariant),
         )
         self._generation = 0
         self._last: Optional[CommonAttentionMetadata] = None

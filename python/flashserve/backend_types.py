@@ -108,6 +108,11 @@ class FlashServeEngineConfig:
     num_splits: int = 0                   # > 0: every part's split count fixed at this (capped
                                           # by the keys), so a captured step's split count
                                           # never depends on the lengths (FA3's max_num_splits)
+    # Batch-invariant mode (vLLM's VLLM_BATCH_INVARIANT, SGLang's
+    # enable_deterministic_inference): a request's output is bitwise the same whatever else
+    # the batch holds: fixed-size KV splits for decode/verify steps, none for prefill, no
+    # cascade. num_splits 0 or 1; num_speculative_tokens + 1 <= 16.
+    batch_invariant: bool = False
     # Decode context parallelism (vLLM's decode_context_parallel_size, get_dcp_group() and
     # parallel_config.cp_kv_cache_interleave_size): dcp_group is the group's torch.distributed
     # ProcessGroup or vLLM's GroupCoordinator (world size and rank then come from it); the

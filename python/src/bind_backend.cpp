@@ -111,7 +111,7 @@ void init_spec(PyLayerSpec* self, int64_t num_heads, int64_t num_kv_heads, int64
 void init_builder(PyBuilder* self, nb::object spec, int64_t block_size, int reorder_batch_threshold,
                   bool enable_cascade, const DeviceProps& device, int64_t max_num_reqs, int64_t max_num_tokens,
                   int64_t max_blocks_per_req, int max_num_splits, int num_splits, int dcp_world_size, int dcp_rank,
-                  int64_t max_draft_depth, nb::handle stream, int64_t dcp_interleave) {
+                  int64_t max_draft_depth, nb::handle stream, int64_t dcp_interleave, bool batch_invariant) {
   BuilderConfig c;
   c.layer = nb::cast<const PyLayerSpec&>(spec).spec;
   c.block_size = block_size;
@@ -123,6 +123,7 @@ void init_builder(PyBuilder* self, nb::object spec, int64_t block_size, int reor
   c.max_blocks_per_req = max_blocks_per_req;
   c.max_num_splits = max_num_splits;
   c.num_splits = num_splits;
+  c.batch_invariant = batch_invariant;
   c.dcp_world_size = dcp_world_size;
   c.dcp_rank = dcp_rank;
   c.dcp_interleave = dcp_interleave;
@@ -357,7 +358,8 @@ void register_metadata(nb::module_& m) {
       .def("__init__", &init_builder, "spec"_a, nb::kw_only(), "block_size"_a = 16, "reorder_batch_threshold"_a = 1,
            "enable_cascade"_a = true, "device"_a = DeviceProps::cpu(), "max_num_reqs"_a = 256,
            "max_num_tokens"_a = 8192, "max_blocks_per_req"_a = 2048, "max_num_splits"_a = 32, "num_splits"_a = 0, "dcp_world_size"_a = 1,
-           "dcp_rank"_a = 0, "max_draft_depth"_a = 32, "stream"_a = nb::none(), "dcp_interleave"_a = 1)
+           "dcp_rank"_a = 0, "max_draft_depth"_a = 32, "stream"_a = nb::none(), "dcp_interleave"_a = 1,
+           "batch_invariant"_a = false)
       .def("build", &build, nb::rv_policy::reference_internal, "query_start_loc"_a, "seq_lens"_a.none(),
            "block_table"_a.none(), "slot_mapping"_a.none(), nb::kw_only(), "num_reqs"_a, "num_actual_tokens"_a,
            "max_query_len"_a, "max_seq_len"_a, "causal"_a = true, "common_prefix_len"_a = 0,

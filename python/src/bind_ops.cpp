@@ -61,7 +61,9 @@ std::vector<int32_t> encode_plan(Plan plan, DeviceType device) {
   w[kDeviceType] = int32_t(device);
   w[kNumSplits] = plan.num_splits;
   w[kGranularity] = plan.split_granularity;
-  w[kFlags] = int32_t(plan.shape.causal) | int32_t(plan.shape.local) << 1;
+  // bit 2: batch-invariant; bit 3: its fixed-size splits (plan.split_size > 0)
+  w[kFlags] = int32_t(plan.shape.causal) | int32_t(plan.shape.local) << 1 | int32_t(plan.shape.batch_invariant) << 2 |
+              int32_t(plan.split_size > 0) << 3;
   const auto f = shape_fields(plan.shape);
   for (size_t i = 0; i < f.size(); ++i) {
     if (*f[i] < 0 || *f[i] > INT32_MAX) fail_arg(kShapeFieldNames[i], "a value in [0, 2^31)", *f[i]);
@@ -86,9 +88,11 @@ Plan decode_plan(const TensorRef& t, const DeviceProps& dev) {
   for (size_t i = 0; i < f.size(); ++i) *f[i] = word(int(kShape + i));
   s.causal = word(kFlags) & 1;
   s.local = word(kFlags) & 2;
+  s.batch_invariant = word(kFlags) & 4;
   const int splits = word(kNumSplits);
   if (splits < 1 || splits > kMaxSplits) fail_arg(arg, detail::cat("num_splits in [1, ", kMaxSplits, "]"), splits);
-  Plan plan = make_plan(s, dev, splits);
+  // A batch-invariant plan is re-made from its shape (fixed-size splits, or none).
+  Plan plan = make_plan(s, dev, s.batch_invariant ? ((word(kFlags) & 8) ? 0 : 1) : splits);
   if (plan.num_splits != splits || plan.split_granularity != word(kGranularity))
     fail_arg(arg, detail::cat("a plan of ", plan.num_splits, " splits of granularity ", plan.split_granularity),
              detail::cat(splits, " splits of granularity ", word(kGranularity)));
@@ -99,10 +103,10 @@ Plan decode_plan(const TensorRef& t, const DeviceProps& dev) {
 std::vector<int32_t> plan_for_shape(const std::string& device, int index, int64_t batch, int64_t max_seqlen_q,
                                     int64_t max_seqlen_k, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                     int64_t head_dim_v, int64_t total_q, int64_t page_size, bool causal, bool local,
-                                    int num_splits) {
+                                    int num_splits, bool batch_invariant) {
   const Device d = parse_device(device, index);
   ProblemShape s{batch, max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim, head_dim_v, total_q,
-                 page_size, causal, local};
+                 page_size, causal, local, batch_invariant};
   return encode_plan(make_plan(s, device_props(d), num_splits), d.type);
 }
 
@@ -154,7 +158,8 @@ nb::object attention(int mode, bool batched,
                      nb::handle q_descale, nb::handle k_descale, nb::handle v_descale,
                      nb::handle q_scale, nb::handle k_scale_cache, nb::handle v_scale,
                      int cp_world_size, int cp_rank, nb::handle cp_tot_seqused_k,
-                     int num_splits, nb::handle scheduler_metadata, nb::handle alloc_workspace, nb::handle stream) {
+                     int num_splits, bool batch_invariant, nb::handle scheduler_metadata, nb::handle alloc_workspace,
+                     nb::handle stream) {
   if (mode != int(AttnMode::run) && mode != int(AttnMode::validate)) fail_arg("mode", "0 (run) or 1 (validate)", mode);
   AttentionParams p;
   p.q = tensor_arg(q, "q");
@@ -189,6 +194,7 @@ nb::object attention(int mode, bool batched,
   p.cp_rank = cp_rank;
   p.cp_tot_seqused_k = opt_tensor_arg(cp_tot_seqused_k, "cp_tot_seqused_k");
   p.num_splits = num_splits;
+  p.batch_invariant = batch_invariant;
   return run_attention(AttnMode(mode), batched, p, scheduler_metadata, alloc_workspace, stream);
 }
 
@@ -200,13 +206,13 @@ void register_attention(nb::module_& m) {
         "window_right"_a, "chunk_size"_a, "s_aux"_a.none(), "q_descale"_a.none(), "k_descale"_a.none(),
         "v_descale"_a.none(), "q_scale"_a.none(), "k_scale_cache"_a.none(), "v_scale"_a.none(),
         "cp_world_size"_a, "cp_rank"_a, "cp_tot_seqused_k"_a.none(), "num_splits"_a,
-        "scheduler_metadata"_a.none(), "alloc_workspace"_a.none(), "stream"_a.none(),
+        "batch_invariant"_a, "scheduler_metadata"_a.none(), "alloc_workspace"_a.none(), "stream"_a.none(),
         "varlen_attention / kvcache_attention (batched) over AttentionParams given field by field.\n"
         "mode: 0 run, 1 validate only.");
   m.attr("PLAN_WORDS") = int(kPlanWords);
   m.def("plan_for_shape", &plan_for_shape, "device"_a, "index"_a, "batch"_a, "max_seqlen_q"_a, "max_seqlen_k"_a,
         "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "head_dim_v"_a, "total_q"_a, "page_size"_a, "causal"_a,
-        "local"_a, "num_splits"_a, "The plan (int32 words) for a problem shape: get_scheduler_metadata.");
+        "local"_a, "num_splits"_a, "batch_invariant"_a = false, "The plan (int32 words) for a problem shape: get_scheduler_metadata.");
 }
 
 // ---------------------------------------------------------------- cache, merge, variants

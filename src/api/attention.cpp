@@ -21,7 +21,7 @@ std::string shape_summary(const ProblemShape& s) {
   return detail::cat("batch=", s.batch, " max_seqlen_q=", s.max_seqlen_q, " max_seqlen_k=", s.max_seqlen_k,
                      " heads=", s.num_heads, "/", s.num_kv_heads, " head_dim=", s.head_dim, "/", s.head_dim_v,
                      s.page_size ? detail::cat(" paged(", s.page_size, ")") : std::string(" contiguous"),
-                     s.causal ? " causal" : "", s.local ? " local" : "");
+                     s.causal ? " causal" : "", s.local ? " local" : "", s.batch_invariant ? " batch_invariant" : "");
 }
 
 // The plan a call runs with, given the caller's (scheduler metadata): one made for this shape,
@@ -41,6 +41,8 @@ Plan resolve_plan(const Plan& plan, const ProblemShape& shape, const DeviceProps
   if (plan.split_granularity < 1)
     fail_arg("scheduler_metadata", "split_granularity >= 1", plan.split_granularity);
   if (plan.shape.total_q == shape.total_q) return plan;
+  // Batch-invariant plans follow the shape alone (split_size > 0: fixed-size splits).
+  if (shape.batch_invariant) return make_plan(shape, dev, plan.split_size > 0 ? 0 : 1);
   return make_plan(shape, dev, plan.num_splits);
 }
 

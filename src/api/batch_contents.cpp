@@ -32,6 +32,7 @@ ProblemShape shape_of(const AttnProblem& pr) {
   s.page_size = pr.paged ? pr.block_size : 0;
   s.causal = p.causal;
   s.local = !p.window.unbounded() || p.chunk_size > 0;
+  s.batch_invariant = p.batch_invariant;
   if (pr.batched) {
     s.max_seqlen_q = pr.q.size(1);
     s.max_seqlen_k = pr.paged ? pr.block_table->size(1) * pr.block_size : pr.k.size(1);

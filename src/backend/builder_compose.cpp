@@ -36,6 +36,14 @@ Plan part_plan(const BuilderConfig& c, const PartMetadata& p, int64_t page_size,
   s.page_size = page_size;
   s.causal = p.causal;
   s.local = local;
+  if (c.batch_invariant) {
+    // A part holding a query longer than the decode threshold is planned (and called) as the
+    // prefill class, whatever its longest query: pass_params takes the plan's bound.
+    s.batch_invariant = true;
+    if (p.max_query_len > c.reorder_batch_threshold)
+      s.max_seqlen_q = std::max<int64_t>(p.max_query_len, kBatchInvariantDecodeMaxQ + 1);
+    return make_plan(s, c.device, c.num_splits);
+  }
   if (c.num_splits > 0) return make_plan(s, c.device, std::min(c.num_splits, c.max_num_splits));
   Plan plan = make_plan(s, c.device, 0);
   if (plan.num_splits > c.max_num_splits) plan = make_plan(s, c.device, c.max_num_splits);

@@ -38,6 +38,10 @@ AttentionParams pass_params(const Modifiers& m, const Query& q, const Pass& pass
   if (pass.lse) p.lse = pass.lse->slice(1, b, e);
   p.cu_seqlens_q = part.cu_seqlens_q;
   p.max_seqlen_q = part.max_query_len;
+  if (part.plan.shape.batch_invariant) {  // the class the part was planned in (part_plan)
+    p.batch_invariant = true;
+    p.max_seqlen_q = std::max(p.max_seqlen_q, part.plan.shape.max_seqlen_q);
+  }
   p.causal = pass.causal;
   p.softmax_scale = m.scale;
   p.softcap = m.softcap;
@@ -90,6 +94,8 @@ State take_state(Carver& c, std::string_view o_name, std::string_view lse_name, 
 }
 
 int64_t split_partial_rows(const BuilderConfig& config, int64_t H, const DeviceProps& dev) {
+  if (config.batch_invariant)  // fixed-size splits: up to kMaxSplits, bounded by the invariant bound
+    return std::min(int64_t(kMaxSplits) * config.max_num_tokens * H, max_invariant_split_rows(dev));
   const int64_t splits = std::clamp(config.max_num_splits, 1, kMaxSplits);
   return std::min(splits * config.max_num_tokens * H, max_split_rows(dev));
 }

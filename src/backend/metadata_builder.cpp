@@ -60,6 +60,11 @@ void check_config(const BuilderConfig& c) {
   if (c.num_splits < 0 || c.num_splits > kMaxSplits)
     fail_arg("num_splits", cat("0 (heuristic) or a count in [1, ", kMaxSplits, "]"), c.num_splits);
   if (c.reorder_batch_threshold < 0) fail_arg("reorder_batch_threshold", ">= 0", c.reorder_batch_threshold);
+  if (c.batch_invariant && c.num_splits > 1)
+    fail_arg("num_splits", "0 (fixed-size splits) or 1 (none) with batch_invariant", c.num_splits);
+  if (c.batch_invariant && c.reorder_batch_threshold > kBatchInvariantDecodeMaxQ)
+    fail_arg("reorder_batch_threshold", cat("<= ", kBatchInvariantDecodeMaxQ, " with batch_invariant (decode class)"),
+             c.reorder_batch_threshold);
   if (c.dcp_world_size < 1) fail_arg("dcp_world_size", ">= 1", c.dcp_world_size);
   if (c.dcp_rank < 0 || c.dcp_rank >= c.dcp_world_size)
     fail_arg("dcp_rank", cat("a rank in [0, ", c.dcp_world_size, ")"), c.dcp_rank);
@@ -329,7 +334,7 @@ Decision decide(State& s, const CommonMetadata& cm, int64_t common_prefix_len, c
     d.mode = Mode::local;
     return d;
   }
-  if (!c.enable_cascade || c.layer.type != AttnType::decoder || cm.num_reqs == 0 || cm.num_actual_tokens == 0)
+  if (!c.enable_cascade || c.batch_invariant || c.layer.type != AttnType::decoder || cm.num_reqs == 0 || cm.num_actual_tokens == 0)
     return d;
   // The prefix must be context of every request (its new tokens attend causally), in whole blocks.
   int64_t prefix = common_prefix_len;

@@ -2,6 +2,7 @@
 // and non-causally to each up-projected context chunk; the partial states merge in order
 // (chunk 0 ⊕ chunk 1 ⊕ ... ⊕ new tokens). Decode: the absorbed form, q_pe (64) against the rope
 // part and q_v (512) against the latent part of one [num_blocks, block_size, 576] cache.
+#include <algorithm>
 #include <cmath>
 
 #include "common/check.hpp"
@@ -68,6 +69,8 @@ void MlaLayer::prefill(const PartMetadata& part, const TensorRef& q, const Tenso
   p.q = rows(q, T);
   p.cu_seqlens_q = part.cu_seqlens_q;
   p.max_seqlen_q = part.max_query_len;
+  p.batch_invariant = part.plan.shape.batch_invariant;  // the part's class (builder_compose part_plan)
+  if (p.batch_invariant) p.max_seqlen_q = std::max(p.max_seqlen_q, part.plan.shape.max_seqlen_q);
   p.softmax_scale = spec_.scale != 0.0f ? spec_.scale
                                         : 1.0f / std::sqrt(float(spec_.qk_nope_head_dim + spec_.qk_rope_head_dim));
   auto attend_new = [&](const TensorRef& o, const OptTensor& lse) {  // causal, sq == sk
@@ -122,6 +125,8 @@ void MlaLayer::decode(const PartMetadata& part, const TensorRef& q_pe, const Ten
   p.seqused_k = part.seqused_k;
   p.cu_seqlens_q = part.cu_seqlens_q;
   p.max_seqlen_q = part.max_query_len;
+  p.batch_invariant = part.plan.shape.batch_invariant;  // the part's class (builder_compose part_plan)
+  if (p.batch_invariant) p.max_seqlen_q = std::max(p.max_seqlen_q, part.plan.shape.max_seqlen_q);
   p.max_seqlen_k = part.max_seq_len;
   p.causal = part.causal;
   p.softmax_scale = spec_.scale != 0.0f ? spec_.scale

@@ -83,6 +83,8 @@ int64_t max_split_rows(const DeviceProps& dev) {
   return 2 * kStreamWaves * kStreamSlotsPerSm * std::max(1, dev.num_sms) * kStreamRows;
 }
 
+int64_t max_invariant_split_rows(const DeviceProps& dev) { return 8 * max_split_rows(dev); }
+
 namespace {
 int choose_unbounded(const ProblemShape& s, const DeviceProps& dev, int requested);
 }  // namespace
@@ -130,7 +132,40 @@ int choose_unbounded(const ProblemShape& s, const DeviceProps& dev, int requeste
 
 }  // namespace
 
+namespace {
+// Batch-invariant mode: fixed-size splits for decode-like calls (plan.hpp), never a count
+// chosen from the shape; a bound that would change the order is an error naming it.
+Plan make_invariant_plan(const ProblemShape& shape, const DeviceProps& dev, int requested) {
+  if (requested < 0 || requested > 1)
+    fail_arg("num_splits", "0 (fixed-size splits) or 1 (none) with batch_invariant", requested);
+  Plan plan;
+  plan.shape = shape;
+  plan.split_granularity = int(split_granularity(dev));
+  if (requested == 1 || shape.max_seqlen_q > kBatchInvariantDecodeMaxQ) return plan;
+  plan.split_size = kBatchInvariantSplitKeys;
+  const int64_t n = std::max<int64_t>(1, ceil_div(shape.max_seqlen_k, kBatchInvariantSplitKeys));
+  if (n > kMaxSplits)
+    fail_arg("max_seqlen_k",
+             detail::cat("at most ", kMaxSplits * kBatchInvariantSplitKeys, " keys with batch_invariant (kMaxSplits ",
+                         kMaxSplits, " splits of kBatchInvariantSplitKeys ", kBatchInvariantSplitKeys, ")"),
+             shape.max_seqlen_k);
+  plan.num_splits = int(n);
+  if (n > 1 && dev.device.type == DeviceType::cuda) {
+    const int64_t rows = n * shape.total_q * shape.num_heads;
+    if (rows > max_invariant_split_rows(dev))
+      fail_arg("batch_invariant",
+               detail::cat("at most max_invariant_split_rows = ", max_invariant_split_rows(dev),
+                           " split partial rows (ceil(max_seqlen_k / ", kBatchInvariantSplitKeys,
+                           ") x total_q x H); a smaller batch or a shorter max_seqlen_k"),
+               detail::cat(n, " x ", shape.total_q, " x ", shape.num_heads, " = ", rows));
+    plan.workspace = split_workspace(rows, shape.head_dim_v);
+  }
+  return plan;
+}
+}  // namespace
+
 Plan make_plan(const ProblemShape& shape, const DeviceProps& dev, int requested_splits) {
+  if (shape.batch_invariant) return make_invariant_plan(shape, dev, requested_splits);
   Plan plan;
   plan.shape = shape;
   plan.num_splits = choose_num_splits(shape, dev, requested_splits);

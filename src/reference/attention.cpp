@@ -36,6 +36,7 @@ struct Call {
   int64_t dv = 0;
   int64_t rows_per_item = 1;
   int num_splits = 1;
+  int64_t split_size = 0;  // > 0: batch-invariant fixed-size splits (seq_split_range)
   int64_t granularity = 1;
   float scale = 1.0f, softcap = 0.0f;
   bool causal = false, alibi = false, alibi_sqrt = false;
@@ -239,8 +240,9 @@ void run_item(const Call& c, int64_t b, int64_t g, int64_t blk) {
     c.load.load_q(qb, row0 + w.i, b, w.h, g, q + r * c.width);
   }
   const SeqKv kv = seq_kv(pr, b);
-  for (int s = 0; s < c.num_splits; ++s) {
-    const KvRange range = split_kv_range(sk, c.num_splits, s, c.granularity);
+  const int splits = seq_num_splits(sk, c.num_splits, c.split_size);  // the sequence's own
+  for (int s = 0; s < splits; ++s) {
+    const KvRange range = seq_split_range(sk, c.num_splits, s, c.granularity, c.split_size);
     if (s == 0) {
       attend_range(c, kv, b, g, range, rows, np, q, run, part_lse);
       for (int64_t r = 0; r < np; ++r) rows[r].lse = part_lse[r];
@@ -267,6 +269,7 @@ void attention(const detail::AttnProblem& pr, const Plan& plan) {
   c.rows_per_item = std::max<int64_t>(1, std::min({kMaxRows, kRowFloats / c.width, kRowFloats / c.dv}));
   c.num_splits = std::max(1, plan.num_splits);
   c.granularity = std::max(1, plan.split_granularity);
+  c.split_size = plan.split_size;
   c.scale = pr.softmax_scale;
   c.softcap = p.softcap;
   c.causal = p.causal;

@@ -15,6 +15,8 @@ namespace flashserve::reference {
 // through merge_lse, and the sink (s_aux) enters once at the end. With num_splits == 1 the
 // result is bitwise reproducible and batch-invariant: a row depends only on its own
 // sequence's data, never on the thread count or the rest of the batch.
+// Batch-invariant plans (plan.split_size > 0) cut each sequence at multiples of split_size
+// (seq_split_range: its own ceil(sk / split_size) splits), so it is invariant with splits too.
 //
 // OpenMP over (sequence, KV head, block of packed (query row, head) rows); no heap
 // allocation: fp32 accumulators and K/V tiles live on the stack (about 260 KiB per thread).

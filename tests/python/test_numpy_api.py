@@ -468,19 +468,19 @@ API = {
         "deterministic=False, return_attn_probs=False, block_table=None, return_softmax_lse=False, out=None, "
         "scheduler_metadata=None, q_descale=None, k_descale=None, v_descale=None, num_splits=0, "
         "output_scale=None, fa_version=DEFAULT_FA_VERSION, s_aux=None, cp_world_size=1, cp_rank=0, "
-        "cp_tot_seqused_k=None"),
+        "cp_tot_seqused_k=None, batch_invariant=False"),
     "flash_attn_with_kvcache": (
         "q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None, "
         "cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None, causal=False, "
         "window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None, num_splits=0, "
         "return_softmax_lse=False, *, out=None, scheduler_metadata=None, q_descale=None, k_descale=None, "
         "v_descale=None, fa_version=DEFAULT_FA_VERSION, s_aux=None, cp_world_size=1, cp_rank=0, "
-        "cp_tot_seqused_k=None"),
+        "cp_tot_seqused_k=None, batch_invariant=False"),
     "get_scheduler_metadata": (
         "batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, cache_seqlens, "
         "qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None, cu_seqlens_k_new=None, "
         "cache_leftpad=None, page_size=None, max_seqlen_k_new=0, causal=False, window_size=(-1, -1), "
-        "has_softcap=False, num_splits=0, pack_gqa=None, sm_margin=0"),
+        "has_softcap=False, num_splits=0, pack_gqa=None, sm_margin=0, batch_invariant=False"),
     "is_fa_version_supported": "fa_version, device=None",
     "fa_version_unsupported_reason": "fa_version, device=None",
     "merge_attn_states": (

@@ -61,15 +61,19 @@ __global__ void __launch_bounds__(kCombineThreads) split_combine(const __grid_co
   const int64_t r = item / p.num_heads, h = item % p.num_heads;
   const SeqRows seq = find_sequence(p, r);
   if (!seq.covers(r)) return;  // the forward kernel wrote no partial for it
+  // Fixed-size splits (batch-invariant): the sequence's own splits, in order; one split was
+  // written directly by the forward kernel.
+  const int splits = seq_num_splits(kv_len(p, seq.b), p.num_splits, p.split_size);
+  if (splits <= 1) return;
   const int64_t dv = p.head_dim_v, split_stride = p.total_rows() * p.num_heads;
   const float* o_s = p.o_partial + partial_index(p, 0, r, h) * dv;
   float* w = weights[threadIdx.x / 32];
-  float lse = merge_split_lses(p.lse_partial + partial_index(p, 0, r, h), split_stride, p.num_splits, lane, w);
+  float lse = merge_split_lses(p.lse_partial + partial_index(p, 0, r, h), split_stride, splits, lane, w);
   const float ws = apply_sink(p, h, lse);
   for (int64_t c = threadIdx.x; c < dv; c += kCombineThreads) {
     float o = 0.0f;
 #pragma unroll 8
-    for (int s = 0; s < p.num_splits; ++s) o = fmaf(w[s], o_s[s * split_stride * dv + c], o);
+    for (int s = 0; s < splits; ++s) o = fmaf(w[s], o_s[s * split_stride * dv + c], o);
     if (lse != lse) o = NAN;
     store_out(p, seq.qb, seq.q_row(r, p.batched), h, c, o * ws);
   }

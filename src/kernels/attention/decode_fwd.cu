@@ -30,8 +30,9 @@ void launch_config(const AttnParams& p, cudaStream_t stream) {
   constexpr int kVb = kv_bytes(kDecodeConfigs[I].kv);
   constexpr int kCap = decode_row_capacity(kVb, kDecodeConfigs[I].d);
   if constexpr (kVb == 1 && decode_uses_mma(kVb)) {  // fp8: 32-key tiles, 16 on short splits
-    const int64_t span = p.paged ? p.max_blocks * p.kv_dim1 : p.kv_dim1;
-    if (decode_launch_tile(kVb, kDecodeConfigs[I].d, span, p.num_splits) == kDecodeTileKeys)
+    // Batch-invariant (fixed-size splits): the tile from the split size alone, never the batch's span.
+    const int64_t span = p.split_size > 0 ? p.split_size : p.paged ? p.max_blocks * p.kv_dim1 : p.kv_dim1;
+    if (decode_launch_tile(kVb, kDecodeConfigs[I].d, span, p.split_size > 0 ? 1 : p.num_splits) == kDecodeTileKeys)
       launch_rows<I, 16, kDecodeTileKeys>(p, stream);
     else
       launch_rows<I, 16>(p, stream);

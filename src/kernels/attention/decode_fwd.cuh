@@ -146,6 +146,7 @@ struct DecodeSeq {
   int64_t sk = 0, sk_global = 0;
   KvRange range{0, 0};
   KeyRange cache{0, 0};
+  int splits = 1;  // the sequence's own split count (p.num_splits unless p.split_size > 0)
 };
 
 FS_DEV DecodeSeq decode_sequence(const AttnParams& p, int64_t b, int64_t g, int split) {
@@ -163,7 +164,8 @@ FS_DEV DecodeSeq decode_sequence(const AttnParams& p, int64_t b, int64_t g, int 
   s.kv = seq_kv(p, b, g);
   s.sk = kv_len(p, b);
   s.sk_global = kv_len_global(p, b, s.sk);
-  s.range = split_kv_range(s.sk, p.num_splits, split, p.split_granularity);
+  s.splits = seq_num_splits(s.sk, p.num_splits, p.split_size);
+  s.range = seq_split_range(s.sk, p.num_splits, split, p.split_granularity, p.split_size);
   s.cache = generic::cache_tokens(p, s.kv);
   return s;
 }

@@ -464,7 +464,7 @@ FS_DEV void merge_and_store(const AttnParams& p, const DecodeSeq& s, int64_t g, 
     const int64_t r = s.rows.row_begin + pi.i, q_row = s.rows.q_row(r, p.batched);
     float lse = st.lse();
     const float scale = st.empty() ? 0.0f : s.kv.v_desc / st.l;
-    if (p.num_splits > 1) {
+    if (s.splits > 1) {  // fixed-size splits: a sequence of one split is written directly
       const int64_t at = partial_index(p, split, r, pi.h);
 #pragma unroll
       for (int k = 0; k < S::kChan; ++k) p.o_partial[at * kD + lane * S::kChan + k] = o[k] * scale;
@@ -517,6 +517,7 @@ __global__ void __launch_bounds__(32 * decode_warps(kD), decode_uses_mma(kv_byte
   const int64_t g = blockIdx.y;
   const int split = int(blockIdx.z);
   const DecodeSeq s = decode_sequence(p, blockIdx.x, g, split);
+  if (split >= s.splits) return;  // fixed-size splits: past this sequence's own (the whole CTA)
   const int64_t packed = s.rows.sq() * p.group;
   for (int64_t g0 = 0; g0 < packed; g0 += S::kRows) {
     const int nrows = int(imin(S::kRows, packed - g0));

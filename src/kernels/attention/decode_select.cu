@@ -52,7 +52,12 @@ std::string try_decode(const detail::AttnProblem& pr, const DeviceProps& dev, At
     return detail::cat("decode kernel: D == Dv with (", dtype_name(pr.k.dtype), ", D) instantiated, got D=",
                        pr.head_dim, " Dv=", pr.head_dim_v);
   const int64_t rows = packed_rows_bound(pr);
-  if (rows > kDecodeMaxRows)
+  // Batch-invariant decode-class calls (query length <= kBatchInvariantDecodeMaxQ) take the
+  // decode kernel whatever the group (it loops over row groups): the kernel of a row must not
+  // follow the batch's max_seqlen_q.
+  const int64_t sq = pr.batched ? pr.q.size(1) : pr.params->max_seqlen_q;
+  const bool invariant = pr.params->batch_invariant && sq <= kBatchInvariantDecodeMaxQ;
+  if (!invariant && rows > kDecodeMaxRows)
     return detail::cat("decode kernel: q_len x group <= ", kDecodeMaxRows, ", got ", rows);
   if (!chunk_aligned(pr.k) || !chunk_aligned(pr.v))
     return "decode kernel: k/v base and strides multiples of 16 bytes";

@@ -75,10 +75,15 @@ void set_sizes(AttnParams& a, const detail::AttnProblem& pr) {
 }
 
 // Split partials in the caller's workspace, at the plan's named buffers.
-void set_splits(AttnParams& a, const Plan& plan, const ExecContext& ctx) {
-  a.num_splits = plan.num_splits;
+// Batch-invariant fixed-size splits (plan.split_size) run on the decode kernel; another kernel
+// chosen for such a call (a feature decode lacks: the choice depends on the call's operands
+// only) runs it unsplit, which is as invariant.
+void set_splits(AttnParams& a, const Plan& plan, const ExecContext& ctx, AttnKernelId kernel) {
+  const bool unsplit = plan.split_size > 0 && kernel != AttnKernelId::decode;
+  a.num_splits = unsplit ? 1 : plan.num_splits;
   a.split_granularity = plan.split_granularity;
-  if (plan.num_splits <= 1) return;
+  a.split_size = unsplit ? 0 : plan.split_size;
+  if (a.num_splits <= 1) return;
   const WorkspaceBuffer& o = plan.workspace.get("o_partial");
   const WorkspaceBuffer& l = plan.workspace.get("lse_partial");
   const size_t rows = size_t(a.total_rows()) * size_t(a.num_heads) * size_t(plan.num_splits);
@@ -99,7 +104,7 @@ void attention(const detail::AttnProblem& pr, const Plan& plan, const ExecContex
   AttnParams a;
   set_operands(a, pr);
   set_sizes(a, pr);
-  set_splits(a, plan, ctx);
+  set_splits(a, plan, ctx, choice.kernel);
   a.rows_per_cta = choice.rows_per_cta;
   a.heads_per_cta = choice.heads_per_cta;
   a.head_slices = choice.head_slices;

@@ -69,6 +69,8 @@ struct AttnParams {
   // ---- split-KV (num_splits == 1: out written directly; else partials then combine)
   int num_splits = 1;
   int64_t split_granularity = 1;
+  int64_t split_size = 0;        // > 0: batch-invariant fixed-size splits (plan.hpp, Plan::split_size):
+                                 // a sequence has its own seq_num_splits; one split is written directly
   float* o_partial = nullptr;    // f32 [num_splits, Bq * rows, H, Dv] (workspace)
   float* lse_partial = nullptr;  // f32 [num_splits, Bq * rows, H] (workspace)
 
