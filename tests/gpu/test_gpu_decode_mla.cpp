@@ -11,6 +11,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -269,4 +271,45 @@ TEST(GpuDecodeMla, Selection) {
   declines([](CaseConfig& c) { c.quant = fstest::QuantMode::fp8_kv, c.kv_dtype = DType::f8e4m3; }, "dtype");
   declines([](CaseConfig& c) { c.kv_latent = false, c.kv_pad = 3; }, "16 bytes");
   declines([](CaseConfig& c) { c.q_pad = 3; }, "16 bytes");
+}
+
+// The fuzz generator's configurations moved into decode_mla's scope: q_v with D = 64 / Dv = 512,
+// H_kv = 1 (H drawn from 1..128), a built 16-bit dtype for everything, no quantization,
+// paddings in whole 16-byte steps, q_len <= 4; a latent cache half of the time; every mode,
+// layout, stride, modifier, split and length the generator draws. Prints how many cases
+// decode_mla served (an understated bound or a failed alignment sends some elsewhere, checked
+// the same way).
+TEST(GpuDecodeMla, Fuzz) {
+  constexpr int kCases = 150;
+  int ran = 0, failed = 0, served_mla = 0;
+  for (int i = 0; i < kCases && failed < 5; ++i) {
+    auto rng = fstest::make_rng(3000 + uint64_t(i));
+    CaseConfig c = fstest::random_case_config(rng);
+    c.quant = fstest::QuantMode::none;
+    c.has_qv = true;
+    c.D = 64, c.Dv = 512;
+    c.H_kv = 1;
+    const int64_t heads[] = {1, 2, 8, 16, 16, 32, 128};
+    c.H = heads[size_t(i) % std::size(heads)];
+    c.q_dtype = c.kv_dtype = c.out_dtype = fs::kernels::kMlaConfigs[size_t(i) % std::size(fs::kernels::kMlaConfigs)].dtype;
+    c.sink_dtype = DType::f32;
+    auto whole = [](int64_t pad) { return (pad + 7) / 8 * 8; };
+    c.q_pad = whole(c.q_pad), c.out_pad = whole(c.out_pad), c.kv_pad = whole(c.kv_pad);
+    c.kv_latent = i % 2 == 0;
+    for (int64_t& q : c.q_lens) q = std::min<int64_t>(q, 4);
+    if (c.batched()) c.q_lens.assign(c.q_lens.size(), c.q_lens.empty() ? 1 : c.q_lens[0]);
+    if (c.H >= 32)
+      for (int64_t& k : c.k_lens) k = std::min<int64_t>(k, 300);  // the CPU reference's time
+    auto crng = fstest::make_rng(4000 + uint64_t(i));
+    fstest::AttentionCase ac = fstest::build_case(c, crng);
+    const Outcome o = run_mla(ac, [](fs::AttentionParams&) {});
+    ++ran;
+    served_mla += o.kernel == "decode_mla";
+    if (o.error.empty()) continue;
+    ++failed;
+    ADD_FAILURE() << "decode_mla fuzz case " << i << " (served by " << o.kernel << ")\n  " << fstest::describe(c)
+                  << "\n" << o.error << "(seed " << fstest::test_seed() << ")";
+  }
+  std::printf("[decode_mla fuzz] %d cases, %d served by decode_mla, %d failed\n", ran, served_mla, failed);
+  if (failed == 0) EXPECT_GE(served_mla, ran / 2) << "the fuzz should mostly reach the decode_mla kernel";
 }
