@@ -141,7 +141,8 @@ struct AttnKernelChoice {
                             // prefill_mma / prefill_wgmma: Dv
   int rows_per_cta = 0;     // query rows per CTA
   int heads_per_cta = 0;    // query heads (of one KV head's group) per CTA
-  int head_slices = 0;      // ceil(group / heads_per_cta)
+  int head_slices = 0;      // ceil(group / heads_per_cta); decode_mla: CTAs per sequence in y
+                            // (ceil(q_len x H / rows_per_cta) packed rows of rows_per_cta each)
   size_t smem_bytes = 0;    // dynamic shared memory per CTA
   std::string why_not;      // kernel == none: every candidate's reason, "; "-separated
   bool supported() const { return kernel != AttnKernelId::none; }
