@@ -15,7 +15,9 @@
 //          window (size W; window (W, 0) causal, (W, W) not).
 // decode:  kvcache_attention, q [B, Q, H, D] bf16 (Q = 1 unless given; Q > 1 is a causal
 //          verify step), paged NHD caches [blocks, block, Hkv, D] (kv = bf16 or fp8 e4m3,
-//          descales absent), block tables shuffled over the pool.
+//          descales absent), block tables shuffled over the pool. mla=1: MLA absorbed decode,
+//          q [B, Q, H, 64] + q_v [B, Q, H, 512] over one latent cache [blocks, block, 1, 576]
+//          (v = channels 0..511, k = 512..575; Hkv and D are ignored), out [B, Q, H, 512].
 // shared_prefix: one decode step of B requests through the backend layer (MetadataBuilder with
 //          CUDA metadata, AttentionLayer::forward incl. the cache write), each context the same
 //          P-token prefix (shared blocks) plus L - P tokens of its own; cascade=0 keeps the
@@ -70,6 +72,7 @@ struct Spec {
   std::string mod;       // prefill: a score modifier (see make_prefill), "" for none
   int64_t W = 0;         // prefill: chunk size (mod=chunk) or left window (mod=window)
   int64_t Dv = 0;        // prefill: V head size (0: D; MLA prefill 192/128)
+  bool mla = false;      // decode: MLA absorbed decode over a latent cache (D 64 + Dv 512, Hkv 1)
 };
 
 Spec parse_spec(const std::string& text) {
@@ -88,13 +91,16 @@ Spec parse_spec(const std::string& text) {
   auto str = [&](const char* key, std::string& dst) {
     if (auto it = kv.find(key); it != kv.end()) dst = it->second, kv.erase(it);
   };
-  int64_t causal = 0, cascade = 1;
+  int64_t causal = 0, cascade = 1, mla = 0;
   str("name", s.name), str("op", s.op), str("kv", s.kv), str("mod", s.mod);
   num("W", s.W), num("Dv", s.Dv);
   num("B", s.B), num("S", s.S), num("L", s.L), num("H", s.H), num("Hkv", s.Hkv), num("D", s.D);
   num("block", s.block), num("causal", causal), num("P", s.P), num("cascade", cascade);
-  num("C", s.C), num("NP", s.NP), num("Q", s.Q);
+  num("C", s.C), num("NP", s.NP), num("Q", s.Q), num("mla", mla);
   s.causal = causal != 0;
+  s.mla = mla != 0;
+  if (s.mla && (s.op != "decode" || s.kv != "bf16")) throw std::invalid_argument("mla=1: op=decode with kv=bf16 only");
+  if (s.mla) s.Hkv = 1, s.D = 64, s.Dv = 512;
   s.cascade = cascade != 0;
   if (!kv.empty()) throw std::invalid_argument("unknown spec key: " + kv.begin()->first);
   if (s.name.empty()) throw std::invalid_argument("spec without name");
@@ -227,6 +233,8 @@ void set_modifier(const Spec& s, BenchCase& c, AttentionParams& p, Device dev) {
 
 size_t decode_set_bytes(const Spec& s) {
   const size_t blocks = size_t(s.B * ((s.L + s.block - 1) / s.block));
+  if (s.mla)  // the latent cache, q + q_v and out
+    return blocks * size_t(s.block) * 576 * 2 + size_t(s.B * s.Q * s.H) * (64 + 2 * 512) * 2 + blocks * 4;
   const size_t kv = blocks * size_t(s.block * s.Hkv * s.D) * (s.kv == "fp8" ? 1 : 2) * 2;
   return kv + size_t(s.B * s.Q * s.H * s.D) * 4 + blocks * 4;
 }
@@ -268,10 +276,17 @@ BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
   const int64_t per_seq = (s.L + s.block - 1) / s.block;
   const int64_t pool = int64_t(nsets) * s.B * per_seq;
   const int64_t cache_elems = pool * s.block * s.Hkv * s.D;
-  void* k = alloc_random(c, cache_elems, kv_t);
-  void* v = alloc_random(c, cache_elems, kv_t);
-  const TensorRef k_ref = TensorRef::contiguous(k, kv_t, {pool, s.block, s.Hkv, s.D}, dev);
-  const TensorRef v_ref = TensorRef::contiguous(v, kv_t, {pool, s.block, s.Hkv, s.D}, dev);
+  TensorRef k_ref, v_ref;
+  if (s.mla) {  // one latent cache: v = channels 0..511, k = 512..575 of each 576-element row
+    char* latent = static_cast<char*>(alloc_random(c, pool * s.block * 576, kv_t));
+    v_ref = TensorRef::strided(latent, kv_t, {pool, s.block, 1, 512}, {s.block * 576, 576, 576, 1}, dev);
+    k_ref = TensorRef::strided(latent + 512 * 2, kv_t, {pool, s.block, 1, 64}, {s.block * 576, 576, 576, 1}, dev);
+  } else {
+    void* k = alloc_random(c, cache_elems, kv_t);
+    void* v = alloc_random(c, cache_elems, kv_t);
+    k_ref = TensorRef::contiguous(k, kv_t, {pool, s.block, s.Hkv, s.D}, dev);
+    v_ref = TensorRef::contiguous(v, kv_t, {pool, s.block, s.Hkv, s.D}, dev);
+  }
 
   std::vector<int32_t> perm(static_cast<size_t>(pool));
   std::iota(perm.begin(), perm.end(), 0);
@@ -282,7 +297,11 @@ BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
     AttentionParams p;
     p.q = TensorRef::contiguous(alloc_random(c, s.B * s.Q * s.H * s.D, DType::bf16), DType::bf16,
                                 {s.B, s.Q, s.H, s.D}, dev);
-    p.out = TensorRef::contiguous(alloc(c, size_t(s.B * s.Q * s.H * s.D) * 2), DType::bf16, {s.B, s.Q, s.H, s.D}, dev);
+    p.out = TensorRef::contiguous(alloc(c, size_t(s.B * s.Q * s.H * s.Dv) * 2), DType::bf16, {s.B, s.Q, s.H, s.Dv},
+                                  dev);
+    if (s.mla)
+      p.q_v = TensorRef::contiguous(alloc_random(c, s.B * s.Q * s.H * s.Dv, DType::bf16), DType::bf16,
+                                    {s.B, s.Q, s.H, s.Dv}, dev);
     p.causal = s.Q > 1;
     p.k = k_ref;
     p.v = v_ref;

@@ -37,7 +37,7 @@ class Config:
     """One named configuration. prefill: varlen, q_len = kv_len = S per sequence; decode: one
     query per sequence over a paged cache of L tokens in blocks of `block`."""
     name: str
-    family: str          # prefill | paged_decode | small_pages | fp8_decode | shared_prefix | mixed_step
+    family: str          # prefill | paged_decode | small_pages | fp8_decode | mla_decode | shared_prefix | mixed_step
     op: str              # prefill | decode | shared_prefix, mixed_step (one backend step)
     B: int
     H: int
@@ -55,6 +55,7 @@ class Config:
     mod: str = ""        # prefill: score modifier (sinks, alibi, alibi_sqrt, softcap, chunk, window)
     W: int = 0           # prefill: chunk size (mod chunk) or left window (mod window)
     Dv: int = 0          # prefill: V head size when it differs from D (MLA prefill 192/128)
+    mla: bool = False    # decode: MLA absorbed decode (q 64 + q_v 512 over one latent cache [.., 576], Hkv 1)
     plain: str = ""      # prefill_mods: the unmodified configuration of the same shape (vs_plain)
     peers: tuple = ()    # peers (besides flashserve) that run it
     quick: bool = False  # part of --quick
@@ -79,6 +80,8 @@ class Config:
         window); 4·B·H·L·D for decode."""
         if self.op == "prefill":
             return 2.0 * self.B * self.H * self.pairs * (self.D + (self.Dv or self.D))
+        if self.mla:  # scores over 576 channels, P·V over 512
+            return 2.0 * self.B * self.H * self.L * (576 + 512)
         decode = 4.0 * self.B * self.H * self.L * self.D
         if self.op == "mixed_step":  # each prefill row i of S sees C + i + 1 keys
             return decode + self.NP * 4.0 * self.H * self.D * self.S * (self.C + (self.S + 1) / 2)
@@ -88,13 +91,15 @@ class Config:
     def kv_bytes(self) -> int:
         """K and V bytes one call must read: 2·B·L·H_kv·D·elem (decode), 2·B·S·H_kv·D·2 (prefill)."""
         elem = 1 if self.kv == "fp8" else 2
+        if self.mla:  # the latent cache, read once: 576 channels per token
+            return self.B * self.L * 576 * elem
         tokens = self.B * (self.S if self.op == "prefill" else self.L)
         return 2 * tokens * self.Hkv * self.D * elem
 
     @property
     def compute_bound(self) -> bool:
         """Figures in TFLOP/s against the GEMM ceiling (else KV GB/s against the copy ceiling)."""
-        return self.op in ("prefill", "mixed_step")
+        return self.op in ("prefill", "mixed_step") or (self.mla and self.H >= 64)
 
     @property
     def metric(self) -> str:
@@ -111,6 +116,8 @@ class Config:
         if self.op == "mixed_step":
             return (f"{self.B} decodes L={self.L} + {self.NP} prefills {self.S} on {self.C} H={self.H}/{self.Hkv}"
                     f" D={self.D} block={self.block}")
+        if self.mla:
+            return f"MLA B={self.B} L={self.L} H={self.H} D=64+512 block={self.block} kv={self.kv}"
         return f"B={self.B} L={self.L} H={self.H}/{self.Hkv} D={self.D} block={self.block} kv={self.kv}"
 
     def spec(self) -> str:
@@ -124,7 +131,7 @@ class Config:
             return f"{common},L={self.L},P={self.P},block={self.block},cascade={int(self.cascade)}"
         if self.op == "mixed_step":
             return f"{common},L={self.L},S={self.S},C={self.C},NP={self.NP},block={self.block}"
-        return f"{common},L={self.L},block={self.block},kv={self.kv}"
+        return f"{common},L={self.L},block={self.block},kv={self.kv}" + (",mla=1" if self.mla else "")
 
 
 def _k(n: int) -> str:
@@ -169,6 +176,12 @@ def all_configs() -> list[Config]:
     for b, l in decode_shapes:
         out.append(Config(name=f"decode_fp8_b{b}_l{_k(l)}_bs16", family="fp8_decode", B=b, L=l, block=16,
                           kv="fp8", quick=b == 64, **common))
+    # MLA absorbed decode (DeepSeek-V2/V3): H = 16 is a memory stream (GB/s of latent cache), H = 128
+    # compute (TFLOP/s: 2·H·L·(576 + 512) per sequence). flashserve only.
+    for h in (16, 128):
+        for b, l in ((1, 32768), (64, 4096)):
+            out.append(Config(name=f"mla_decode_h{h}_b{b}_l{_k(l)}_bs64", family="mla_decode", op="decode", B=b, L=l,
+                              block=64, H=h, Hkv=1, D=64, mla=True, quick=b == 64))
     # Shared prefix: B decodes whose contexts share P tokens, 256 of their own; one backend step.
     for b, p in ((64, 4096), (256, 4096), (64, 32768), (256, 32768)):
         for cascade in (True, False):
@@ -276,6 +289,9 @@ def add_figures(rows: list[dict], configs: list[Config], header: dict) -> None:
             r["gbps"] = c.kv_bytes / t / 1e9
             if ceil.get("copy_gbps"):
                 r["frac_ceiling"] = r["gbps"] / ceil["copy_gbps"]
+        if c.mla:  # both figures: latent-cache GB/s and TFLOP/s
+            r["gbps"] = c.kv_bytes / t / 1e9
+            r["tflops"] = c.flops / t / 1e12
         if r["peer"] == "flashserve":
             peer_times = [times[(c.name, p)] for p in c.peers if (c.name, p) in times]
             if peer_times:

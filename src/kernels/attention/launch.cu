@@ -110,7 +110,8 @@ void attention(const detail::AttnProblem& pr, const Plan& plan, const ExecContex
   a.head_slices = choice.head_slices;
   if (a.batch == 0 || a.total_rows() == 0) return;
   const DeviceGuard guard(pr.q.device.index);
-  if (choice.kernel == AttnKernelId::decode) launch_decode_attention(a, ctx.stream);
+  if (choice.kernel == AttnKernelId::decode_mla) launch_decode_mla(a, ctx.stream);
+  else if (choice.kernel == AttnKernelId::decode) launch_decode_attention(a, ctx.stream);
   else if (choice.kernel == AttnKernelId::prefill_mma) launch_prefill_attention(a, choice, ctx.stream);
   else if (choice.kernel == AttnKernelId::prefill_wgmma) launch_prefill_wgmma(a, choice, ctx.stream);
   else launch_generic_attention(a, choice, ctx.stream);

@@ -151,7 +151,7 @@ bool kernel_disabled(AttnKernelId kernel) {
     const char* env = std::getenv("FLASHSERVE_DISABLE_KERNELS");
     const std::string list = "," + std::string(env ? env : "") + ",";
     uint32_t m = 0;
-    for (AttnKernelId id : {AttnKernelId::prefill_mma, AttnKernelId::prefill_wgmma})  // the ones it can take out
+    for (AttnKernelId id : {AttnKernelId::prefill_mma, AttnKernelId::prefill_wgmma, AttnKernelId::decode_mla})  // the ones it can take out
       if (list.find(std::string(",") + kernel_name(id) + ",") != std::string::npos) m |= 1u << unsigned(id);
     return m;
   }();
@@ -173,6 +173,8 @@ size_t max_smem_per_block(const DeviceProps& dev) {
 
 AttnKernelChoice select_attention_kernel(const detail::AttnProblem& pr, const DeviceProps& dev) {
   AttnKernelChoice c;
+  const std::string why_mla = try_decode_mla(pr, dev, c);  // decode_mla_select.cu
+  if (c.supported()) return c;
   const std::string why_decode = try_decode(pr, dev, c);  // decode_select.cu
   if (c.supported()) return c;
   const std::string why_wgmma = try_prefill_wgmma(pr, dev, c);
@@ -181,7 +183,7 @@ AttnKernelChoice select_attention_kernel(const detail::AttnProblem& pr, const De
   if (c.supported()) return c;
   std::string why = try_generic(pr, dev, c);
   if (c.supported()) return c;
-  c.why_not = "attention on CUDA: no kernel for this problem (" + why_decode + "; " + why_wgmma + "; " + why_prefill +
+  c.why_not = "attention on CUDA: no kernel for this problem (" + why_mla + "; " + why_decode + "; " + why_wgmma + "; " + why_prefill +
               "; " + why + ")";
   return c;
 }
@@ -193,6 +195,7 @@ const char* kernel_name(AttnKernelId id) {
     case AttnKernelId::prefill_mma: return "prefill_mma";
     case AttnKernelId::prefill_wgmma: return "prefill_wgmma";
     case AttnKernelId::decode: return "decode";
+    case AttnKernelId::decode_mla: return "decode_mla";
   }
   return "?";
 }

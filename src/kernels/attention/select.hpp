@@ -2,11 +2,12 @@
 // (or why none can). The support query, the planner's dry run and the launch all call it, so
 // "is it supported" and "what runs" never disagree. Plain C++ (no CUDA headers).
 //
-// Candidates are tried in order: fast paths first (decode; prefill_wgmma: the sm_90a
+// Candidates are tried in order: fast paths first (decode_mla: MLA absorbed decode with q_v;
+// decode; prefill_wgmma: the sm_90a
 // tensor-core prefill; prefill_mma: the sm80+ one), each returning its own reason when it
 // does not apply; the generic kernel stays the fallback for every validated problem.
-// FLASHSERVE_DISABLE_KERNELS (comma-separated names of the tensor-core prefill kernels,
-// e.g. "prefill_wgmma") takes them out of the selection, to test or compare the portable paths
+// FLASHSERVE_DISABLE_KERNELS (comma-separated names of the tensor-core prefill kernels and
+// decode_mla, e.g. "prefill_wgmma") takes them out of the selection, to test or compare the portable paths
 // on a Hopper GPU.
 #pragma once
 
@@ -16,11 +17,12 @@
 
 #include "problem/attention.hpp"
 #include "kernels/attention/decode_config.hpp"
+#include "kernels/attention/decode_mla_config.hpp"
 #include "flashserve/plan.hpp"
 
 namespace flashserve::kernels {
 
-enum class AttnKernelId : uint8_t { none, generic, prefill_mma, prefill_wgmma, decode };
+enum class AttnKernelId : uint8_t { none, generic, prefill_mma, prefill_wgmma, decode, decode_mla };
 
 // ---- the generic kernel's fixed shape (generic_fwd.cuh)
 inline constexpr int kGenericWarps = 4;
@@ -139,7 +141,8 @@ struct AttnKernelChoice {
                             // prefill_mma / prefill_wgmma: Dv
   int rows_per_cta = 0;     // query rows per CTA
   int heads_per_cta = 0;    // query heads (of one KV head's group) per CTA
-  int head_slices = 0;      // ceil(group / heads_per_cta)
+  int head_slices = 0;      // ceil(group / heads_per_cta); decode_mla: CTAs per sequence in y
+                            // (ceil(q_len x H / rows_per_cta) packed rows of rows_per_cta each)
   size_t smem_bytes = 0;    // dynamic shared memory per CTA
   std::string why_not;      // kernel == none: every candidate's reason, "; "-separated
   bool supported() const { return kernel != AttnKernelId::none; }

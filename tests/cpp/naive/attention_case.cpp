@@ -202,10 +202,17 @@ void Builder::layout_paged(DType kt, DType vt, HostTensor& k, HostTensor& v, Hos
     return c.layout == KvLayout::hnd ? view(t, {nb, Hk, bs, hd}, {st, bs * hd, hd, 1})
                                      : view(t, {nb, bs, Hk, hd}, {st, Hk * hd, hd, 1});
   };
-  k = keep(alloc(paged(kt, D, kst), nb * kst));
-  v = inter ? keep(alias(k, paged(vt, Dv, vst), kblk)) : keep(alloc(paged(vt, Dv, vst), nb * vst));
+  if (c.kv_latent && kt == vt) {  // [nb, bs, Hk, v | k]
+    const int64_t w = D + Dv, st = bs * Hk * w + c.kv_pad;
+    v = keep(alloc(view(vt, {nb, bs, Hk, Dv}, {st, Hk * w, w, 1}), nb * st));
+    k = keep(alias(v, view(kt, {nb, bs, Hk, D}, {st, Hk * w, w, 1}), Dv));
+    p.kv_layout = KvLayout::nhd;
+  } else {
+    k = keep(alloc(paged(kt, D, kst), nb * kst));
+    v = inter ? keep(alias(k, paged(vt, Dv, vst), kblk)) : keep(alloc(paged(vt, Dv, vst), nb * vst));
+    p.kv_layout = c.layout;
+  }
   if (kt == DType::i8) ks = keep(alloc(dense(DType::f32, {nb, Hk, bs}), nb * Hk * bs));
-  p.kv_layout = c.layout;
   // block_table: a [B, max_blocks] slice of [B, rs] rows, unused entries -> the poison block.
   const int64_t mb = max_blocks + c.extra_table_cols, rs = mb + c.table_row_pad;
   const HostTensor base = keep(alloc(dense(DType::i32, {B * rs}), B * rs));
@@ -234,9 +241,15 @@ void Builder::layout_cache_rows(DType kt, DType vt, HostTensor& k, HostTensor& v
   std::iota(rows.begin(), rows.end(), 0);
   if (c.use_cache_batch_idx) std::shuffle(rows.begin(), rows.end(), g);
   cache_row.assign(rows.begin(), rows.begin() + B);
-  k = keep(alloc(view(kt, {Bc, S, Hk, D}, {S * kts, kts, D, 1}), Bc * S * kts));
-  v = inter ? keep(alias(k, view(vt, {Bc, S, Hk, Dv}, {S * vts, vts, Dv, 1}), Hk * D))
-            : keep(alloc(view(vt, {Bc, S, Hk, Dv}, {S * vts, vts, Dv, 1}), Bc * S * vts));
+  if (c.kv_latent && kt == vt) {  // [Bc, S, Hk, v | k]
+    const int64_t w = D + Dv, tok = Hk * w + c.kv_pad;
+    v = keep(alloc(view(vt, {Bc, S, Hk, Dv}, {S * tok, tok, w, 1}), Bc * S * tok));
+    k = keep(alias(v, view(kt, {Bc, S, Hk, D}, {S * tok, tok, w, 1}), Dv));
+  } else {
+    k = keep(alloc(view(kt, {Bc, S, Hk, D}, {S * kts, kts, D, 1}), Bc * S * kts));
+    v = inter ? keep(alias(k, view(vt, {Bc, S, Hk, Dv}, {S * vts, vts, Dv, 1}), Hk * D))
+              : keep(alloc(view(vt, {Bc, S, Hk, Dv}, {S * vts, vts, Dv, 1}), Bc * S * vts));
+  }
   if (kt == DType::i8) ks = keep(alloc(dense(DType::f32, {Bc, S, Hk}), Bc * S * Hk));
   if (c.use_cache_batch_idx) p.cache_batch_idx = keep(int32_tensor(cache_row)).ref;
 }
@@ -254,9 +267,15 @@ void Builder::layout_varlen_rows(DType kt, DType vt, HostTensor& k, HostTensor& 
     cu.push_back(cu.back() + k_len[size_t(b)] + (c.use_seqused ? integer(0, c.extra_kv_rows) : 0));
   }
   const int64_t rows = cu.back() + c.extra_kv_rows;
-  k = keep(alloc(view(kt, {rows, Hk, D}, {kts, D, 1}), rows * kts));
-  v = inter ? keep(alias(k, view(vt, {rows, Hk, Dv}, {vts, Dv, 1}), Hk * D))
-            : keep(alloc(view(vt, {rows, Hk, Dv}, {vts, Dv, 1}), rows * vts));
+  if (c.kv_latent && kt == vt) {  // [rows, Hk, v | k]
+    const int64_t w = D + Dv, tok = Hk * w + c.kv_pad;
+    v = keep(alloc(view(vt, {rows, Hk, Dv}, {tok, w, 1}), rows * tok));
+    k = keep(alias(v, view(kt, {rows, Hk, D}, {tok, w, 1}), Dv));
+  } else {
+    k = keep(alloc(view(kt, {rows, Hk, D}, {kts, D, 1}), rows * kts));
+    v = inter ? keep(alias(k, view(vt, {rows, Hk, Dv}, {vts, Dv, 1}), Hk * D))
+              : keep(alloc(view(vt, {rows, Hk, Dv}, {vts, Dv, 1}), rows * vts));
+  }
   if (kt == DType::i8) ks = keep(alloc(dense(DType::f32, {rows, Hk}), rows * Hk));
   p.cu_seqlens_k = keep(int32_tensor(cu)).ref;
 }

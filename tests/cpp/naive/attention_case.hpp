@@ -59,6 +59,8 @@ struct CaseConfig {
 
   // Strided views.
   bool kv_interleaved = false;      // K and V share one buffer (per block / per token)
+  bool kv_latent = false;           // MLA latent cache: per token and KV head one row [v (Dv) | k (D)],
+                                    // k at channel Dv (DeepSeek's kv_c_and_k_pe); NHD; over kv_interleaved
   int64_t kv_pad = 0;               // extra elements per block (paged) or token (contiguous)
   int64_t table_row_pad = 0;        // block_table row stride = max_blocks + pad
   int64_t table_col_offset = 0;     // ... starting this many columns into the row

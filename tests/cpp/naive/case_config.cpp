@@ -221,6 +221,7 @@ std::string describe(const CaseConfig& c) {
      << " q=" << dtype_name(c.q_dtype) << " kv=" << dtype_name(c.kv_dtype) << " out=" << dtype_name(c.out_dtype)
      << " v16=" << dtype_name(c.v16_dtype) << " sink=" << dtype_name(c.sink_dtype)
      << " descale_broadcast=" << c.descale_broadcast << "\n  kv_interleaved=" << c.kv_interleaved
+     << " kv_latent=" << c.kv_latent
      << " kv_pad=" << c.kv_pad << " table_row_pad=" << c.table_row_pad << " table_col_offset=" << c.table_col_offset
      << " q_pad=" << c.q_pad << " out_pad=" << c.out_pad << " random_block_ids=" << c.random_block_ids
      << "\n  softmax_scale=" << c.softmax_scale << " softcap=" << c.softcap << " alibi=" << c.alibi

@@ -1,0 +1,427 @@
+// The MLA absorbed-decode kernel (DeepSeek-V2/V3): q [T, H, 64] (rope), q_v [T, H, 512]
+// (absorbed nope query), one KV head whose k [.., 64] and v [.., 512] are (usually) two views of
+// one latent cache [.., 576]; scores = scale * (q.k + q_v.v), out [T, H, 512] = P v. Tensor cores
+// (mma.sync m16n8k16, sm80+, f16/bf16), the decode kernel's token location, masks and epilogue
+// (decode_fwd.cuh, masks.cuh, epilogue.cuh), split-KV partials merged by combine.cu.
+//
+// CTA = (sequence b, row slice y, split); grid (B, head_slices, num_splits). Its rows are the
+// sequence's q_len x H packed (query row, head) pairs, kM (16 or 64) per row group, row groups
+// y, y + gridDim.y, ... (so a varlen max_seqlen_q below the truth still computes every row).
+// Per row group:
+//   Q [kM, 576] = [q | q_v] staged once into shared memory (cp.async, zero rows past nrows);
+//   keys in tiles of 32 (aligned to the split's start, as the CPU reference) over the union of
+//   the rows' visible keys; each tile [32 keys, 576] = [k | v] is loaded ONCE per CTA into a
+//   2-stage cp.async ring (16-byte chunks, rows padded by 16 B so ldmatrix rows hit distinct
+//   banks; out-of-range keys become zero rows and their bits in the tile's bad mask, so the
+//   rows that see them come out NaN, nothing out of bounds is read). Warp 0 locates the keys
+//   of the tile two ahead (block-table reads) while the others run the softmax.
+//   1. S [kM, 32] = Q [k|v]^T: warp w takes m-block w / (W / (kM/16)) and a slice of 8 (kM=16)
+//      or 16 (kM=64) keys, over the full 576 contraction; Q and K fragments by ldmatrix from
+//      shared memory; S (fp32) to shared memory. Barrier.
+//   2. softmax: kTPR (8 or 4) consecutive lanes per row, online, exp2 with log2(e) folded, the
+//      masks and modifiers of masks.cuh (causal/window/chunk, soft-cap, ALiBi), NaN for bad
+//      keys; P rounded to q's 16-bit type written over the row's S in place; the row's rescale
+//      factor alpha to shared memory; m and the lane-partial l stay in registers. Barrier.
+//   3. O [kM, 512] += P V: warp w owns output columns [w 512/W, (w+1) 512/W) for all kM rows
+//      (accumulators kM/16 x 512/W/8 x 4 fp32: 64 registers at kM=16, 128 at kM=64), rescaled
+//      by alpha; P fragments by ldmatrix, V by ldmatrix.trans from the same latent tile.
+//   The next tile's copies are issued right after the barrier that ends the previous P V
+//   (three barriers per tile). Epilogue: l reduced over the row's lanes, out = O / l with the
+//   sink merged once (or the split partial and its LSE), LSE = m + log l.
+//
+// Per 32-key tile (1152 B per key: 36,864 B of KV):
+//   kM = 64 (H = 128, 8 warps, 1 CTA per SM, two CTAs per sequence share the tile through L2):
+//     4.46 MFLOP = 1088 mma (S 576, P V 512); shared-memory reads ~360 KB (S: per warp 36 Q and
+//     36 K ldmatrix.x4 = 36 KB; P V: per warp 8 P and 8 V ldmatrix.x4 = 8 KB; S/P 20 KB) plus
+//     36 KB of cp.async writes; 3 barriers. At ~128 B/clk of shared memory the tile needs
+//     ~3100 clk against ~1750 clk of mma.sync issue (~0.6 m16n8k16 per clk per SM): shared
+//     memory bound, ~4.46 MFLOP / 3100 clk x 1.83 GHz x 132 SMs = ~350 TFLOP/s ideal, ~200-250
+//     expected with the barriers (30-35% of a ~700 TFLOP/s bf16 GEMM; the 60% target needs the
+//     Q re-reads gone: wgmma with Q from shared-memory descriptors, or Q held in registers
+//     over a split contraction).
+//   kM = 16 (H = 16, 4 warps, 2 CTAs per SM): 1.11 MFLOP = 272 mma; shared-memory reads ~150 KB
+//     (S: per warp 36 Q + 18 K ldmatrix.x4; P V: per warp 2 P + 16 V) + 36 KB of writes. At
+//     85% of the copy ceiling (3.64 TB/s = ~15 B/clk per SM) an SM must retire a tile every
+//     ~2450 clk: ~1450 clk of shared memory (60%), mma ~450 clk; 72 KB in flight per SM (one
+//     tile per CTA while the other is consumed) against ~41 KB of bandwidth x latency. Bound
+//     by HBM when the grid fills >= 2 CTAs per SM: predicted 3.3-3.7 TB/s at B=64 L=4k; B=1
+//     L=32k is bounded by the planner's split count (stream_splits: 32 splits of 1024 keys =
+//     32 CTAs on 132 SMs) to ~25% until the planner splits MLA finer.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/attention/decode_fwd.cuh"
+#include "kernels/attention/decode_mla_config.hpp"
+
+namespace flashserve::kernels::mla {
+
+using decode::DecodeSeq;
+using decode::PackedIdx;
+using decode::RowMeta;
+
+template <DType kDt, int kM_>
+struct Shape {
+  using T = std::conditional_t<kDt == DType::bf16, __nv_bfloat16, __half>;
+  static constexpr int kM = kM_;
+  static constexpr int kWarps = mla_warps(kM);
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kN = kMlaTileKeys;                    // keys per tile
+  static constexpr int kMBlocks = kM / 16;
+  static constexpr int kWarpsPerMBlock = kWarps / kMBlocks;  // S: warps sharing an m-block
+  static constexpr int kKeysPerWarp = kN / kWarpsPerMBlock;  // S: 8 or 16
+  static constexpr int kCols = kMlaDv / kWarps;              // P V: output columns per warp
+  static constexpr int kNTiles = kCols / 8;
+  static constexpr int kTpr = kThreads / kM;                 // softmax: lanes per row
+  static constexpr int kKpt = kN / kTpr;                     // softmax: keys per lane
+  static constexpr int kKSteps = kMlaWidth / 16;             // 36
+  static constexpr int kRowBytes = int(kMlaRowBytes);        // Q / KV rows in shared memory
+  static constexpr int kSStride = int(kMlaSStride);          // S / P rows
+  static constexpr int kKBytes = kMlaD * 2;                  // k's bytes at the start of a KV row
+  static constexpr size_t kStageBytes = size_t(kN) * kRowBytes;
+  static constexpr size_t kQOff = 0;
+  static constexpr size_t kKvOff = size_t(kM) * kRowBytes;
+  static constexpr size_t kSOff = kKvOff + kMlaStages * kStageBytes;
+  static constexpr size_t kMetaOff = kSOff + size_t(kM) * kSStride;
+  static constexpr size_t kScaleOff = kMetaOff + size_t(kM) * sizeof(RowMeta);
+  static constexpr size_t kLocOff = kScaleOff + size_t(kM) * sizeof(float);
+  static constexpr size_t kBadOff = kLocOff + size_t(kN) * sizeof(TokenLoc);
+  static constexpr size_t kBytes = kBadOff + 16;
+  static_assert(kBytes == mla_smem_bytes(kM), "decode_mla_config.hpp sizes shared memory with it");
+  static_assert(sizeof(RowMeta) == kMlaRowMetaBytes && kLocOff % 8 == 0 && kMetaOff % 16 == 0);
+  static_assert(kKeysPerWarp == 8 || kKeysPerWarp == 16, "S: one or two n8 blocks per warp");
+  static_assert(kTpr * kM == kThreads && kKpt % 4 == 0 && 32 % kTpr == 0, "softmax: whole rows per warp");
+  static_assert(kNTiles % 2 == 0 && kN == 32 && kMlaStages == 2, "the pipeline below");
+  static_assert((kN * 8) % kThreads == 0 && (kN * 64) % kThreads == 0, "issue_kv: whole copy rounds");
+};
+
+// Rows [0, kM) of the group: q then q_v of packed row g0 + j into Q row j (zeros past nrows).
+// Issues cp.async copies (the caller commits them).
+template <class S>
+FS_DEV void issue_q(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, uint32_t q) {
+  constexpr int kChunks = kMlaWidth * 2 / 16;  // 72: 8 of q, 64 of q_v
+  for (int i = int(threadIdx.x); i < S::kM * kChunks; i += S::kThreads) {
+    const int j = i / kChunks, c = i % kChunks;
+    const char* src = static_cast<const char*>(p.q.data);
+    const bool ok = j < nrows;
+    if (ok) {
+      const PackedIdx pi = decode::packed_idx(p, 0, g0, j);
+      const int64_t q_row = s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
+      const StridedRef& r = c < 8 ? p.q : p.q_v;
+      src = static_cast<const char*>(r.data) + (s.rows.qb * r.stride[0] + q_row * r.stride[1] + pi.h * r.stride[2]) * 2 +
+            (c < 8 ? c : c - 8) * 16;
+    }
+    cp_async_16(q + uint32_t(j * S::kRowBytes + c * 16), src, ok);
+  }
+}
+
+// Warp 0: the locations of tile keys [t0, t0 + 32) (one per lane) into loc; keys outside [lo, hi)
+// are skipped (zero rows), keys outside the cache bad.
+template <class S>
+FS_DEV void locate(const AttnParams& p, const DecodeSeq& s, int64_t t0, KeyRange u, TokenLoc* loc, int lane) {
+  const decode::TileKey key = decode::tile_key<S::kN>(p, s.kv, t0, u.lo, u.hi, lane);
+  loc[lane] = decode::tile_loc(p, s.kv, key);
+}
+
+// The copies of a located tile into a stage: K (8 chunks per key) at the row's start, V (64)
+// after it; skipped and bad keys as zero rows; warp 0 sets the stage's bad mask.
+template <class S>
+FS_DEV void issue_kv(const AttnParams& p, const TokenLoc* loc, uint32_t* bad, uint32_t stage) {
+  const int tid = int(threadIdx.x);
+  if (tid < 32) {
+    const uint32_t m = __ballot_sync(kFullMask, loc[tid].state == kTokenBad);
+    if (tid == 0) *bad = m;
+  }
+  const char* kg = static_cast<const char*>(p.k.data);
+  const char* vg = static_cast<const char*>(p.v.data);
+#pragma unroll
+  for (int it = 0; it < S::kN * 8 / S::kThreads; ++it) {
+    const int i = tid + it * S::kThreads, r = i / 8, c = i % 8;
+    const TokenLoc& L = loc[r];
+    cp_async_16(stage + uint32_t(r * S::kRowBytes + c * 16), kg + L.k_off * 2 + c * 16, L.state == kTokenValid);
+  }
+#pragma unroll
+  for (int it = 0; it < S::kN * 64 / S::kThreads; ++it) {
+    const int i = tid + it * S::kThreads, r = i / 64, c = i % 64;
+    const TokenLoc& L = loc[r];
+    cp_async_16(stage + uint32_t(r * S::kRowBytes + S::kKBytes + c * 16), vg + L.v_off * 2 + c * 16,
+                L.state == kTokenValid);
+  }
+}
+
+// Step 1: S [kM, 32] (fp32, rows kSStride bytes apart) = Q [k | v]^T, the warp's m-block and key slice.
+template <class S>
+FS_DEV void compute_s(uint32_t q, uint32_t kv, unsigned char* sbuf, int warp, int lane) {
+  using T = typename S::T;
+  const int mb = warp / S::kWarpsPerMBlock, k0 = (warp % S::kWarpsPerMBlock) * S::kKeysPerWarp;
+  const uint32_t qa = q + uint32_t((16 * mb + lane % 8 + 8 * ((lane / 8) % 2)) * S::kRowBytes + 16 * (lane / 16));
+  float acc[2][4];
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+  if constexpr (S::kKeysPerWarp == 16) {
+    // matrices: keys 0-7 (channels lo | hi), keys 8-15 (lo | hi) of k-step ks
+    const uint32_t kb = kv + uint32_t((k0 + lane % 8 + 8 * (lane / 16)) * S::kRowBytes + 16 * ((lane / 8) % 2));
+#pragma unroll 6
+    for (int ks = 0; ks < S::kKSteps; ++ks) {
+      uint32_t a[4], b[4];
+      ldmatrix_x4(a, qa + uint32_t(ks * 32));
+      ldmatrix_x4(b, kb + uint32_t(ks * 32));
+      mma_16816<T>(acc[0], a, b[0], b[1]);
+      mma_16816<T>(acc[1], a, b[2], b[3]);
+    }
+  } else {
+    // matrices: keys 0-7 x channels (lo | hi) of k-steps 2 ks2 and 2 ks2 + 1; two chains
+    const uint32_t kb = kv + uint32_t((k0 + lane % 8) * S::kRowBytes + 16 * (lane / 8));
+#pragma unroll 6
+    for (int ks2 = 0; ks2 < S::kKSteps / 2; ++ks2) {
+      uint32_t a0[4], a1[4], b[4];
+      ldmatrix_x4(b, kb + uint32_t(ks2 * 64));
+      ldmatrix_x4(a0, qa + uint32_t(ks2 * 64));
+      ldmatrix_x4(a1, qa + uint32_t(ks2 * 64 + 32));
+      mma_16816<T>(acc[0], a0, b[0], b[1]);
+      mma_16816<T>(acc[1], a1, b[2], b[3]);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[0][e] += acc[1][e];
+  }
+  const int row = 16 * mb + lane / 4;
+#pragma unroll
+  for (int n = 0; n < S::kKeysPerWarp / 8; ++n) {
+    const int col = k0 + 8 * n + 2 * (lane % 4);
+    *reinterpret_cast<float2*>(sbuf + row * S::kSStride + col * 4) = make_float2(acc[n][0], acc[n][1]);
+    *reinterpret_cast<float2*>(sbuf + (row + 8) * S::kSStride + col * 4) = make_float2(acc[n][2], acc[n][3]);
+  }
+}
+
+// The softmax lanes' row state (row = tid / kTpr; keys [part * kKpt, +kKpt) of each tile).
+struct RowRegs {
+  int64_t pos, lo, hi;
+  float slope;
+  float m = kNegInf;  // running max (natural units), the same in the row's lanes
+  float l = 0.0f;     // this lane's partial sum
+};
+
+// Step 2: online softmax of the lane's row over tile keys [t0, t0 + 32); P (16-bit) over the
+// row's S in place; alpha (the factor for O) to rscale[row].
+template <class S>
+FS_DEV void softmax_rows(const AttnParams& p, unsigned char* sbuf, float* rscale, uint32_t bad, int64_t t0,
+                         RowRegs& rr, int row, int part) {
+  using T = typename S::T;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int c0 = part * S::kKpt;
+  float x[S::kKpt];
+  const float* srow = reinterpret_cast<const float*>(sbuf + row * S::kSStride) + c0;
+#pragma unroll
+  for (int i = 0; i < S::kKpt; i += 4) {
+    const float4 v = *reinterpret_cast<const float4*>(srow + i);
+    x[i] = v.x, x[i + 1] = v.y, x[i + 2] = v.z, x[i + 3] = v.w;
+  }
+  __syncwarp();  // the row's lanes have read S before P overwrites it
+  const ScoreTransform score = make_score_transform(p);
+  float mx = kNegInf;
+#pragma unroll
+  for (int i = 0; i < S::kKpt; ++i) {
+    const int64_t key = t0 + c0 + i;
+    x[i] = key < rr.lo || key >= rr.hi   ? kNegInf
+           : (bad >> (c0 + i)) & 1u      ? nan_value()
+                                           : score(x[i], rr.pos, key, rr.slope);
+    mx = nan_max(mx, x[i]);
+  }
+#pragma unroll
+  for (int o = 1; o < S::kTpr; o <<= 1) mx = nan_max(mx, __shfl_xor_sync(kFullMask, mx, o));
+  const float new_m = nan_max(rr.m, mx);
+  float alpha = 1.0f;
+  if (new_m == kNegInf) {  // nothing visible yet: p = 0, state unchanged
+#pragma unroll
+    for (int i = 0; i < S::kKpt; ++i) x[i] = 0.0f;
+  } else {
+    const float mb = new_m * kLog2e;
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < S::kKpt; ++i) {
+      x[i] = fast_exp2(fmaf(x[i], kLog2e, -mb));  // -inf -> 0, NaN stays
+      sum += x[i];
+    }
+    alpha = rr.m == new_m ? 1.0f : fast_exp2(fmaf(rr.m, kLog2e, -mb));  // m = -inf -> 0; NaN -> NaN
+    rr.l = rr.l * alpha + sum;
+    rr.m = new_m;
+  }
+  uint32_t* prow = reinterpret_cast<uint32_t*>(sbuf + row * S::kSStride + c0 * 2);
+#pragma unroll
+  for (int i = 0; i < S::kKpt; i += 2) prow[i / 2] = pack2<T>(x[i], x[i + 1]);
+  if (part == 0) rscale[row] = alpha;
+}
+
+// Step 3: O = O * alpha + P V over the tile, the warp's output columns for all rows.
+template <class S>
+FS_DEV void accumulate_pv(uint32_t kv, const unsigned char* sbuf, const float* rscale, int warp, int lane,
+                          float (&o)[S::kMBlocks][S::kNTiles][4]) {
+  using T = typename S::T;
+  float al[S::kMBlocks][2];
+  bool moved = false;
+#pragma unroll
+  for (int mb = 0; mb < S::kMBlocks; ++mb)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      al[mb][r] = rscale[16 * mb + lane / 4 + 8 * r];
+      moved |= al[mb][r] != 1.0f;
+    }
+  if (__any_sync(kFullMask, moved)) {
+#pragma unroll
+    for (int mb = 0; mb < S::kMBlocks; ++mb)
+#pragma unroll
+      for (int n = 0; n < S::kNTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mb][n][e] *= al[mb][e / 2];
+  }
+  const uint32_t pbase = smem_u32(sbuf) + uint32_t((lane % 8 + 8 * ((lane / 8) % 2)) * S::kSStride + 16 * (lane / 16));
+  const uint32_t vbase =
+      kv + uint32_t((lane % 8 + 8 * ((lane / 8) % 2)) * S::kRowBytes + S::kKBytes + warp * S::kCols * 2 + 16 * (lane / 16));
+#pragma unroll
+  for (int kk = 0; kk < S::kN / 16; ++kk) {
+    uint32_t a[S::kMBlocks][4];
+#pragma unroll
+    for (int mb = 0; mb < S::kMBlocks; ++mb) ldmatrix_x4(a[mb], pbase + uint32_t(16 * mb * S::kSStride + kk * 32));
+#pragma unroll
+    for (int n2 = 0; n2 < S::kNTiles / 2; ++n2) {
+      uint32_t b[4];  // channels 16 n2 + (0-7 | 8-15) x keys 16 kk + (0-7 | 8-15)
+      ldmatrix_x4_trans(b, vbase + uint32_t(16 * kk * S::kRowBytes + n2 * 32));
+#pragma unroll
+      for (int mb = 0; mb < S::kMBlocks; ++mb) {
+        mma_16816<T>(o[mb][2 * n2], a[mb], b[0], b[1]);
+        mma_16816<T>(o[mb][2 * n2 + 1], a[mb], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// One row group: packed rows [g0, g0 + nrows) of the CTA's sequence.
+template <class S>
+FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split, unsigned char* sm) {
+  const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
+  const uint32_t q = smem_u32(sm + S::kQOff), kv = smem_u32(sm + S::kKvOff);
+  unsigned char* sbuf = sm + S::kSOff;
+  RowMeta* meta = reinterpret_cast<RowMeta*>(sm + S::kMetaOff);
+  float* rscale = reinterpret_cast<float*>(sm + S::kScaleOff);
+  TokenLoc* loc = reinterpret_cast<TokenLoc*>(sm + S::kLocOff);
+  uint32_t* bad = reinterpret_cast<uint32_t*>(sm + S::kBadOff);
+
+  if (tid < S::kM) meta[tid] = decode::row_meta(p, s, 0, g0, nrows, tid);
+  issue_q<S>(p, s, g0, nrows, q);
+  __syncthreads();
+  KeyRange u{s.range.end, s.range.begin};
+  for (int j = 0; j < nrows; ++j) {
+    const RowMeta& m = meta[j];
+    if (m.lo >= m.hi) continue;
+    u.lo = imin(u.lo, m.lo);
+    u.hi = imax(u.hi, m.hi);
+  }
+  const int row = tid / S::kTpr, part = tid % S::kTpr;
+  RowRegs rr;
+  rr.pos = meta[row].pos;
+  rr.lo = meta[row].lo;
+  rr.hi = meta[row].hi;
+  rr.slope = meta[row].slope;
+  float o[S::kMBlocks][S::kNTiles][4];
+#pragma unroll
+  for (int mb = 0; mb < S::kMBlocks; ++mb)
+#pragma unroll
+    for (int n = 0; n < S::kNTiles; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mb][n][e] = 0.0f;
+
+  constexpr int kN = S::kN;
+  const int64_t base = s.range.begin + (u.lo - s.range.begin) / kN * kN;
+  const int64_t ntiles = u.lo < u.hi ? (u.hi - base + kN - 1) / kN : 0;
+  if (ntiles > 0) {
+    if (warp == 0) locate<S>(p, s, base, u, loc, lane);
+    __syncthreads();
+    issue_kv<S>(p, loc, bad, kv);
+  }
+  cp_async_commit();  // Q (+ tile 0)
+  if (ntiles > 1) {
+    __syncthreads();  // tile 0's locations are read
+    if (warp == 0) locate<S>(p, s, base + kN, u, loc, lane);
+  }
+  for (int64_t k = 0; k < ntiles; ++k) {
+    const int st = int(k & 1);
+    const uint32_t stage = kv + uint32_t(st * S::kStageBytes);
+    cp_async_wait<0>();
+    __syncthreads();  // tile k landed; every warp is done with tile k - 1 (its stage is free)
+    if (k + 1 < ntiles) issue_kv<S>(p, loc, bad + (st ^ 1), kv + uint32_t((st ^ 1) * S::kStageBytes));
+    cp_async_commit();
+    compute_s<S>(q, stage, sbuf, warp, lane);
+    __syncthreads();  // S complete; tile k + 1's locations are read
+    softmax_rows<S>(p, sbuf, rscale, bad[st], base + k * kN, rr, row, part);
+    if (warp == 0 && k + 2 < ntiles) locate<S>(p, s, base + (k + 2) * kN, u, loc, lane);
+    __syncthreads();  // P and alpha complete
+    accumulate_pv<S>(stage, sbuf, rscale, warp, lane, o);
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: per row, 1 / l (times the sink's weight) into rscale, LSE out; then O.
+#pragma unroll
+  for (int o2 = 1; o2 < S::kTpr; o2 <<= 1) rr.l += __shfl_xor_sync(kFullMask, rr.l, o2);
+  __syncthreads();  // every warp is done reading alpha
+  if (part == 0) {
+    float lse = rr.l == 0.0f ? kNegInf : rr.m + logf(rr.l);
+    float scale = rr.l == 0.0f ? 0.0f : 1.0f / rr.l;
+    if (row < nrows) {
+      const PackedIdx pi = decode::packed_idx(p, 0, g0, row);
+      const int64_t r = s.rows.row_begin + pi.i;
+      if (p.num_splits > 1) {
+        p.lse_partial[partial_index(p, split, r, pi.h)] = lse;
+      } else {
+        scale *= apply_sink(p, pi.h, lse);
+        store_lse(p, s.rows.qb, s.rows.q_row(r, p.batched), pi.h, lse);
+      }
+    }
+    rscale[row] = scale;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int mb = 0; mb < S::kMBlocks; ++mb)
+#pragma unroll
+    for (int r2 = 0; r2 < 2; ++r2) {
+      const int j = 16 * mb + lane / 4 + 8 * r2;
+      if (j >= nrows) continue;
+      const float sc = rscale[j];
+      const PackedIdx pi = decode::packed_idx(p, 0, g0, j);
+      const int64_t r = s.rows.row_begin + pi.i;
+      const int c0 = warp * S::kCols + 2 * (lane % 4);
+      if (p.num_splits > 1) {
+        float* dst = p.o_partial + partial_index(p, split, r, pi.h) * kMlaDv + c0;
+#pragma unroll
+        for (int n = 0; n < S::kNTiles; ++n)
+          *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(o[mb][n][2 * r2] * sc, o[mb][n][2 * r2 + 1] * sc);
+      } else {
+        const int64_t q_row = s.rows.q_row(r, p.batched);
+#pragma unroll
+        for (int n = 0; n < S::kNTiles; ++n) {
+          store_out(p, s.rows.qb, q_row, pi.h, c0 + 8 * n, o[mb][n][2 * r2] * sc);
+          store_out(p, s.rows.qb, q_row, pi.h, c0 + 8 * n + 1, o[mb][n][2 * r2 + 1] * sc);
+        }
+      }
+    }
+}
+
+// kM = 16: two CTAs per SM (shared memory); kM = 64: one, 8 warps (<= 255 registers).
+template <DType kDt, int kM>
+__global__ void __launch_bounds__(32 * mla_warps(kM), kM == 16 ? 2 : 1)
+    decode_mla_fwd(const __grid_constant__ AttnParams p) {
+  using S = Shape<kDt, kM>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int split = int(blockIdx.z);
+  const DecodeSeq s = decode::decode_sequence(p, blockIdx.x, 0, split);
+  const int64_t packed = s.rows.sq() * p.group;
+  for (int64_t g0 = int64_t(blockIdx.y) * kM; g0 < packed; g0 += int64_t(gridDim.y) * kM) {
+    const int nrows = int(imin(kM, packed - g0));
+    __syncthreads();  // the previous row group is done with shared memory
+    run_rows<S>(p, s, g0, nrows, split, smem_raw);
+  }
+}
+
+}  // namespace flashserve::kernels::mla

@@ -1,0 +1,67 @@
+// try_decode_mla: when the MLA absorbed-decode kernel (decode_mla.cuh) serves a problem, and
+// why not otherwise. Reads shapes, dtypes and pointer alignment only (never device memory).
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "flashserve/status.hpp"
+#include "kernels/attention/decode_mla_config.hpp"
+#include "kernels/attention/select.hpp"
+
+namespace flashserve::kernels {
+
+namespace {
+
+// cp.async copies 16 bytes: the base and every stride of a dimension with more than one
+// element 16-byte multiples, the last dim contiguous.
+bool rows_aligned_16(const TensorRef& t) {
+  const int64_t es = int64_t(dtype_size(t.dtype));
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return false;
+  for (int d = 0; d + 1 < t.ndim; ++d)
+    if (t.shape[size_t(d)] > 1 && (t.stride[size_t(d)] * es) % 16 != 0) return false;
+  return t.ndim == 0 || t.shape[size_t(t.ndim - 1)] <= 1 || t.stride[size_t(t.ndim - 1)] == 1;
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+std::string try_decode_mla(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
+  const char* what = "decode_mla kernel: ";
+  if (kernel_disabled(AttnKernelId::decode_mla)) return detail::cat(what, "disabled by FLASHSERVE_DISABLE_KERNELS");
+  if (!pr.q_v) return detail::cat(what, "q_v (MLA absorbed decode)");
+  if (dev.cc_major < 8) return detail::cat(what, "compute capability >= 8.0, got ", dev.cc_major, ".", dev.cc_minor);
+  if (pr.head_dim != kMlaD || pr.head_dim_v != kMlaDv)
+    return detail::cat(what, "D = ", kMlaD, " and Dv = ", kMlaDv, ", got ", pr.head_dim, "/", pr.head_dim_v);
+  if (pr.num_kv_heads != 1) return detail::cat(what, "H_kv = 1, got ", pr.num_kv_heads);
+  const DType t = pr.q.dtype;
+  if (t != DType::bf16 && t != DType::f16) return detail::cat(what, "q float16/bfloat16, got ", dtype_name(t));
+  if (pr.q_v->dtype != t || pr.k.dtype != t || pr.v.dtype != t || pr.out.dtype != t)
+    return detail::cat(what, "q_v, k, v and out of q's dtype (", dtype_name(t), "), got ", dtype_name(pr.q_v->dtype),
+                       "/", dtype_name(pr.k.dtype), "/", dtype_name(pr.v.dtype), "/", dtype_name(pr.out.dtype));
+  if (!mla_config_built(t)) return detail::cat(what, dtype_name(t), " instantiated (kMlaConfigs)");
+  if (pr.q_scale || pr.k_scale_cache || pr.v_scale || pr.q_descale || pr.k_descale || pr.v_descale)
+    return detail::cat(what, "no quantization scales or descales");
+  if (!rows_aligned_16(pr.q) || !rows_aligned_16(*pr.q_v) || !rows_aligned_16(pr.k) || !rows_aligned_16(pr.v))
+    return detail::cat(what, "q, q_v, k, v: base and strides multiples of 16 bytes, rows contiguous");
+  const int64_t sq = pr.batched ? pr.q.size(1) : pr.params->max_seqlen_q;
+  const int64_t packed = std::max<int64_t>(1, sq) * pr.num_heads;
+  const int rows = mla_rows_for(packed);
+  const int64_t slices = ceil_div(packed, rows);
+  if (slices > 65535 || pr.batch > INT_MAX)
+    return detail::cat(what, "ceil(q_len x H / ", rows, ") <= 65535 and B <= ", INT_MAX, ", got ", slices, "/",
+                       pr.batch);
+  const size_t smem = mla_smem_bytes(rows);
+  if (smem > max_smem_per_block(dev))
+    return detail::cat(what, smem, " bytes of shared memory per block, the device (sm_", dev.cc_major, dev.cc_minor,
+                       ") allows ", max_smem_per_block(dev));
+  c.kernel = AttnKernelId::decode_mla;
+  c.dv_bucket = kMlaDv;
+  c.rows_per_cta = rows;
+  c.heads_per_cta = int(pr.num_heads);
+  c.head_slices = int(slices);
+  c.smem_bytes = smem;
+  return {};
+}
+
+}  // namespace flashserve::kernels
