@@ -263,7 +263,6 @@ TEST(GpuDecodeMla, Selection) {
     EXPECT_NE(got.find(why), std::string::npos) << "got \"" << got << "\", expected it to name \"" << why << "\"";
     EXPECT_FALSE(choice.supported());
   };
-  declines([](CaseConfig& c) { c.has_qv = false; }, "q_v");
   declines([](CaseConfig& c) { c.D = 128, c.Dv = 128, c.has_qv = false; }, "q_v");
   declines([](CaseConfig& c) { c.H_kv = 2, c.H = 32; }, "H_kv = 1");
   declines([](CaseConfig& c) { c.out_dtype = DType::f32; }, "out of q's dtype");
