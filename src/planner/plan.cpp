@@ -59,11 +59,22 @@ constexpr int64_t kStreamSlotsPerSm = 2;
 constexpr int64_t kStreamWaves = 2;
 constexpr int64_t kStreamMinSplitKeys = 1024;
 
+// The least keys per split of a decode-like shape: kStreamMinSplitKeys, measured for GQA with
+// D = Dv = 128 (256 K and V elements per key and KV head). MLA's absorbed decode (Dv > D: one
+// latent row of D + Dv elements per key serves all heads, k and v being views of it) takes the
+// same bytes per split, 1024 x 256 / (D + Dv) keys (455 at 64 + 512: 512 after the granule),
+// so B = 1 at 32k keys gets 64 splits instead of 32 (32 CTAs for 132 SMs).
+int64_t stream_min_split_keys(const ProblemShape& s, int64_t g) {
+  if (s.head_dim_v <= s.head_dim || s.head_dim + s.head_dim_v <= 0) return kStreamMinSplitKeys;
+  const int64_t keys = kStreamMinSplitKeys * 256 / (s.head_dim + s.head_dim_v);
+  return std::max(g, (keys + g - 1) / g * g);
+}
+
 // Splits of units (sequence, KV head) for a decode-like shape: of the eligible counts up to
 // the cap, the first within 5% of the best score, score = wave efficiency x target filled.
-int stream_splits(int64_t units, int64_t granules, int64_t cap, int64_t g, int64_t sms) {
+int stream_splits(int64_t units, int64_t granules, int64_t cap, int64_t g, int64_t sms, int64_t min_keys) {
   const int64_t slots = kStreamSlotsPerSm * sms, target = kStreamWaves * slots;
-  const int64_t max_s = std::min(cap, std::max<int64_t>(1, granules * g / kStreamMinSplitKeys));
+  const int64_t max_s = std::min(cap, std::max<int64_t>(1, granules * g / min_keys));
   if (units >= target || max_s < 2) return 1;
   std::array<double, kMaxSplits + 1> score{};
   double best = 0.0;
@@ -114,7 +125,7 @@ int choose_unbounded(const ProblemShape& s, const DeviceProps& dev, int requeste
   const int64_t sms = std::max(1, dev.num_sms);
   if (units == 0 || granules < 2) return 1;
   if (dev.device.type == DeviceType::cuda && packed <= kStreamRows)
-    return stream_splits(units, granules, cap, g, sms);
+    return stream_splits(units, granules, cap, g, sms, stream_min_split_keys(s, g));
   if (units * 10 >= sms * 8) return 1;
   const int64_t max_s = std::min<int64_t>(cap, 2 * sms);
   double best = 0.0;
