@@ -42,15 +42,15 @@ void spec_draft_expand(const SpecDraftExpandParams& p, const ExecContext& ctx = 
 //   page_table[r][k] = req_to_token[req_pool_indices[b]][L_b + j_k],  k < n (other columns
 //     untouched), j_0 < j_1 < .. the visible j, then the hidden j
 //   cache_seqlens[r] = #visible;  cu_seqlens_k = [0, cumsum(cache_seqlens)]
-// A padded CUDA-graph batch sets mask_requests: requests b >= mask_requests read every mask
-// bit from custom_mask[0] (their masks are absent).
+// A padded CUDA-graph batch sets mask_rows: draft rows r >= mask_rows (the padding) read every
+// mask bit from custom_mask[0] (their masks are absent); M_b still counts every request.
 struct SpecVerifyExpandParams {
   TensorRef custom_mask;       // u8/i8 [>= Σ n (L_b + n)]: the requests' tree masks, flattened
   TensorRef req_to_token;      // int32 [pool, max_context] (row stride free): token slots
   TensorRef req_pool_indices;  // int32/int64 [B]
   TensorRef seq_lens;          // int32/int64 [B]: committed tokens before the drafts
   int64_t num_draft_tokens = 1;              // n >= 1
-  std::optional<int64_t> mask_requests;      // in [0, B]; absent: B
+  std::optional<int64_t> mask_rows;          // in [0, B * n]; absent: B * n
   TensorRef page_table;        // int32 [B * n, >= n] (row stride free), written
   TensorRef cache_seqlens;     // int32 [B * n], written
   TensorRef cu_seqlens_k;      // int32 [B * n + 1], written

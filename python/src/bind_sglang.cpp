@@ -51,7 +51,7 @@ void spec_draft_expand_op(nb::handle out_cache_loc, int64_t decode_length, nb::h
 }
 
 void spec_verify_expand_op(nb::handle custom_mask, nb::handle req_to_token, nb::handle req_pool_indices,
-                           nb::handle seq_lens, int64_t num_draft_tokens, std::optional<int64_t> mask_requests,
+                           nb::handle seq_lens, int64_t num_draft_tokens, std::optional<int64_t> mask_rows,
                            nb::handle page_table, nb::handle cache_seqlens, nb::handle cu_seqlens_k,
                            nb::handle stream) {
   SpecVerifyExpandParams p;
@@ -60,7 +60,7 @@ void spec_verify_expand_op(nb::handle custom_mask, nb::handle req_to_token, nb::
   p.req_pool_indices = tensor_arg(req_pool_indices, "req_pool_indices");
   p.seq_lens = tensor_arg(seq_lens, "seq_lens");
   p.num_draft_tokens = num_draft_tokens;
-  p.mask_requests = mask_requests;
+  p.mask_rows = mask_rows;
   p.page_table = tensor_arg(page_table, "page_table");
   p.cache_seqlens = tensor_arg(cache_seqlens, "cache_seqlens");
   p.cu_seqlens_k = tensor_arg(cu_seqlens_k, "cu_seqlens_k");
@@ -98,7 +98,7 @@ void register_sglang(nb::module_& m) {
         "Tree draft decode's expand metadata: page_table[r, :decode_length] = out_cache_loc[r, :decode_length], "
         "cache_seqlens = decode_length, cu_seqlens_k = r * decode_length.");
   m.def("spec_verify_expand", &spec_verify_expand_op, "custom_mask"_a, "req_to_token"_a, "req_pool_indices"_a,
-        "seq_lens"_a, "num_draft_tokens"_a, "mask_requests"_a.none(), "page_table"_a, "cache_seqlens"_a,
+        "seq_lens"_a, "num_draft_tokens"_a, "mask_rows"_a.none(), "page_table"_a, "cache_seqlens"_a,
         "cu_seqlens_k"_a, "stream"_a.none(),
         "Tree verify's expand metadata: per draft row the slots of the drafts its mask shows (then the hidden "
         "ones), their count and its running sum.");

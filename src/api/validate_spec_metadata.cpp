@@ -73,10 +73,9 @@ VerifyExpandProblem validate_spec_verify_expand(const SpecVerifyExpandParams& p)
   check_table(p.seq_lens, "seq_lens", kIndex, {pr.batch}, "[B] as req_pool_indices");
   check_draft_count(p.num_draft_tokens);
   pr.drafts = p.num_draft_tokens;
-  pr.mask_requests = p.mask_requests.value_or(pr.batch);
-  if (pr.mask_requests < 0 || pr.mask_requests > pr.batch)
-    fail_arg("mask_requests", cat("a value in [0, ", pr.batch, "] (B)"), pr.mask_requests);
   const int64_t rows = pr.batch * pr.drafts;
+  pr.mask_rows = p.mask_rows.value_or(rows);
+  if (pr.mask_rows < 0 || pr.mask_rows > rows) fail_arg("mask_rows", cat("a value in [0, ", rows, "] (B * n)"), pr.mask_rows);
   check_page_table_out(p.page_table, rows, pr.drafts, "[B * n, >= n]");
   check_lengths_out(p.cache_seqlens, p.cu_seqlens_k, rows, "B * n");
   pr.custom_mask = p.custom_mask;
@@ -92,7 +91,7 @@ VerifyExpandProblem validate_spec_verify_expand(const SpecVerifyExpandParams& p)
 void check_verify_expand_contents(const VerifyExpandProblem& pr) {
   const int64_t n = pr.drafts, pool = pr.req_to_token.size(0), cols = pr.req_to_token.size(1);
   const int64_t mask_len = pr.custom_mask.size(0);
-  int64_t mask_end = 0;
+  int64_t mask_at = 0, mask_end = 0;  // M_b; one past the last element read
   for (int64_t b = 0; b < pr.batch; ++b) {
     const int64_t req = read_index(pr.req_pool_indices, b), len = read_index(pr.seq_lens, b);
     if (req < 0 || req >= pool)
@@ -100,9 +99,11 @@ void check_verify_expand_contents(const VerifyExpandProblem& pr) {
     if (len < 0 || len + n > cols)
       fail_arg("seq_lens", cat("lengths in [0, ", cols - n, "] (the drafts inside req_to_token's ", cols, " columns)"),
                cat(len, " at index ", b));
-    if (b < pr.mask_requests) mask_end += n * (len + n);
+    const int64_t own_rows = std::clamp<int64_t>(pr.mask_rows - b * n, 0, n);
+    if (own_rows > 0) mask_end = mask_at + own_rows * (len + n);
+    mask_at += n * (len + n);
   }
-  const bool reads_first = pr.mask_requests < pr.batch;
+  const bool reads_first = pr.mask_rows < pr.batch * n;
   if (mask_len < mask_end || (reads_first && mask_len < 1))
     fail_arg("custom_mask", cat("at least ", reads_first ? std::max<int64_t>(mask_end, 1) : mask_end,
                                 " elements (n * (seq_len + n) per request)"), pr.custom_mask.shape_str());

@@ -12,7 +12,7 @@ DraftExpandProblem validate_spec_draft_expand(const SpecDraftExpandParams& p);
 
 VerifyExpandProblem validate_spec_verify_expand(const SpecVerifyExpandParams& p);
 // CPU contents: pool indices inside req_to_token, lengths >= 0 with the drafts inside its
-// columns, every mask bit read inside custom_mask.
+// columns, every mask element read inside custom_mask.
 void check_verify_expand_contents(const VerifyExpandProblem& pr);
 
 WindowPageTableProblem validate_spec_window_page_table(const SpecWindowPageTableParams& p);

@@ -69,7 +69,7 @@ __global__ void draft_expand_kernel(const __grid_constant__ DraftArgs a) {
 // ---- spec_verify_expand
 
 struct VerifyArgs {
-  int64_t batch, n, mask_requests;
+  int64_t batch, n, mask_rows;
   const uint8_t* mask;
   int64_t mask_len, s_mask;
   Index req_to_token, pool_index, seq_lens;
@@ -78,11 +78,13 @@ struct VerifyArgs {
   __device__ bool visible(int64_t at) const { return at >= 0 && at < mask_len && mask[at * s_mask] != 0; }
 };
 
-// Draft row i of request b, whose mask starts at element mask_at (-1: every bit reads element
-// 0): its page-table row (visible drafts, then hidden ones) and length; returns the length.
+// Draft row i of request b, whose mask starts at element mask_at (rows past mask_rows read
+// every bit from element 0): its page-table row (visible drafts, then hidden ones) and length;
+// returns the length.
 __device__ int64_t verify_row(const VerifyArgs& a, int64_t b, int64_t i, int64_t mask_at) {
   const int64_t n = a.n, len = a.seq_lens(b), req = a.pool_index(b), r = b * n + i;
-  const int64_t first = mask_at < 0 ? 0 : mask_at + i * (len + n) + len, step = mask_at < 0 ? 0 : 1;
+  const bool own = r < a.mask_rows;
+  const int64_t first = own ? mask_at + i * (len + n) + len : 0, step = own ? 1 : 0;
   int64_t k = 0, shown_count = 0;
   for (int pass = 0; pass < 2; ++pass) {
     for (int64_t j = 0; j < n; ++j)
@@ -100,10 +102,9 @@ __global__ void verify_expand_kernel(const __grid_constant__ VerifyArgs a) {
   int64_t mask_carry = 0, key_carry = 0, total = 0;
   for (int64_t base = 0; base < a.batch; base += kScanThreads) {
     const int64_t b = base + threadIdx.x;
-    const bool own = b < a.mask_requests;
-    const int64_t size = own ? a.n * (a.seq_lens(b) + a.n) : 0;
+    const int64_t size = b < a.batch ? a.n * (a.seq_lens(b) + a.n) : 0;
     const int64_t end = block_scan<kScanThreads>(size, total);
-    mask_at[threadIdx.x] = own ? mask_carry + end - size : -1;
+    mask_at[threadIdx.x] = mask_carry + end - size;
     mask_carry += total;
     __syncthreads();
     const int64_t rows = min(int64_t(kScanThreads), a.batch - base) * a.n;
@@ -161,7 +162,7 @@ void spec_draft_expand(const detail::DraftExpandProblem& pr, void* stream) {
 }
 
 void spec_verify_expand(const detail::VerifyExpandProblem& pr, void* stream) {
-  const VerifyArgs a{pr.batch, pr.drafts, pr.mask_requests, static_cast<const uint8_t*>(pr.custom_mask.data),
+  const VerifyArgs a{pr.batch, pr.drafts, pr.mask_rows, static_cast<const uint8_t*>(pr.custom_mask.data),
                      pr.custom_mask.size(0), pr.custom_mask.stride[0], index_of(pr.req_to_token),
                      index_of(pr.req_pool_indices), index_of(pr.seq_lens), out_of(pr.page_table),
                      out_of(pr.cache_seqlens), out_of(pr.cu_seqlens_k)};

@@ -21,7 +21,7 @@ struct DraftExpandProblem {
 
 // spec_verify_expand after validation.
 struct VerifyExpandProblem {
-  int64_t batch = 0, drafts = 0, mask_requests = 0;  // B, n, requests reading their own mask
+  int64_t batch = 0, drafts = 0, mask_rows = 0;  // B, n, draft rows reading their own mask
   Device device{};
   TensorRef custom_mask;       // u8/i8 [mask_len]
   TensorRef req_to_token;      // int32 [pool, max_context]

@@ -21,17 +21,17 @@ void offsets_of(const TensorRef& lens, const TensorRef& cu) {
   }
 }
 
-// The draft rows b * n .. b * n + n - 1 of request b whose mask starts at custom_mask[mask_at]
-// (-1: every bit reads custom_mask[0]).
+// The draft rows b * n .. b * n + n - 1 of request b, whose mask starts at custom_mask[mask_at]
+// (rows past mask_rows read every bit from custom_mask[0]).
 void verify_request(const detail::VerifyExpandProblem& pr, int64_t b, int64_t mask_at) {
   const int64_t n = pr.drafts, len = detail::read_index(pr.seq_lens, b);
   const int64_t req = detail::read_index(pr.req_pool_indices, b);
   for (int64_t i = 0; i < n; ++i) {
+    const int64_t r = b * n + i;
     const auto visible = [&](int64_t j) {
-      const int64_t at = mask_at < 0 ? 0 : mask_at + i * (len + n) + len + j;
+      const int64_t at = r < pr.mask_rows ? mask_at + i * (len + n) + len + j : 0;
       return *static_cast<const uint8_t*>(pr.custom_mask.at(at)) != 0;
     };
-    const int64_t r = b * n + i;
     int64_t k = 0;
     for (const bool shown : {true, false}) {  // the visible drafts, then the hidden ones
       for (int64_t j = 0; j < n; ++j)
@@ -55,9 +55,8 @@ void spec_draft_expand(const detail::DraftExpandProblem& pr) {
 void spec_verify_expand(const detail::VerifyExpandProblem& pr) {
   int64_t mask_at = 0;
   for (int64_t b = 0; b < pr.batch; ++b) {
-    const bool own = b < pr.mask_requests;
-    verify_request(pr, b, own ? mask_at : -1);
-    if (own) mask_at += pr.drafts * (detail::read_index(pr.seq_lens, b) + pr.drafts);
+    verify_request(pr, b, mask_at);
+    mask_at += pr.drafts * (detail::read_index(pr.seq_lens, b) + pr.drafts);
   }
   offsets_of(pr.cache_seqlens, pr.cu_seqlens_k);
 }
