@@ -54,7 +54,7 @@ struct DraftArgs {
   Out page, lens, cu;
 };
 
-__global__ void draft_expand_kernel(const __grid_constant__ DraftArgs a) {
+__global__ void __launch_bounds__(kThreads) draft_expand_kernel(const __grid_constant__ DraftArgs a) {
   const int64_t entries = a.rows * a.decode_length, work = max(entries, a.rows + 1);
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < work; e += int64_t(gridDim.x) * blockDim.x) {
     if (e < entries) {
@@ -97,7 +97,7 @@ __device__ int64_t verify_row(const VerifyArgs& a, int64_t b, int64_t i, int64_t
 
 // Requests in chunks of kScanThreads: mask offsets scanned (one request a thread), then the
 // chunk's draft rows kScanThreads at a time with their lengths scanned into cu.
-__global__ void verify_expand_kernel(const __grid_constant__ VerifyArgs a) {
+__global__ void __launch_bounds__(kScanThreads) verify_expand_kernel(const __grid_constant__ VerifyArgs a) {
   __shared__ int64_t mask_at[kScanThreads];
   int64_t mask_carry = 0, key_carry = 0, total = 0;
   for (int64_t base = 0; base < a.batch; base += kScanThreads) {
@@ -130,7 +130,7 @@ struct WindowArgs {
   __device__ int64_t length(int64_t r) const { return len_a(r / n) + len_b(r); }
 };
 
-__global__ void window_rows_kernel(const __grid_constant__ WindowArgs a) {
+__global__ void __launch_bounds__(kThreads) window_rows_kernel(const __grid_constant__ WindowArgs a) {
   for (int64_t r = blockIdx.x; r < a.rows; r += gridDim.x) {
     const int64_t b = r / a.n, la = a.len_a(b), end = min(la + a.len_b(r), a.width);
     for (int64_t c = threadIdx.x; c < end; c += blockDim.x)
@@ -139,7 +139,7 @@ __global__ void window_rows_kernel(const __grid_constant__ WindowArgs a) {
   }
 }
 
-__global__ void window_offsets_kernel(const __grid_constant__ WindowArgs a) {
+__global__ void __launch_bounds__(kScanThreads) window_offsets_kernel(const __grid_constant__ WindowArgs a) {
   int64_t carry = 0, total = 0;
   for (int64_t base = 0; base < a.rows; base += kScanThreads) {
     const int64_t r = base + threadIdx.x;
