@@ -157,3 +157,38 @@ def fork_varlen_fwd(q: Any, k: Any, v: Any, out: Any, cu_seqlens_q: Any, max_seq
                  softmax_scale, softcap, alibi_slopes, alibi_sqrt, causal, window_left, window_right, 0,
                  s_aux, q_descale, k_descale, v_descale, q_scale, k_scale_cache, v_scale,
                  1, 0, None, 0, False, None, workspace_allocator(q), cuda_stream(q))
+
+
+def spec_draft_expand(out_cache_loc: Any, decode_length: int, page_table: Any, cache_seqlens: Any,
+                      cu_seqlens_k: Any) -> None:
+    """Tree draft decode's expand metadata (spec_metadata.hpp): page_table[r, :decode_length] =
+    out_cache_loc [R, num_steps]'s first decode_length slots, cache_seqlens = decode_length,
+    cu_seqlens_k[r] = r * decode_length."""
+    _C.spec_draft_expand(out_cache_loc, decode_length, page_table, cache_seqlens, cu_seqlens_k,
+                         cuda_stream(page_table))
+
+
+def spec_verify_expand(custom_mask: Any, req_to_token: Any, req_pool_indices: Any, seq_lens: Any,
+                       num_draft_tokens: int, mask_rows: Optional[int], page_table: Any, cache_seqlens: Any,
+                       cu_seqlens_k: Any) -> None:
+    """Tree verify's expand metadata (spec_metadata.hpp): per draft row the slots of the drafts
+    its custom_mask row shows, then the hidden ones; the shown count; its running sum. Draft
+    rows from mask_rows on (a padded graph batch) read every mask bit from custom_mask[0]."""
+    _C.spec_verify_expand(_mask_bytes(custom_mask), req_to_token, req_pool_indices, seq_lens, num_draft_tokens,
+                          mask_rows, page_table, cache_seqlens, cu_seqlens_k, cuda_stream(page_table))
+
+
+def spec_window_page_table(page_table_a: Any, page_table_b: Any, seq_len_a: Any, seq_len_b: Any,
+                           num_draft_tokens: int, page_table: Any, cache_seqlens: Any, cu_seqlens_k: Any) -> None:
+    """Sliding-window tree verify (spec_metadata.hpp): per draft row r, page_table_a's row
+    r // n then page_table_b's row r concatenated by seq_len_a / seq_len_b; the summed lengths
+    and their running sum."""
+    _C.spec_window_page_table(page_table_a, page_table_b, seq_len_a, seq_len_b, num_draft_tokens, page_table,
+                              cache_seqlens, cu_seqlens_k, cuda_stream(page_table))
+
+
+def _mask_bytes(mask: Any) -> Any:
+    """A bool mask as the uint8 bytes it is stored in (DLPack has no bool the extension takes)."""
+    if is_torch(mask):
+        return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    return mask.view(np.uint8) if getattr(mask, "dtype", None) == np.bool_ else mask

@@ -1,6 +1,6 @@
 """Torch custom ops under the namespace `flashserve`, registered on import (torch required).
 
-Each attention, cache and merge op writes its outputs in place (`Tensor!` in the schema) and
+Each attention, cache, merge and metadata op writes its outputs in place (`Tensor!` in the schema) and
 returns nothing, so torch.compile and CUDA graph capture see an opaque, correctly aliased call;
 their fake implementations do nothing (the outputs exist already, with their shapes).
 `scheduler_metadata` returns a new tensor (get_scheduler_metadata's). None of the ops
@@ -62,6 +62,16 @@ SCHEMAS = {
         "(int batch_size, int max_seqlen_q, int max_seqlen_k, int num_heads_q, int num_heads_kv, "
         "int headdim, int headdim_v, Tensor cache_seqlens, Tensor? cu_seqlens_q, int page_size, "
         "bool causal, bool local, int num_splits, bool batch_invariant=False) -> Tensor"),
+    "spec_draft_expand": (
+        "(Tensor out_cache_loc, int decode_length, Tensor! page_table, Tensor! cache_seqlens, "
+        "Tensor! cu_seqlens_k) -> ()"),
+    "spec_verify_expand": (
+        "(Tensor custom_mask, Tensor req_to_token, Tensor req_pool_indices, Tensor seq_lens, "
+        "int num_draft_tokens, int? mask_rows, Tensor! page_table, Tensor! cache_seqlens, "
+        "Tensor! cu_seqlens_k) -> ()"),
+    "spec_window_page_table": (
+        "(Tensor page_table_a, Tensor page_table_b, Tensor seq_len_a, Tensor seq_len_b, "
+        "int num_draft_tokens, Tensor! page_table, Tensor! cache_seqlens, Tensor! cu_seqlens_k) -> ()"),
 }
 
 _MUTATES = {
@@ -75,6 +85,9 @@ _MUTATES = {
     "quantize_int8_static": ("scale", "out"),
     "reshape_and_cache_int8": ("key_cache", "value_cache", "key_scale_cache"),
     "fork_varlen_fwd": ("out", "softmax_lse"),
+    "spec_draft_expand": ("page_table", "cache_seqlens", "cu_seqlens_k"),
+    "spec_verify_expand": ("page_table", "cache_seqlens", "cu_seqlens_k"),
+    "spec_window_page_table": ("page_table", "cache_seqlens", "cu_seqlens_k"),
 }
 
 
@@ -107,3 +120,6 @@ quantize_int8 = _register("quantize_int8", _calls.quantize_int8)
 reshape_and_cache_int8 = _register("reshape_and_cache_int8", _calls.reshape_and_cache_int8)
 fork_varlen_fwd = _register("fork_varlen_fwd", _calls.fork_varlen_fwd)
 quantize_int8_static = _register("quantize_int8_static", _calls.quantize_int8_static)
+spec_draft_expand = _register("spec_draft_expand", _calls.spec_draft_expand)
+spec_verify_expand = _register("spec_verify_expand", _calls.spec_verify_expand)
+spec_window_page_table = _register("spec_window_page_table", _calls.spec_window_page_table)

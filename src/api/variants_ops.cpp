@@ -1,8 +1,7 @@
 // Public entry points of variants_ops.hpp: validate, then dispatch by device (cpu -> reference,
 // cuda -> kernels in CUDA builds). On CUDA gather_cache's contents stay on the device unchecked:
 // the kernels skip out-of-range indices (kernels/variants_ops.hpp).
-#include <string_view>
-
+#include "api/run_cuda.hpp"
 #include "api/validate_variants.hpp"
 #include "flashserve/status.hpp"
 #include "flashserve/variants_ops.hpp"
@@ -11,25 +10,10 @@
 
 namespace flashserve {
 
-namespace {
-
-// A call on CUDA tensors: in CUDA builds runs `launch` (unless validate_only); in CPU-only builds
-// throws NotImplemented, validate_only or not. `launch` is never called (nor emitted) there.
-template <class F>
-void run_cuda(std::string_view op, const ExecContext& ctx, F&& launch) {
-#if FLASHSERVE_WITH_CUDA
-  if (!ctx.validate_only) launch();
-#else
-  fail_not_implemented(op, " on CUDA tensors (this build has no CUDA: FLASHSERVE_WITH_CUDA=0)");
-#endif
-}
-
-}  // namespace
-
 void differential_combine(const DifferentialCombineParams& p, const ExecContext& ctx) {
   const detail::DifferentialProblem pr = detail::validate_differential_combine(p);
   if (pr.device.type == DeviceType::cuda)
-    return run_cuda("differential_combine", ctx, [&] { kernels::differential_combine(pr, ctx.stream); });
+    return detail::run_cuda("differential_combine", ctx, [&] { kernels::differential_combine(pr, ctx.stream); });
   if (ctx.validate_only) return;
   reference::differential_combine(pr);
 }
@@ -37,7 +21,7 @@ void differential_combine(const DifferentialCombineParams& p, const ExecContext&
 void lse_correct(const LseCorrectParams& p, const ExecContext& ctx) {
   const detail::LseCorrectProblem pr = detail::validate_lse_correct(p);
   if (pr.device.type == DeviceType::cuda)
-    return run_cuda("lse_correct", ctx, [&] { kernels::lse_correct(pr, ctx.stream); });
+    return detail::run_cuda("lse_correct", ctx, [&] { kernels::lse_correct(pr, ctx.stream); });
   if (ctx.validate_only) return;
   reference::lse_correct(pr);
 }
@@ -45,7 +29,7 @@ void lse_correct(const LseCorrectParams& p, const ExecContext& ctx) {
 void gather_cache(const GatherCacheParams& p, const ExecContext& ctx) {
   const detail::GatherCacheProblem pr = detail::validate_gather_cache(p);
   if (pr.device.type == DeviceType::cuda)
-    return run_cuda("gather_cache", ctx, [&] { kernels::gather_cache(pr, ctx.stream); });
+    return detail::run_cuda("gather_cache", ctx, [&] { kernels::gather_cache(pr, ctx.stream); });
   detail::check_gather_contents(pr);
   if (ctx.validate_only) return;
   reference::gather_cache(pr);

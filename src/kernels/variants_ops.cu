@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "common/softmax_state.hpp"
+#include "kernels/common/block_scan.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/token_rows.cuh"
 #include "kernels/common/warp_reduce.cuh"
@@ -218,33 +219,6 @@ __device__ Range gather_range(const GatherArgs& a, int64_t b) {
   return r;
 }
 
-// Inclusive prefix sum over the block (blockDim.x = kScanThreads); `total` gets the block's sum.
-__device__ int64_t block_scan(int64_t x, int64_t& total) {
-  __shared__ int64_t warp_sums[kScanThreads / kWarp];
-  const int lane = int(threadIdx.x) % kWarp, warp = int(threadIdx.x) / kWarp;
-#pragma unroll
-  for (int o = 1; o < kWarp; o *= 2) {
-    const int64_t y = __shfl_up_sync(kFullMask, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == kWarp - 1) warp_sums[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int64_t s = warp_sums[lane];
-#pragma unroll
-    for (int o = 1; o < kWarp; o *= 2) {
-      const int64_t y = __shfl_up_sync(kFullMask, s, o);
-      if (lane >= o) s += y;
-    }
-    warp_sums[lane] = s;
-  }
-  __syncthreads();
-  const int64_t before = warp > 0 ? warp_sums[warp - 1] : 0;
-  total = warp_sums[kScanThreads / kWarp - 1];
-  __syncthreads();  // warp_sums is reused by the next call
-  return before + x;
-}
-
 // cu_seqlens_dst[b] = Σ_{i<b} (hi[i] - lo[i]), b <= B, chunk by chunk of kScanThreads requests.
 __global__ void gather_offsets_kernel(const __grid_constant__ GatherArgs a) {
   int64_t carry = 0;
@@ -256,7 +230,7 @@ __global__ void gather_offsets_kernel(const __grid_constant__ GatherArgs a) {
       len = r.hi - r.lo;
     }
     int64_t total;
-    const int64_t inclusive = block_scan(len, total);
+    const int64_t inclusive = block_scan<kScanThreads>(len, total);
     if (b < a.batch) a.cu_dst[b * a.s_cu_dst] = int32_t(carry + inclusive - len);
     carry += total;
   }

@@ -37,8 +37,10 @@ Differences from SGLang, each a correction or a generalization:
   page_size 1);
 - encoder-decoder batches may hold more than one request (SGLang asserts one): each
   request's decoder tokens start at its own encoder length in req_to_token;
-- the sliding-window page-table concatenation of top-k > 1 verify is torch ops instead of a
-  Triton kernel (same result, works on the CPU);
+- top-k > 1's expand metadata (draft decode and target verify) and the sliding-window
+  page-table concatenation of top-k > 1 verify come from flashserve's operations
+  (spec_metadata.py over include/flashserve/spec_metadata.hpp: CPU and CUDA) instead of torch
+  ops and a Triton kernel (same values);
 - with top-k > 1, sinks enter the prefix pass only (SGLang passes them to both passes of the
   merge, which counts the sink twice).
 Not implemented (NotImplementedError naming the feature): speculative top-k > 1 and
@@ -49,8 +51,9 @@ Forward calls never synchronize with the device; metadata construction does wher
 does (max lengths read from seq_lens_cpu; chunked local attention on the host).
 
 The class is split by role: metadata.py (mode predicates, metadata dataclasses, local attention
-batches, page-table helpers), forward.py (the attention calls), cuda_graph.py (graph buffers,
-capture, replay); this module holds the eager metadata construction and the classes."""
+batches, page-table helpers), spec_metadata.py (top-k > 1's metadata), forward.py (the
+attention calls), cuda_graph.py (graph buffers, capture, replay); this module holds the eager
+metadata construction and the classes."""
 
 from __future__ import annotations
 
@@ -61,8 +64,10 @@ import torch
 from .cuda_graph import _DECODE, _CudaGraphMixin
 from .forward import _ForwardMixin
 from .metadata import (FlashAttentionMetadata, LocalAttentionMetadata, _cumsum0, _host_max, _is_decode_or_idle,
-                       _is_extend_like, _is_target_verify, _mode, local_virtual_batches, prepare_swa_spec_page_table)
+                       _is_extend_like, _is_target_verify, _mode, local_virtual_batches)
 from .metadata import cdiv, make_local_attention_virtual_batches, normal_decode_set_metadata
+from .spec_metadata import (draft_decode_expand, new_expand_buffers, new_lengths, prepare_swa_spec_page_table,
+                            verify_expand, window_page_table)
 
 
 # the public names backend.py defined before its split, importable from here as before
@@ -172,11 +177,11 @@ class FlashAttentionBackend(_ForwardMixin, _CudaGraphMixin):
                 metadata_expand.max_seq_len_q = 1
                 metadata_expand.cu_seqlens_q = torch.arange(0, seqlens_in_batch.numel() * n_draft + 1,
                                                             dtype=torch.int32, device=device)
-                page_table, lens = self._verify_expand_page_table(req_to_token, rows, seqlens_in_batch,
-                                                                  forward_batch.spec_info, None)
-                metadata_expand.page_table = page_table
-                metadata_expand.cache_seqlens_int32 = lens
-                metadata_expand.cu_seqlens_k = _cumsum0(lens)
+                (metadata_expand.page_table, metadata_expand.cache_seqlens_int32,
+                 metadata_expand.cu_seqlens_k) = new_expand_buffers(seqlens_in_batch.numel() * n_draft, n_draft,
+                                                                    device)
+                self._verify_expand(metadata_expand, req_to_token, rows, seqlens_in_batch, forward_batch.spec_info,
+                                    None)
                 self.forward_metadata_spec_decode_expand = metadata_expand
                 if self.has_swa:
                     self._init_sliding_window_attn_spec_metadata(metadata, metadata_expand)
@@ -221,50 +226,49 @@ class FlashAttentionBackend(_ForwardMixin, _CudaGraphMixin):
     def _draft_decode_expand(self, out_cache_loc: torch.Tensor, bs: int, device: Any) -> FlashAttentionMetadata:
         """Draft decode, top-k > 1: one query per branch against its own draft tokens
         (out_cache_loc [bs, topk, num_steps] -> rows bs * topk, the first step_id + 1 columns)."""
+        decode_length = self._draft_decode_length()
+        expand = FlashAttentionMetadata()
+        n = bs * self.topk
+        expand.max_seq_len_q = 1
+        expand.cu_seqlens_q = torch.arange(0, n + 1, dtype=torch.int32, device=device)
+        self._require_draft_slots(out_cache_loc, n)
+        expand.page_table, expand.cache_seqlens_int32, expand.cu_seqlens_k = new_expand_buffers(n, decode_length,
+                                                                                                 device)
+        draft_decode_expand(out_cache_loc, self.speculative_num_steps, decode_length, expand.page_table,
+                            expand.cache_seqlens_int32, expand.cu_seqlens_k)
+        return expand
+
+    def _draft_decode_length(self) -> int:
+        """step_id + 1: the draft tokens a branch has at this step."""
         decode_length = self.speculative_step_id + 1
         if self.speculative_num_steps < decode_length:
             raise ValueError(f"speculative_num_steps: expected >= speculative_step_id + 1 = {decode_length}, "
                              f"got {self.speculative_num_steps}")
-        expand = FlashAttentionMetadata()
-        n = bs * self.topk
-        expand.cache_seqlens_int32 = torch.full((n,), decode_length, device=device, dtype=torch.int32)
-        expand.max_seq_len_q = 1
-        expand.cu_seqlens_q = torch.arange(0, n + 1, dtype=torch.int32, device=device)
-        expand.cu_seqlens_k = torch.arange(0, n * decode_length + 1, step=decode_length, dtype=torch.int32,
-                                           device=device)
-        if out_cache_loc is None or out_cache_loc.numel() != n * self.speculative_num_steps:
-            got = None if out_cache_loc is None else list(out_cache_loc.shape)
-            raise ValueError(f"out_cache_loc: expected bs * topk * speculative_num_steps = "
-                             f"{n * self.speculative_num_steps} slots for draft decode with top-k > 1, got {got}")
-        cache_loc = out_cache_loc.view(-1, self.speculative_num_steps)
-        expand.page_table = cache_loc[:, :decode_length].contiguous().to(torch.int32)
-        return expand
+        return decode_length
 
-    def _verify_expand_page_table(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
-                                  seq_lens: torch.Tensor, spec_info: Any, n_rows: Optional[int]) -> tuple:
-        """Target verify, top-k > 1: for each draft token (row), the slots of the draft tokens its
+    def _require_draft_slots(self, out_cache_loc: Optional[torch.Tensor], n: Optional[int]) -> None:
+        """out_cache_loc holds num_steps slots per branch (n branches; None: any count)."""
+        steps = self.speculative_num_steps
+        count = None if out_cache_loc is None else out_cache_loc.numel()
+        if count is None or count % steps or (n is not None and count != n * steps):
+            got = None if out_cache_loc is None else list(out_cache_loc.shape)
+            want = "bs * topk * speculative_num_steps" + ("" if n is None else f" = {n * steps}")
+            raise ValueError(f"out_cache_loc: expected {want} slots for draft decode with top-k > 1, got {got}")
+
+    def _verify_expand(self, expand: FlashAttentionMetadata, req_to_token: torch.Tensor,
+                       req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, spec_info: Any,
+                       mask_rows: Optional[int]) -> None:
+        """Target verify, top-k > 1: fills expand's page_table, cache_seqlens_int32 and
+        cu_seqlens_k in place: for each draft token (row), the slots of the draft tokens its
         custom mask shows, valid ones first in draft order, and their count. spec_info.custom_mask
-        is SGLang's flattened per-request [n_draft, seq_len + n_draft] mask."""
-        n_draft = self._num_draft_tokens()
-        device = seq_lens.device
-        bs = seq_lens.numel()
-        offsets = torch.arange(n_draft, device=device).unsqueeze(0)
-        cols = offsets.expand(bs, -1) + seq_lens.unsqueeze(1)
-        cum_len = torch.nn.functional.pad(
-            torch.cumsum((seq_lens + n_draft).repeat_interleave(n_draft), dim=0), (1, 0))[:-1]
-        idx = (cols.repeat_interleave(n_draft, dim=0) + cum_len[:, None]).view(1, -1)
-        if n_rows is not None:  # graph replay: the padded requests' rows read element 0
-            idx[:, n_rows * n_draft:].fill_(0)
+        is SGLang's flattened per-request [n_draft, seq_len + n_draft] mask; mask_rows (graph
+        replay): the rows of the real requests, the padded ones read mask element 0."""
         custom_mask = getattr(spec_info, "custom_mask", None)
         if custom_mask is None:
             raise ValueError("spec_info.custom_mask: expected the draft tree's mask for TARGET_VERIFY with top-k > 1, "
                              "got None")
-        mask = custom_mask[idx].view(-1, n_draft).bool()
-        col_indices = offsets.expand(mask.shape[0], n_draft)
-        keys = torch.where(mask, col_indices, col_indices + n_draft)
-        _, sort_order = torch.sort(keys, dim=1)
-        non_masked = req_to_token[req_pool_indices, :].gather(1, cols).repeat_interleave(n_draft, dim=0)
-        return non_masked.gather(1, sort_order), mask.sum(dim=1).to(torch.int32)
+        verify_expand(custom_mask, req_to_token, req_pool_indices, seq_lens, self._num_draft_tokens(), mask_rows,
+                      expand.page_table, expand.cache_seqlens_int32, expand.cu_seqlens_k)
 
     def _decoder_page_table(self, rows: torch.Tensor, encoder_lens: torch.Tensor, width: int) -> torch.Tensor:
         """req_to_token[row, encoder_len + j] for j < width: each request's decoder tokens follow
@@ -299,27 +303,17 @@ class FlashAttentionBackend(_ForwardMixin, _CudaGraphMixin):
         prefix then the draft tokens its mask shows (one page table row each), causal, so the
         window counts back from the draft token itself."""
         n_draft = self._num_draft_tokens()
-        cache_seqlens = (metadata.cache_seqlens_int32.repeat_interleave(n_draft)
-                         + metadata_expand.cache_seqlens_int32)
-        cu_seqlens_k = _cumsum0(cache_seqlens)
-        rows = cache_seqlens.shape[0]
         if metadata_swa is None:
-            page_table = metadata.page_table.new_zeros(
-                (rows, metadata.page_table.shape[1] + metadata_expand.page_table.shape[1]))
-        else:
-            page_table = metadata_swa.page_table
-        prepare_swa_spec_page_table(page_table, metadata.page_table, metadata_expand.page_table,
-                                    metadata.cache_seqlens_int32, metadata_expand.cache_seqlens_int32, n_draft)
-        if metadata_swa is None:
+            rows = metadata_expand.cache_seqlens_int32.shape[0]
             metadata_swa = FlashAttentionMetadata()
             metadata_swa.max_seq_len_q = 1
             metadata_swa.cu_seqlens_q = metadata_expand.cu_seqlens_q
-            metadata_swa.cache_seqlens_int32 = cache_seqlens
-            metadata_swa.cu_seqlens_k = cu_seqlens_k
-            metadata_swa.page_table = page_table
-        else:
-            metadata_swa.cache_seqlens_int32.copy_(cache_seqlens)
-            metadata_swa.cu_seqlens_k.copy_(cu_seqlens_k)
+            metadata_swa.page_table = metadata.page_table.new_zeros(
+                (rows, metadata.page_table.shape[1] + metadata_expand.page_table.shape[1]))
+            metadata_swa.cache_seqlens_int32, metadata_swa.cu_seqlens_k = new_lengths(rows, metadata.page_table.device)
+        window_page_table(metadata.page_table, metadata_expand.page_table, metadata.cache_seqlens_int32,
+                          metadata_expand.cache_seqlens_int32, n_draft, metadata_swa.page_table,
+                          metadata_swa.cache_seqlens_int32, metadata_swa.cu_seqlens_k)
         metadata.swa_spec_metadata = metadata_swa
 
 

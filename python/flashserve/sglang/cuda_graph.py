@@ -11,6 +11,7 @@ import torch
 from .metadata import (FlashAttentionMetadata, LocalAttentionMetadata, _cumsum0, _cumsum_into, _host_max,
                        _is_decode_or_idle, _is_draft_extend, _is_target_verify, _mode, local_virtual_batches,
                        normal_decode_set_metadata)
+from .spec_metadata import draft_decode_expand
 
 
 class _CudaGraphMixin:
@@ -196,12 +197,7 @@ class _CudaGraphMixin:
                     metadata = _Captured(self.draft_decode_metadata_topk_normal, bs)[bs]
                     self._replay_topk_normal(metadata, req_pool_indices, seq_lens, seq_lens_cpu)
                     metadata_expand = _Captured(self.draft_decode_metadata_topk_expand, bs)[bs]
-                    decode_length = self.speculative_step_id + 1
-                    if out_cache_loc is None:
-                        raise ValueError("out_cache_loc: expected the draft tokens' slots for draft decode with "
-                                         "top-k > 1, got None")
-                    cache_loc = out_cache_loc.view(-1, self.speculative_num_steps)
-                    metadata_expand.page_table[:cache_loc.shape[0]].copy_(cache_loc[:, :decode_length])
+                    self._replay_draft_expand(metadata_expand, out_cache_loc)
             else:
                 metadata = dm[bs]
                 max_len = _host_max(seq_lens_cpu)
@@ -225,13 +221,10 @@ class _CudaGraphMixin:
                 metadata = _Captured(self.target_verify_metadata_topk_normal, bs)[bs]
                 self._replay_topk_normal(metadata, req_pool_indices, seq_lens, seq_lens_cpu)
                 metadata_expand = _Captured(self.target_verify_metadata_topk_expand, bs)[bs]
-                positions = getattr(spec_info, "positions", None)
-                page_table_e, lens = self._verify_expand_page_table(
-                    self.req_to_token, req_pool_indices, seq_lens, spec_info,
-                    None if positions is None else positions.numel())
-                metadata_expand.page_table.copy_(page_table_e)
-                metadata_expand.cache_seqlens_int32.copy_(lens)
-                _cumsum_into(metadata_expand.cu_seqlens_k, metadata_expand.cache_seqlens_int32)
+                positions = getattr(spec_info, "positions", None)  # the real requests' draft tokens
+                mask_rows = None if positions is None else min(positions.numel(), bs * n_draft)
+                self._verify_expand(metadata_expand, self.req_to_token, req_pool_indices, seq_lens, spec_info,
+                                    mask_rows)
                 if self.has_swa:
                     swa = _Captured(self.target_verify_metadata_topk_swa, bs)[bs]
                     self._init_sliding_window_attn_spec_metadata(metadata, metadata_expand, swa)
@@ -262,6 +255,17 @@ class _CudaGraphMixin:
             metadata.page_table[:, :metadata.max_seq_len_k].copy_(table)
         self.forward_metadata = metadata
         self.forward_metadata_spec_decode_expand = metadata_expand
+
+    def _replay_draft_expand(self, metadata_expand: FlashAttentionMetadata,
+                             out_cache_loc: Optional[torch.Tensor]) -> None:
+        """Replay of draft decode's expand metadata (top-k > 1): the page table rows of the
+        branches in out_cache_loc ([bs, topk, num_steps] slots) rewritten in place (their
+        lengths and offsets rewritten with the values they hold since capture)."""
+        self._require_draft_slots(out_cache_loc, None)
+        rows = out_cache_loc.numel() // self.speculative_num_steps
+        draft_decode_expand(out_cache_loc, self.speculative_num_steps, self._draft_decode_length(),
+                            metadata_expand.page_table[:rows], metadata_expand.cache_seqlens_int32[:rows],
+                            metadata_expand.cu_seqlens_k[:rows + 1])
 
     def _replay_topk_normal(self, metadata: FlashAttentionMetadata, req_pool_indices: torch.Tensor,
                             seq_lens: torch.Tensor, seq_lens_cpu: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """The metadata of flashserve.sglang's FlashAttentionBackend: forward-mode predicates, the
 metadata dataclasses (SGLang's FlashAttentionMetadata and its LocalAttentionMetadata), chunked
-local attention's virtual batches, the sliding-window page table of top-k > 1 verify and the
-in-place decode metadata update of CUDA graph replay."""
+local attention's virtual batches and the in-place decode metadata update of CUDA graph
+replay (top-k > 1's metadata: spec_metadata.py)."""
 
 from __future__ import annotations
 
@@ -167,28 +167,6 @@ def local_virtual_batches(attn_chunk_size: int, query_start_loc_np: np.ndarray, 
     cols = (first[:, None] + torch.arange(width, device=device)[None, :]).clamp(max=block_table.shape[1] - 1)
     rows = torch.tensor(req, dtype=torch.int64).to(device)
     return np.diff(cu_np), cu_np, np.asarray(used, dtype=np.int32), block_table[rows[:, None], cols]
-
-
-def prepare_swa_spec_page_table(page_table_dst: torch.Tensor, page_table_a: torch.Tensor,
-                                page_table_b: torch.Tensor, seq_len_a: torch.Tensor, seq_len_b: torch.Tensor,
-                                speculative_num_draft_tokens: int) -> None:
-    """Row r of page_table_dst = the first seq_len_a[r // n] entries of page_table_a's row
-    r // n, then the first seq_len_b[r] entries of page_table_b's row r (n = draft tokens per
-    request); SGLang's prepare_swa_spec_page_table_triton as torch ops (no host sync)."""
-    bs, bs_expand = seq_len_a.numel(), seq_len_b.numel()
-    if bs_expand != bs * speculative_num_draft_tokens:
-        raise ValueError(f"seq_len_b: expected {bs} * {speculative_num_draft_tokens} entries, got {bs_expand}")
-    len_a, len_b = page_table_a.shape[1], page_table_b.shape[1]
-    width = min(len_a + len_b, page_table_dst.shape[1])
-    device = page_table_dst.device
-    n = torch.arange(width, device=device)[None, :]
-    rows_a = page_table_a.repeat_interleave(speculative_num_draft_tokens, dim=0)
-    la = seq_len_a.long().repeat_interleave(speculative_num_draft_tokens)[:, None]
-    lb = seq_len_b.long()[:, None]
-    va = rows_a.gather(1, n.clamp(max=len_a - 1).expand(bs_expand, width))
-    vb = page_table_b.gather(1, (n - la).clamp(0, len_b - 1))
-    val = torch.where(n < la, va, torch.where(n - la < lb, vb, torch.zeros_like(vb)))
-    page_table_dst[:bs_expand, :width].copy_(val)
 
 
 def normal_decode_set_metadata(cache_seqlens_int32: torch.Tensor, cu_seqlens_k: torch.Tensor,
