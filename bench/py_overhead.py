@@ -80,7 +80,7 @@ def measure(c: dict, seq_len: int, iters: int, repeats: int, cuda: bool) -> dict
     def binding() -> object:
         return _C.attention(1, False, q, None, out, None, kc, vc, False, cu, None, lens, table, None, 1, seq_len,
                             0.0, 0.0, None, False, True, -1, -1, 0, None, None, None, None, None, None, None,
-                            1, 0, None, 0, None, None, stream)
+                            1, 0, None, 0, False, None, None, stream)
 
     def via_op() -> object:
         return torch.ops.flashserve.varlen_fwd(q, kc, vc, out, cu, 1, seq_len, None, None, lens, table, None,
