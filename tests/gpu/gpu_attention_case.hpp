@@ -176,7 +176,7 @@ inline double out_ulp(double x, fs::DType t) {
 // decode_mla, which serves 16-bit outputs only). The
 // type is q's for 16-bit K/V and f16 for fp8 K/V (p_round_eps).
 inline bool kernel_rounds_p(const std::string& kernel, const fstest::CaseConfig& c) {
-  if (kernel == "prefill_wgmma") return c.out_dtype != fs::DType::f32;  // fp32 out: P hi + lo
+  if (kernel == "prefill_wgmma" || kernel == "prefill_tma") return c.out_dtype != fs::DType::f32;  // fp32 out: P hi + lo
   if (kernel == "decode_mla") return true;  // 16-bit out only (the selection declines fp32 out)
   return kernel == "prefill_mma" || (kernel == "decode" && c.out_dtype != fs::DType::f32);
 }

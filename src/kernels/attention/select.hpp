@@ -22,7 +22,7 @@
 
 namespace flashserve::kernels {
 
-enum class AttnKernelId : uint8_t { none, generic, prefill_mma, prefill_wgmma, decode, decode_mla };
+enum class AttnKernelId : uint8_t { none, generic, prefill_mma, prefill_wgmma, decode, decode_mla, prefill_tma };
 
 // ---- the generic kernel's fixed shape (generic_fwd.cuh)
 inline constexpr int kGenericWarps = 4;
@@ -133,6 +133,31 @@ constexpr bool prefill_wgmma_config_built(DType t, int64_t d, int64_t dv) {
 constexpr size_t prefill_wgmma_smem_bytes(int64_t d, int64_t dv) {
   const int64_t n = wgmma_tile_keys(d, dv), wd = wgmma_tile_width(d), wdv = wgmma_tile_width(dv);
   return 1024 + size_t(kWgmmaRowsPerCta * wd + 2 * n * wd + 3 * n * wdv) * 2 + size_t(kWgmmaRowsPerCta) * 8;
+}
+
+// ---- the warp-specialized prefill kernel (prefill_tma.cuh): sm_90a, contiguous K/V, TMA
+// loads in 64-channel boxes (D, Dv multiples of 64), 384 threads (a producer warpgroup), the
+// wgmma kernel's tiles with two K and two V stages.
+#if FLASHSERVE_DEV_CONFIGS
+inline constexpr PrefillConfig kPrefillTmaConfigs[] = {{DType::bf16, 64}, {DType::bf16, 128}, {DType::bf16, 256}};
+#else
+inline constexpr PrefillConfig kPrefillTmaConfigs[] = {
+    {DType::bf16, 64}, {DType::bf16, 128}, {DType::bf16, 256}, {DType::bf16, 192},
+    {DType::f16, 64},  {DType::f16, 128},  {DType::f16, 256},  {DType::f16, 192}};
+#endif
+
+constexpr bool prefill_tma_config_built(DType t, int64_t d, int64_t dv) {
+  if (!FLASHSERVE_SM90A) return false;
+  for (const PrefillConfig& c : kPrefillTmaConfigs)
+    if (c.dtype == t && c.head_dim == d && c.dv() == dv) return true;
+  return false;
+}
+
+// Its dynamic shared memory: 1 KB of alignment slack, Q [128, D] + K [2, N, D] + V [2, N, Dv]
+// 16-bit, the rows' key ranges (int2 [128]) and 9 mbarriers (prefill_tma.cuh: TmaSmem).
+constexpr size_t prefill_tma_smem_bytes(int64_t d, int64_t dv) {
+  const int64_t n = wgmma_tile_keys(d, dv), wd = wgmma_tile_width(d), wdv = wgmma_tile_width(dv);
+  return 1024 + size_t(kWgmmaRowsPerCta * wd + 2 * n * wd + 2 * n * wdv) * 2 + size_t(kWgmmaRowsPerCta) * 8 + 9 * 8;
 }
 
 struct AttnKernelChoice {
