@@ -37,7 +37,7 @@
 namespace flashserve::kernels::prefill {
 
 inline constexpr int kTmaThreads = 384;
-inline constexpr int kTmaConsumerRegs = 240, kTmaProducerRegs = 32;
+inline constexpr int kTmaConsumerRegs = 232, kTmaProducerRegs = 40;
 
 // The kernel's parameters: the operands' tensor maps next to AttnParams.
 struct TmaAttnParams {
