@@ -129,6 +129,19 @@ std::string try_prefill_wgmma(const detail::AttnProblem& pr, const DeviceProps& 
                       pr, c);
 }
 
+// Whether TMA can map an operand (tma_map.cuh: tma_mappable, on the kernel's normalized view):
+// every dim non-empty and below 2^31, strides of dims longer than 1 positive and below 2^40
+// bytes (alignment is prefill_scope's).
+bool tma_sizes_ok(const TensorRef& t) {
+  const int64_t es = int64_t(dtype_size(t.dtype));
+  for (int d = 0; d < t.ndim; ++d) {
+    const int64_t n = t.size(d), st = t.stride[size_t(d)];
+    if (n < 1 || n >= (int64_t(1) << 31)) return false;
+    if (n > 1 && (st <= 0 || st * es >= (int64_t(1) << 40))) return false;
+  }
+  return true;
+}
+
 // The sm_90a warp-specialized prefill kernel (prefill_tma.cuh): prefill_wgmma's scope for
 // contiguous K/V whose operands TMA can map ((D, Dv) in kPrefillTmaConfigs; 16-byte strides).
 std::string try_prefill_tma(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
@@ -146,6 +159,8 @@ std::string try_prefill_tma(const detail::AttnProblem& pr, const DeviceProps& de
   const int64_t rows_k = pr.k.size(1), n_tiles = rows_k + 4 * 128;
   if (pr.q.size(1) >= INT_MAX - 128 || n_tiles >= INT_MAX || pr.k.size(0) >= INT_MAX || pr.q.size(0) >= INT_MAX)
     return detail::cat(what, "TMA coordinates in int32");
+  if (!tma_sizes_ok(pr.q) || !tma_sizes_ok(pr.k) || !tma_sizes_ok(pr.v))
+    return detail::cat(what, "q, k, v TMA can map (non-empty dims, strides below 2^40 bytes)");
   return take_prefill(AttnKernelId::prefill_tma, prefill_tma_smem_bytes(pr.head_dim, pr.head_dim_v), dev, what, pr, c);
 }
 
