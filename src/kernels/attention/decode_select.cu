@@ -69,6 +69,8 @@ std::string try_decode(const detail::AttnProblem& pr, const DeviceProps& dev, At
     return detail::cat("decode kernel: q_len x group <= ", kDecodeMaxRows, ", got ", rows);
   if (!chunk_aligned(pr.k) || !chunk_aligned(pr.v))
     return "decode kernel: k/v base and strides multiples of 16 bytes";
+  if (pr.k_scale_cache && reinterpret_cast<uintptr_t>(pr.k_scale_cache->data) % 4 != 0)
+    return "decode kernel: k_scale_cache 4-byte aligned";  // 4-byte cp.async per key
   if (pr.batch > INT_MAX || pr.num_kv_heads > 65535)
     return detail::cat("decode kernel: B <= ", INT_MAX, " and H_kv <= 65535, got ", pr.batch, "/", pr.num_kv_heads);
   const DecodeKv kvb = decode_kv(pr.k.dtype, pr.v.dtype);
