@@ -1,7 +1,7 @@
 // The decode kernel: few query rows per KV head (decode, short speculative verify), KV streamed
 // once per KV head, the generic kernel's modifiers (masks.cuh, softmax.cuh, epilogue.cuh).
 // q.k and p.v run on the tensor cores (decode_mma.cuh), for 16-bit K/V and, as f16 operands
-// converted in registers, for fp8 K/V. The CUDA-core scheme below (fp32 math) served fp8 K/V
+// converted in registers, for fp8 K/V; int8 K8V8 / K8V16 with q.k on the s8 mma. The CUDA-core scheme below (fp32 math) served fp8 K/V
 // until then (1.2 TB/s at B=64 L=4k, 1.5x bf16's time); it stays in the source behind
 // decode_uses_mma() (instantiated for no dtype now), and its v3/v4 figures are from when it
 // served bf16 too.

@@ -1,4 +1,4 @@
-// The decode kernel's tensor-core path (16-bit and fp8 K/V; included by decode_mainloop.cuh): one warp's
+// The decode kernel's tensor-core path (16-bit, fp8 and int8 K/V; included by decode_mainloop.cuh): one warp's
 // q.k, online softmax and p.v over a 16-key tile with mma.sync m16n8k16, for the 16 packed rows
 // of the row group (the mma's M; rows past nrows are zero queries that see no key).
 //
@@ -52,6 +52,19 @@
 // Next: the scalar work per tile (table reads and 64-bit offsets of issue_tile, the softmax over
 // 16 MMA rows of which decode uses 4-8: a transposed q.k, keys as M and rows as N = 8, would
 // halve the MMAs and the softmax lanes' work).
+//
+// int8 (the vLLM int8 fork's K8V8 / K8V16: q and K int8 with per-(token, head) scales; V int8
+// with per-(KV head, channel) scales, or 16-bit): q.k on mma.sync m16n8k32 s8 with s32
+// accumulators (exact: |sum| <= 128^2 D), over the fp8 scheme's K layout (lane t reads the
+// contiguous bytes [t D/4, (t+1) D/4) of its key rows, unpadded and swizzled as fp8's; q staged
+// as int8 in the matching order, int8_q_column; D/32 mma per 8 keys instead of D/16); the s32
+// dot times the key's k scale (copied per tile into the stage with 4-byte cp.async, 0 for keys
+// not loaded), then times the row's q scale (RowMeta::qk_scale) with the softmax scale. K8V8:
+// V as the fp8 scheme's V with int8 -> f16 conversions (bytes biased by 128 once per word, then
+// placed into 1024's mantissa: one PRMT and one HSUB2 per two values, exact), the per-channel v_scale applied to O at the end
+// (merge_and_store: it factors out of the sum over keys); 32-key tiles (8 KB at D=128). K8V16:
+// V 16-bit by ldmatrix.trans as the 16-bit path, 16-key tiles (6 KB) in a 4-deep ring (32-key
+// tiles would not leave two CTAs per SM).
 #pragma once
 
 namespace flashserve::kernels::decode {
@@ -74,11 +87,12 @@ FS_DEV int int8_q_column(int d) {
   return 32 * (j / 2) + 16 * (j % 2) + 4 * t + i;
 }
 
-// Two int8 values (low 16 bits, low byte first) as an f16x2 register (low half first), exact:
-// the bytes biased by 128 become the low mantissa bytes of 1024 (0x64xx), then 1152 is taken off.
-FS_DEV uint32_t i8x2_to_f16x2(uint32_t two) {
+// Two int8 values biased by 128 (x ^ 0x80 per byte; low 16 bits, low byte first) as an f16x2
+// register (low half first), exact: the biased bytes become the low mantissa bytes of 1024
+// (0x64xx), then 1152 is taken off.
+FS_DEV uint32_t i8x2_biased_to_f16x2(uint32_t two) {
   uint32_t h, d;
-  asm("prmt.b32 %0, %1, %2, 0x4140;\n" : "=r"(h) : "r"(two ^ 0x8080u), "r"(0x64646464u));
+  asm("prmt.b32 %0, %1, %2, 0x4140;\n" : "=r"(h) : "r"(two), "r"(0x64646464u));
   asm("sub.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(h), "r"(0x64806480u));
   return d;
 }
@@ -336,6 +350,12 @@ struct MmaWarp {
         load_words<kLaneBytes>(vr + S::kVStride, w[1]);
         load_words<kLaneBytes>(vr + 8 * S::kVStride, w[2]);
         load_words<kLaneBytes>(vr + 9 * S::kVStride, w[3]);
+        if constexpr (kInt8) {  // bias by 128 once per word (i8x2_biased_to_f16x2)
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < kLaneBytes / 4; ++c) w[r][c] ^= 0x80808080u;
+        }
 #pragma unroll
         for (int c = 0; c < kLaneBytes / 4; ++c)  // n-tiles 4c .. 4c + 3
 #pragma unroll
@@ -368,9 +388,9 @@ struct MmaWarp {
     }
   }
 
-  // Two 8-bit V values (low 16 bits) as f16x2, exact.
+  // Two 8-bit V values (low 16 bits; int8: biased by 128) as f16x2, exact.
   static FS_DEV uint32_t v8x2_to_f16x2(uint32_t two) {
-    if constexpr (kInt8) return i8x2_to_f16x2(two);
+    if constexpr (kInt8) return i8x2_biased_to_f16x2(two);
     else return fp8x2_to_f16x2<S::kVDtype>(two);
   }
 
