@@ -314,7 +314,12 @@ TEST(GpuDecode, Int8Selection) {
     EXPECT_FALSE(choice.supported());
   };
   declines([](CaseConfig& c) { c.D = c.Dv = 96; }, "instantiated");  // no int8 D=96 in any build
-  declines([](CaseConfig& c) { c.q_lens.assign(c.k_lens.size(), 8); }, "q_len x group");
+  declines(
+      [](CaseConfig& c) {
+        c.q_lens.assign(c.k_lens.size(), 8);
+        for (int64_t& k : c.k_lens) k = std::max<int64_t>(k, 8);
+      },
+      "q_len x group");
   declines([](CaseConfig& c) { c.kv_pad = 3; }, "16 bytes");
 }
 
