@@ -37,7 +37,7 @@ class Config:
     """One named configuration. prefill: varlen, q_len = kv_len = S per sequence; decode: one
     query per sequence over a paged cache of L tokens in blocks of `block`."""
     name: str
-    family: str          # prefill | paged_decode | small_pages | fp8_decode | mla_decode | shared_prefix | mixed_step
+    family: str          # prefill | paged_decode | small_pages | fp8_decode | int8_decode | mla_decode | shared_prefix | mixed_step
     op: str              # prefill | decode | shared_prefix, mixed_step (one backend step)
     B: int
     H: int
@@ -46,7 +46,8 @@ class Config:
     S: int = 0
     L: int = 0
     block: int = 16
-    kv: str = "bf16"     # KV element type: bf16 | fp8 (e4m3)
+    kv: str = "bf16"     # KV element type: bf16 | fp8 (e4m3) | k8v8 | k8v16 (the vLLM int8 fork's: int8 q and K with
+                         # per-token scales, V int8 with per-channel scales or bf16)
     P: int = 0           # shared_prefix: tokens of L every request shares
     cascade: bool = True # shared_prefix: the builder may take the cascade path
     C: int = 0           # mixed_step: cached tokens of each chunked prefill (S new ones)
@@ -89,7 +90,10 @@ class Config:
 
     @property
     def kv_bytes(self) -> int:
-        """K and V bytes one call must read: 2·B·L·H_kv·D·elem (decode), 2·B·S·H_kv·D·2 (prefill)."""
+        """K and V bytes one call must read: 2·B·L·H_kv·D·elem (decode), 2·B·S·H_kv·D·2 (prefill);
+        int8: B·L·H_kv·(D·(1 + v elem) + 4) (the k scale per token and KV head)."""
+        if self.kv in ("k8v8", "k8v16"):
+            return self.B * self.L * self.Hkv * (self.D * (1 + (1 if self.kv == "k8v8" else 2)) + 4)
         elem = 1 if self.kv == "fp8" else 2
         if self.mla:  # the latent cache, read once: 576 channels per token
             return self.B * self.L * 576 * elem
@@ -176,6 +180,11 @@ def all_configs() -> list[Config]:
     for b, l in decode_shapes:
         out.append(Config(name=f"decode_fp8_b{b}_l{_k(l)}_bs16", family="fp8_decode", B=b, L=l, block=16,
                           kv="fp8", quick=b == 64, **common))
+    # int8 (the vLLM int8 fork's K8V8 / K8V16 decode; fs/best: bf16 time / int8 time). flashserve only.
+    for kv in ("k8v8", "k8v16"):
+        for b, l in ((64, 4096), (16, 8192)):
+            out.append(Config(name=f"decode_{kv}_b{b}_l{_k(l)}_bs16", family="int8_decode", B=b, L=l, block=16,
+                              kv=kv, quick=b == 64, **common))
     # MLA absorbed decode (DeepSeek-V2/V3): H = 16 is a memory stream (GB/s of latent cache), H = 128
     # compute (TFLOP/s: 2·H·L·(576 + 512) per sequence). flashserve only.
     for h in (16, 128):
@@ -296,8 +305,8 @@ def add_figures(rows: list[dict], configs: list[Config], header: dict) -> None:
             peer_times = [times[(c.name, p)] for p in c.peers if (c.name, p) in times]
             if peer_times:
                 r["vs_best_peer"] = min(peer_times) / r["time_ms"]
-            if c.kv == "fp8":
-                bf16 = c.name.replace("decode_fp8_", "decode_")
+            if c.kv in ("fp8", "k8v8", "k8v16"):
+                bf16 = c.name.replace(f"decode_{c.kv}_", "decode_")
                 if (bf16, "flashserve") in times:
                     r["vs_bf16"] = times[(bf16, "flashserve")] / r["time_ms"]
             if c.plain and (c.plain, "flashserve") in times:
@@ -352,7 +361,7 @@ def print_table(header: dict, configs: list[Config], rows: list[dict]) -> None:
     print("n/i: not implemented in flashserve; err: error in results.json; skip: time budget; n/a: infeasible "
           "formulation; n/s: the peer does not support it (fa4: no split-KV on SM90);\n!: flashserve output "
           "non-finite or all zeros;\nfs/best: best peer time / flashserve time "
-          "(fp8 rows: bf16 time / fp8 time; shared *_cascade rows: split-KV time / cascade time;\nprefill_mods rows "
+          "(fp8 / int8 rows: bf16 time / fp8 or int8 time; shared *_cascade rows: split-KV time / cascade time;\nprefill_mods rows "
           "without an ok peer row (alibi, alibi_sqrt, chunk; fa4 absent): TFLOP/s over the plain row's of the same shape);\nfs%ceil: of the "
           "GEMM (prefill) or copy (decode) ceiling")
 

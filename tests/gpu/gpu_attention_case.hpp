@@ -174,7 +174,7 @@ inline double out_ulp(double x, fs::DType t) {
 // kernels (prefill_mma, prefill_wgmma except for fp32 outputs; decode, whose q.k and p.v run on
 // mma.sync, except for fp32 outputs, where it adds the rounding residue in a second mma;
 // decode_mla, which serves 16-bit outputs only). The
-// type is q's for 16-bit K/V and f16 for fp8 K/V (p_round_eps).
+// type is q's for 16-bit K/V, f16 for fp8 K/V and int8 K8V8, V's for int8 K8V16 (p_round_eps).
 inline bool kernel_rounds_p(const std::string& kernel, const fstest::CaseConfig& c) {
   if (kernel == "prefill_wgmma" || kernel == "prefill_tma") return c.out_dtype != fs::DType::f32;  // fp32 out: P hi + lo
   if (kernel == "decode_mla") return true;  // 16-bit out only (the selection declines fp32 out)
@@ -182,9 +182,13 @@ inline bool kernel_rounds_p(const std::string& kernel, const fstest::CaseConfig&
 }
 
 // The relative rounding of P by a kernel that rounds it (kernel_rounds_p): f16 operands for fp8
-// K/V (the decode kernel converts the cache to f16), else q's 16-bit type.
+// K/V and int8 K8V8 (the decode kernel converts the cache to f16), V's 16-bit type for int8
+// K8V16, else q's 16-bit type.
 inline double p_round_eps(const fstest::CaseConfig& c) {
-  if (fs::is_fp8(c.kv_dtype) || c.q_dtype == fs::DType::f16) return std::ldexp(1.0, -11);
+  if (c.quant == fstest::QuantMode::int8_k8v16)
+    return std::ldexp(1.0, c.v16_dtype == fs::DType::bf16 ? -8 : -11);
+  if (fs::is_fp8(c.kv_dtype) || c.quant == fstest::QuantMode::int8_k8v8 || c.q_dtype == fs::DType::f16)
+    return std::ldexp(1.0, -11);
   return c.q_dtype == fs::DType::bf16 ? std::ldexp(1.0, -8) : 0.0;
 }
 

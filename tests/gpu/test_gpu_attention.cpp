@@ -83,7 +83,7 @@ TEST(GpuAttentionFuzz, MatchesOracleAndReference) {
   const char* count = std::getenv("FLASHSERVE_FUZZ_CASES");  // reduced runs (sanitizers)
   if (count) last = first + std::max(1, std::atoi(count));
   int ran = 0, failed = 0, split_cases = 0;
-  std::map<std::string, int> served;  // cases per serving kernel (fp8 caches apart): the coverage
+  std::map<std::string, int> served;  // cases per serving kernel (fp8 / int8 caches apart): the coverage
   for (int i = first; i < last && failed < kMaxReported; ++i) {
     auto rng = fstest::make_rng(kSalt + uint64_t(i) * 0x9e3779b97f4a7c15ull);
     const CaseConfig cfg = fstest::random_case_config(rng);
@@ -91,7 +91,11 @@ TEST(GpuAttentionFuzz, MatchesOracleAndReference) {
     std::string kernel;
     const std::string err = run_and_check(ac, i % 7 == 3, &kernel);
     ++ran;
-    ++served[kernel.empty() ? "(none)" : kernel + (fs::is_fp8(cfg.kv_dtype) ? "/fp8-kv" : "")];
+    ++served[kernel.empty() ? "(none)"
+             : kernel + (fs::is_fp8(cfg.kv_dtype)                            ? "/fp8-kv"
+                         : cfg.quant == fstest::QuantMode::int8_k8v8  ? "/int8-k8v8"
+                         : cfg.quant == fstest::QuantMode::int8_k8v16 ? "/int8-k8v16"
+                                                                       : "")];
     split_cases += cfg.num_splits > 1;
     if (err.empty()) continue;
     ++failed;

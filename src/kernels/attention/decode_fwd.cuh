@@ -1,7 +1,7 @@
 // The decode kernel: few query rows per KV head (decode, short speculative verify), KV streamed
 // once per KV head, the generic kernel's modifiers (masks.cuh, softmax.cuh, epilogue.cuh).
 // q.k and p.v run on the tensor cores (decode_mma.cuh), for 16-bit K/V and, as f16 operands
-// converted in registers, for fp8 K/V. The CUDA-core scheme below (fp32 math) served fp8 K/V
+// converted in registers, for fp8 K/V; int8 K8V8 / K8V16 with q.k on the s8 mma. The CUDA-core scheme below (fp32 math) served fp8 K/V
 // until then (1.2 TB/s at B=64 L=4k, 1.5x bf16's time); it stays in the source behind
 // decode_uses_mma() (instantiated for no dtype now), and its v3/v4 figures are from when it
 // served bf16 too.
@@ -70,7 +70,7 @@ template <> struct VecOf<16> { using type = uint4; };
 
 template <DType kKv, int N>
 FS_DEV void smem_to_float(const unsigned char* src, float (&out)[N]) {
-  static_assert(!decode_uses_mma(kv_bytes(kKv)), "16-bit K/V take the tensor-core path (decode_mma.cuh)");
+  static_assert(!decode_uses_mma(decode_kv(kKv)), "16-bit K/V take the tensor-core path (decode_mma.cuh)");
   constexpr int kB = N * kv_bytes(kKv);
   union {
     typename VecOf<kB>::type v;
@@ -88,53 +88,66 @@ struct RowMeta {
   float slope;      // ALiBi
   int32_t active;
   float qk_scale;   // fp8 K/V: what the f16 q.k products are multiplied by (k_descale x q_descale /
-                    // the row's power-of-two q scale); 1 otherwise
+                    // the row's power-of-two q scale); int8: the row's q_scale; 1 otherwise
 };
 static_assert(sizeof(RowMeta) == kDecodeRowMetaBytes, "decode_config.hpp sizes shared memory with it");
-static_assert(sizeof(TokenLoc) * kTile == decode_loc_bytes(2) && 2 * decode_loc_bytes(2) == decode_loc_bytes(1),
+static_assert(sizeof(TokenLoc) * kTile == decode_loc_bytes(kDecodeBf16) &&
+                  2 * decode_loc_bytes(kDecodeBf16) == decode_loc_bytes(kDecodeFp8),
               "decode_config.hpp sizes shared memory with it");
 
-template <DType kKv, int kD, int kR, int kT = decode_tile_keys(kv_bytes(kKv))>
+template <DType kKv, DType kV, int kD, int kR, int kT = decode_tile_keys(decode_kv(kKv, kV))>
 struct Shape {
+  static constexpr DType kKDtype = kKv;  // K storage
+  static constexpr DType kVDtype = kV;   // V storage
+  static constexpr DecodeKv kFmt = decode_kv(kKv, kV);
   static constexpr int kDim = kD;
   static constexpr int kWarps = decode_warps(kD);
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = kR;
-  static constexpr int kVb = kv_bytes(kKv);
-  static constexpr int kChunks = kD * kVb / kDecodeChunk;  // 16-byte chunks per K/V row
-  static constexpr int kElems = kDecodeChunk / kVb;       // K elements per chunk
+  static constexpr int kKb = kFmt.kb;    // bytes per K element
+  static constexpr int kVb = kFmt.vb;    // bytes per V element
+  static constexpr bool kInt8 = kFmt.int8;  // int8 q and K (s8 mma, per-key scales in the stage)
+  static constexpr int kChunks = kD * kKb / kDecodeChunk;  // 16-byte chunks per K row
+  static constexpr int kVChunks = kD * kVb / kDecodeChunk;  // 16-byte chunks per V row
+  static constexpr int kElems = kDecodeChunk / kKb;       // K elements per chunk
   static constexpr int kChan = kD / 32;                   // output channels per lane
-  static constexpr int kKStride = int(decode_k_stride(kVb, kD));  // +16 B: lanes hit distinct banks
-  static constexpr int kVStride = int(decode_v_stride(kVb, kD));
+  static constexpr int kKStride = int(decode_k_stride(kFmt, kD));  // +16 B: lanes hit distinct banks
+  static constexpr int kVStride = int(decode_v_stride(kFmt, kD));
   static constexpr int kKeysPerLane = kChunks / 2;  // q.k: keys per lane (kChunks lanes per key)
-  static constexpr bool kMma = decode_uses_mma(kVb);  // tensor-core q.k and p.v (decode_mma.cuh)
-  static constexpr int kQStride = int(decode_q_stride(kVb, kD));  // bytes per q row in shared memory
-  static constexpr int kStages = decode_stages(kVb);  // cp.async ring depth per warp
+  static constexpr bool kMma = decode_uses_mma(kFmt);  // tensor-core q.k and p.v (decode_mma.cuh)
+  static constexpr int kQStride = int(decode_q_stride(kFmt, kD));  // bytes per q row in shared memory
+  static constexpr int kStages = decode_stages(kFmt);  // cp.async ring depth per warp
   static constexpr int kTile = kT;  // keys per warp tile
-  static constexpr size_t kStageBytes = decode_stage_bytes(kVb, kD, kT);
-  static constexpr size_t kWarpBytes = decode_warp_bytes(kVb, kD, kR, kT);
-  static_assert(kWarpBytes <= decode_warp_bytes(kVb, kD, kR), "within the launch's shared memory");
-  static_assert(kMma || kT == decode_tile_keys(kVb), "the CUDA-core path runs its one tile size");
+  static constexpr size_t kStageBytes = decode_stage_bytes(kFmt, kD, kT);
+  static constexpr size_t kKScaleOffset = decode_kscale_offset(kFmt, kD, kT);  // int8: k scales in a stage
+  static constexpr size_t kWarpBytes = decode_warp_bytes(kFmt, kD, kR, kT);
+  static_assert(kWarpBytes <= decode_warp_bytes(kFmt, kD, kR), "within the launch's shared memory");
+  static_assert(kMma || kT == decode_tile_keys(kFmt), "the CUDA-core path runs its one tile size");
   static_assert(kChunks >= 2 && kChunks <= 32 && 32 % kChunks == 0, "a warp copies whole rows");
-  static_assert(kMma || kKeysPerLane * (32 / kChunks) == kTile, "q.k: a warp pass covers the tile");
-  static_assert(kTile % (32 / kChunks) == 0, "a tile is whole copy steps");
+  static_assert(kVChunks >= 2 && kVChunks <= 32 && 32 % kVChunks == 0, "a warp copies whole rows");
+  static_assert(kMma || (kKeysPerLane * (32 / kChunks) == kTile && kKb == kVb), "q.k: a warp pass covers the tile");
+  static_assert(kTile % (32 / kChunks) == 0 && kTile % (32 / kVChunks) == 0, "a tile is whole copy steps");
   static_assert(kChan >= 2, "channels per lane");
-  static_assert(kR % 4 == 0 && kR <= decode_row_capacity(kVb, kD), "rows in fours, within the register budget");
+  static_assert(kR % 4 == 0 && kR <= decode_row_capacity(kFmt, kD), "rows in fours, within the register budget");
   static_assert(!kMma || kR == 16, "the tensor-core path takes 16 rows (the mma's M) per pass");
-  static_assert(decode_merge_fits(kVb, kD, kR), "the merge area fits in the warps' area");
+  static_assert(decode_merge_fits(kFmt, kD, kR), "the merge area fits in the warps' area");
+  static_assert(kKScaleOffset % 16 == 0, "int8 k scales: 16-byte aligned in the stage");
 };
 
 // A warp's view of its stage `s`: K [kTile, kKStride] bytes, V [kTile, kVStride], the bad-key mask
-// (bit k: key k lies outside the cache; issue_tile).
+// (bit k: key k lies outside the cache; issue_tile), int8 K: the keys' scales [kTile] f32 (0 for
+// keys not loaded).
 template <class S>
 struct Stage {
   unsigned char* k;
   unsigned char* v;
   uint32_t* bad;
+  float* kscale;
   FS_DEV Stage(unsigned char* warp_base, int s) {
     k = warp_base + size_t(s) * S::kStageBytes;
     v = k + S::kTile * S::kKStride;
     bad = reinterpret_cast<uint32_t*>(v + S::kTile * S::kVStride);
+    kscale = reinterpret_cast<float*>(k + S::kKScaleOffset);
   }
 };
 

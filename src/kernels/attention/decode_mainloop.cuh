@@ -82,13 +82,42 @@ FS_DEV void stage_rows_fp8(const AttnParams& p, const DecodeSeq& s, int64_t g, i
   }
 }
 
+// int8 q and K: the row group's int8 q in the channel order of decode_mma.cuh (int8_q_column),
+// one warp per row; the row's q_scale is its qk_scale (the k scales are applied per key).
+template <class S>
+FS_DEV void stage_rows_int8(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows,
+                            unsigned char* q, RowMeta* meta) {
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  for (int j = warp; j < S::kRows; j += S::kWarps) {
+    int8_t* row = reinterpret_cast<int8_t*>(q + j * S::kQStride);
+#pragma unroll
+    for (int k = 0; k < S::kChan; ++k) {
+      const int d = lane + 32 * k;
+      row[int8_q_column<S>(d)] = int8_t(q_elem(p, s, g, g0, nrows, j, d));  // exact: an int8 value (0 past nrows)
+    }
+    if (lane == 0) {
+      RowMeta m = row_meta(p, s, g, g0, nrows, j);
+      if (j < nrows) {
+        const PackedIdx pi = packed_idx(p, g, g0, j);
+        const int64_t q_row = s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
+        const StridedRef& qs = p.q_scale;
+        m.qk_scale =
+            static_cast<const float*>(qs.data)[s.rows.qb * qs.stride[0] + q_row * qs.stride[1] + pi.h * qs.stride[2]];
+      }
+      meta[j] = m;
+    }
+  }
+}
+
 // Fills meta [kRows] and q [kRows, kD] (f32, or q's 16-bit type on the tensor-core path, f16 for
 // fp8 K/V; rows kQStride bytes apart; zeros for inactive rows) of the row group; the union of the
 // active rows' keys is returned (the same in every thread). Ends synchronized.
 template <class S>
 FS_DEV KeyRange setup_rows(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows,
                            unsigned char* q, RowMeta* meta) {
-  if constexpr (S::kMma && S::kVb == 1) {
+  if constexpr (S::kMma && S::kInt8) {
+    stage_rows_int8<S>(p, s, g, g0, nrows, q, meta);
+  } else if constexpr (S::kMma && S::kKb == 1) {
     stage_rows_fp8<S>(p, s, g, g0, nrows, q, meta);
   } else {
     if (int(threadIdx.x) < S::kRows) meta[threadIdx.x] = row_meta(p, s, g, g0, nrows, int(threadIdx.x));
@@ -150,8 +179,8 @@ FS_DEV TileKey tile_key(const AttnParams& p, const SeqKv& kv, int64_t t0, int64_
   return k;
 }
 
-// The token's K/V element offsets (as load.cuh's locate_token; the decode kernel serves no int8
-// scales, so k_scale stays unused): keys outside the cache are bad, never read.
+// The token's K/V element offsets (as load.cuh's locate_token; k_scale stays unused: int8 k
+// scales are copied by issue_tile from the key's d0/d1): keys outside the cache are bad, never read.
 FS_DEV TokenLoc tile_loc(const AttnParams& p, const SeqKv& kv, const TileKey& k) {
   TokenLoc L{0, 0, 0.0f, k.state};
   if (k.state != kTokenValid) return L;
@@ -175,23 +204,49 @@ FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st,
   const uint32_t bad = __ballot_sync(kFullMask, lane < S::kTile && L.state == kTokenBad);
   if (lane == 0) *st.bad = bad;
   if (lane < S::kTile) loc[lane] = L;
+  if constexpr (S::kInt8) {  // the keys' scales, 4-byte copies (zeros for keys not loaded)
+    if (lane < S::kTile) {
+      const StridedRef& ks = p.k_scale_cache;
+      const bool ok = L.state == kTokenValid;
+      const int64_t off = ok ? key.d0 * ks.stride[0] + key.d1 * ks.stride[1] + kv.g * ks.stride[2] : 0;
+      cp_async_4(smem_u32(st.kscale + lane), static_cast<const float*>(ks.data) + off, ok);
+    }
+  }
   __syncwarp();
   const char* kg = static_cast<const char*>(p.k.data);
   const char* vg = static_cast<const char*>(p.v.data);
-  constexpr int kRowsPerStep = 32 / S::kChunks;
-  const int c = lane % S::kChunks;
-  // fp8 K: chunk c of row r lands at c ^ (r & 1) (decode_config.hpp); r & 1 is the same for all
+  // 8-bit K: chunk c of row r lands at c ^ (r & 1) (decode_config.hpp); r & 1 is the same for all
   // of the lane's rows (an even number of rows per copy step).
-  static_assert(S::kVb != 1 || kRowsPerStep % 2 == 0, "fp8 K swizzle: one row parity per lane");
-  const int ck = S::kVb == 1 ? c ^ ((lane / S::kChunks) & 1) : c;
-  const uint32_t dk = smem_u32(st.k + ck * kDecodeChunk), dv = smem_u32(st.v + c * kDecodeChunk);
+  constexpr int kRowsPerStep = 32 / S::kChunks, kVRowsPerStep = 32 / S::kVChunks;
+  static_assert(S::kKb != 1 || kRowsPerStep % 2 == 0, "8-bit K swizzle: one row parity per lane");
+  const int c = lane % S::kChunks;
+  const int ck = S::kKb == 1 ? c ^ ((lane / S::kChunks) & 1) : c;
+  const uint32_t dk = smem_u32(st.k + ck * kDecodeChunk);
+  if constexpr (S::kChunks == S::kVChunks) {  // K and V rows of one width: one pass
+    const uint32_t dv = smem_u32(st.v + c * kDecodeChunk);
 #pragma unroll
-  for (int i = 0; i < S::kTile / kRowsPerStep; ++i) {
-    const int r = lane / S::kChunks + i * kRowsPerStep;
-    const TokenLoc R = loc[r];  // offsets 0 unless valid: an in-bounds address, nothing read
-    const bool ok = R.state == kTokenValid;  // else 16 zero bytes
-    cp_async_16(dk + r * S::kKStride, kg + R.k_off * S::kVb + c * kDecodeChunk, ok);
-    cp_async_16(dv + r * S::kVStride, vg + R.v_off * S::kVb + c * kDecodeChunk, ok);
+    for (int i = 0; i < S::kTile / kRowsPerStep; ++i) {
+      const int r = lane / S::kChunks + i * kRowsPerStep;
+      const TokenLoc R = loc[r];  // offsets 0 unless valid: an in-bounds address, nothing read
+      const bool ok = R.state == kTokenValid;  // else 16 zero bytes
+      cp_async_16(dk + r * S::kKStride, kg + R.k_off * S::kKb + c * kDecodeChunk, ok);
+      cp_async_16(dv + r * S::kVStride, vg + R.v_off * S::kVb + c * kDecodeChunk, ok);
+    }
+  } else {  // K8V16: K rows half V's width
+#pragma unroll
+    for (int i = 0; i < S::kTile / kRowsPerStep; ++i) {
+      const int r = lane / S::kChunks + i * kRowsPerStep;
+      const TokenLoc R = loc[r];
+      cp_async_16(dk + r * S::kKStride, kg + R.k_off * S::kKb + c * kDecodeChunk, R.state == kTokenValid);
+    }
+    const int cv = lane % S::kVChunks;
+    const uint32_t dv = smem_u32(st.v + cv * kDecodeChunk);
+#pragma unroll
+    for (int i = 0; i < S::kTile / kVRowsPerStep; ++i) {
+      const int r = lane / S::kVChunks + i * kVRowsPerStep;
+      const TokenLoc R = loc[r];
+      cp_async_16(dv + r * S::kVStride, vg + R.v_off * S::kVb + cv * kDecodeChunk, R.state == kTokenValid);
+    }
   }
   __syncwarp();  // loc is rewritten by the next issue
 }
@@ -464,6 +519,10 @@ FS_DEV void merge_and_store(const AttnParams& p, const DecodeSeq& s, int64_t g, 
     const int64_t r = s.rows.row_begin + pi.i, q_row = s.rows.q_row(r, p.batched);
     float lse = st.lse();
     const float scale = st.empty() ? 0.0f : s.kv.v_desc / st.l;
+    if constexpr (S::kInt8 && S::kVb == 1) {  // K8V8: v's per-channel scale factors out of the sum over keys
+#pragma unroll
+      for (int k = 0; k < S::kChan; ++k) o[k] *= load_f32_2d(p.v_scale, g, lane * S::kChan + k, 1.0f);
+    }
     if (s.splits > 1) {  // fixed-size splits: a sequence of one split is written directly
       const int64_t at = partial_index(p, split, r, pi.h);
 #pragma unroll
@@ -494,7 +553,7 @@ FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, in
   } else {
     WarpAcc<S> w;
     const float* qf = reinterpret_cast<const float*>(q);
-    float* pbuf = reinterpret_cast<float*>(warp_base + S::kStages * S::kStageBytes + decode_loc_bytes(S::kVb, S::kTile));
+    float* pbuf = reinterpret_cast<float*>(warp_base + S::kStages * S::kStageBytes + decode_loc_bytes(S::kFmt, S::kTile));
     if (u.lo < u.hi)
       stream_keys<S>(p, s, warp_base, u, [&](const Stage<S>& st, int64_t t0) {
         consume_tile<kKv, S>(p, st, qf, meta, pbuf, nrows, t0, s.kv.k_desc, lane, w);
@@ -506,10 +565,10 @@ FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, in
 // Two CTAs per SM by shared memory for the tensor-core path and kRows <= 8 (decode_config.hpp),
 // so at most 255 registers.
 // kTile: keys per warp tile (decode_tile_keys; fp8 also 16 for short splits, decode_fwd.cu).
-template <DType kKv, int kD, int kRows, int kTile = decode_tile_keys(kv_bytes(kKv))>
-__global__ void __launch_bounds__(32 * decode_warps(kD), decode_uses_mma(kv_bytes(kKv)) || kRows <= 8 ? 2 : 1)
+template <DType kKv, DType kV, int kD, int kRows, int kTile = decode_tile_keys(decode_kv(kKv, kV))>
+__global__ void __launch_bounds__(32 * decode_warps(kD), decode_uses_mma(decode_kv(kKv, kV)) || kRows <= 8 ? 2 : 1)
     decode_fwd(const __grid_constant__ AttnParams p) {
-  using S = Shape<kKv, kD, kRows, kTile>;
+  using S = Shape<kKv, kV, kD, kRows, kTile>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* q = smem_raw;                                                   // [kRows, kQStride]
   RowMeta* meta = reinterpret_cast<RowMeta*>(q + S::kRows * S::kQStride);       // [kRows]
