@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -240,6 +241,46 @@ inline std::string compare_with_cpu(const fstest::AttentionCase& ac, const fstes
   std::ostringstream os;
   os << bad << " mismatches against the CPU reference (same plan); first ones:\n" << first.str();
   return os.str();
+}
+
+// The kernel attention_kernel_name picks for p on device 0, or "(threw: ...)".
+inline std::string served(const fs::AttentionParams& p, bool batched) {
+  try {
+    return fs::attention_kernel_name(p, batched, fs::kernels::cuda_device_props(0));
+  } catch (const std::exception& e) {
+    return std::string("(threw: ") + e.what() + ")";
+  }
+}
+
+struct Outcome {
+  std::string kernel;  // the kernel that served the GPU call
+  std::string error;   // "" when the GPU agrees with the oracle and the reference
+};
+
+// Plan (forced splits from the config), CPU reference under it, GPU run, both comparisons.
+// `gpu_params_edit` changes only the GPU call's params (after the plan is made).
+template <class Edit>
+Outcome run_and_compare(fstest::AttentionCase& ac, Edit gpu_params_edit) {
+  DeviceCase dc = mirror_case(ac);
+  const fs::Plan plan = plan_case(ac, dc.params);
+  const auto cpu = run_cpu(ac, plan);
+  gpu_params_edit(dc.params);
+  Outcome o;
+  o.kernel = served(dc.params, ac.cfg.batched());
+  const auto ws = device_alloc(plan.workspace.total_bytes);
+  fs::ExecContext ctx;
+  ctx.workspace = ws.get();
+  ctx.workspace_bytes = plan.workspace.total_bytes;
+  ctx.plan = &plan;
+  if (!(dc.params.max_seqlen_q == ac.params.max_seqlen_q)) ctx.plan = nullptr;  // its own (same) plan
+  try {
+    run_gpu(ac, dc, ctx);
+  } catch (const std::exception& e) {
+    o.error = std::string("the CUDA call threw: ") + e.what();
+    return o;
+  }
+  o.error = fstest::check_case(ac) + compare_with_cpu(ac, cpu.first, cpu.second, kernel_rounds_p(o.kernel, ac.cfg));
+  return o;
 }
 
 }  // namespace fsgpu

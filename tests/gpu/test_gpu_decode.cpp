@@ -59,52 +59,12 @@ void make_int8(CaseConfig& c, bool k8v8, DType v16, DType out) {
   c.out_dtype = out;
 }
 
-std::string served(const fs::AttentionParams& p, bool batched) {
-  try {
-    return fs::attention_kernel_name(p, batched, fs::kernels::cuda_device_props(0));
-  } catch (const std::exception& e) {
-    return std::string("(threw: ") + e.what() + ")";
-  }
-}
-
-struct Outcome {
-  std::string kernel;  // the kernel that served the GPU call
-  std::string error;   // "" when the GPU agrees with the oracle and the reference
-};
-
-// Plan (forced splits from the config), CPU reference under it, GPU run, both comparisons.
-// `gpu_params_edit` changes only the GPU call's params (after the plan is made).
-template <class Edit>
-Outcome run_decode(fstest::AttentionCase& ac, Edit gpu_params_edit) {
-  fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
-  const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
-  const auto cpu = fsgpu::run_cpu(ac, plan);
-  gpu_params_edit(dc.params);
-  Outcome o;
-  o.kernel = served(dc.params, ac.cfg.batched());
-  const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
-  fs::ExecContext ctx;
-  ctx.workspace = ws.get();
-  ctx.workspace_bytes = plan.workspace.total_bytes;
-  ctx.plan = &plan;
-  if (!(dc.params.max_seqlen_q == ac.params.max_seqlen_q)) ctx.plan = nullptr;  // its own (same) plan
-  try {
-    fsgpu::run_gpu(ac, dc, ctx);
-  } catch (const std::exception& e) {
-    o.error = std::string("the CUDA call threw: ") + e.what();
-    return o;
-  }
-  o.error = fstest::check_case(ac) +
-            fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(o.kernel, ac.cfg));
-  return o;
-}
-
 // Builds and checks one case that must select the decode kernel. Returns false when the
 // build lacks the instantiation (the caller skips).
 bool expect_decode(const CaseConfig& c, uint64_t salt) {
   auto rng = fstest::make_rng(salt);
   fstest::AttentionCase ac = fstest::build_case(c, rng);
-  const Outcome o = run_decode(ac, [](fs::AttentionParams&) {});
+  const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams&) {});
   if (!fs::kernels::decode_config_built(c.kv_dtype, c.D, v_dtype(c))) return false;
   EXPECT_EQ(o.kernel, "decode") << fstest::describe(c);
   EXPECT_EQ(o.error, "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
@@ -358,7 +318,7 @@ TEST(GpuDecode, Fuzz) {
     if (c.batched()) c.q_lens.assign(c.q_lens.size(), c.q_lens.empty() ? 1 : c.q_lens[0]);
     auto crng = fstest::make_rng(2000 + uint64_t(i));
     fstest::AttentionCase ac = fstest::build_case(c, crng);
-    const Outcome o = run_decode(ac, [](fs::AttentionParams&) {});
+    const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams&) {});
     ++ran;
     served_decode += o.kernel == "decode";
     served_fp8 += o.kernel == "decode" && fs::is_fp8(c.kv_dtype);
@@ -383,7 +343,7 @@ TEST(GpuDecode, UnderstatedMaxSeqlenQ) {
   c.causal = true;
   c.num_splits = 1;
   fstest::AttentionCase ac = fstest::build_case(c, rng);
-  const Outcome o = run_decode(ac, [](fs::AttentionParams& p) { p.max_seqlen_q = 1; });
+  const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams& p) { p.max_seqlen_q = 1; });
   EXPECT_EQ(o.kernel, "decode");
   EXPECT_EQ(o.error, "") << fstest::describe(c);
 }
@@ -402,7 +362,7 @@ TEST(GpuDecode, BadBlockIndexGivesNanRows) {
       fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
       const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
       const auto cpu = fsgpu::run_cpu(ac, plan);
-      ASSERT_EQ(served(dc.params, true), "decode");
+      ASSERT_EQ(fsgpu::served(dc.params, true), "decode");
       for (int col : {1, 3}) {  // sequence 1: block 1 is not visible, block 3 (48..63) is
         int32_t* entry = static_cast<int32_t*>(ac.params.block_table->at(1, col));
         const int32_t good_id = *entry;

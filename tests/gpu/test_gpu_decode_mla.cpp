@@ -48,50 +48,12 @@ CaseConfig mla_config(int64_t B, int64_t max_k, int64_t H, int64_t q_len, std::m
   return c;
 }
 
-std::string served(const fs::AttentionParams& p, bool batched) {
-  try {
-    return fs::attention_kernel_name(p, batched, fs::kernels::cuda_device_props(0));
-  } catch (const std::exception& e) {
-    return std::string("(threw: ") + e.what() + ")";
-  }
-}
-
-struct Outcome {
-  std::string kernel;
-  std::string error;
-};
-
-template <class Edit>
-Outcome run_mla(fstest::AttentionCase& ac, Edit gpu_params_edit) {
-  fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
-  const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
-  const auto cpu = fsgpu::run_cpu(ac, plan);
-  gpu_params_edit(dc.params);
-  Outcome o;
-  o.kernel = served(dc.params, ac.cfg.batched());
-  const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
-  fs::ExecContext ctx;
-  ctx.workspace = ws.get();
-  ctx.workspace_bytes = plan.workspace.total_bytes;
-  ctx.plan = &plan;
-  if (!(dc.params.max_seqlen_q == ac.params.max_seqlen_q)) ctx.plan = nullptr;
-  try {
-    fsgpu::run_gpu(ac, dc, ctx);
-  } catch (const std::exception& e) {
-    o.error = std::string("the CUDA call threw: ") + e.what();
-    return o;
-  }
-  o.error = fstest::check_case(ac) +
-            fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(o.kernel, ac.cfg));
-  return o;
-}
-
 // Builds and checks one case that must select decode_mla; false when the dtype is not built.
 bool expect_mla(const CaseConfig& c, uint64_t salt) {
   if (!fs::kernels::mla_config_built(c.q_dtype)) return false;
   auto rng = fstest::make_rng(salt);
   fstest::AttentionCase ac = fstest::build_case(c, rng);
-  const Outcome o = run_mla(ac, [](fs::AttentionParams&) {});
+  const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams&) {});
   EXPECT_EQ(o.kernel, "decode_mla") << fstest::describe(c);
   EXPECT_EQ(o.error, "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
   return true;
@@ -191,7 +153,7 @@ TEST(GpuDecodeMla, UnderstatedMaxSeqlenQ) {
   c.causal = true;
   c.num_splits = 1;
   fstest::AttentionCase ac = fstest::build_case(c, rng);
-  const Outcome o = run_mla(ac, [](fs::AttentionParams& p) { p.max_seqlen_q = 1; });
+  const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams& p) { p.max_seqlen_q = 1; });
   EXPECT_EQ(o.kernel, "decode_mla");
   EXPECT_EQ(o.error, "") << fstest::describe(c);
 }
@@ -210,7 +172,7 @@ TEST(GpuDecodeMla, BadBlockIndexGivesNanRows) {
       fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
       const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
       const auto cpu = fsgpu::run_cpu(ac, plan);
-      ASSERT_EQ(served(dc.params, true), "decode_mla");
+      ASSERT_EQ(fsgpu::served(dc.params, true), "decode_mla");
       for (int col : {1, 3}) {
         int32_t* entry = static_cast<int32_t*>(ac.params.block_table->at(1, col));
         const int32_t good_id = *entry;
@@ -301,7 +263,7 @@ TEST(GpuDecodeMla, Fuzz) {
       for (int64_t& k : c.k_lens) k = std::min<int64_t>(k, 300);  // the CPU reference's time
     auto crng = fstest::make_rng(4000 + uint64_t(i));
     fstest::AttentionCase ac = fstest::build_case(c, crng);
-    const Outcome o = run_mla(ac, [](fs::AttentionParams&) {});
+    const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams&) {});
     ++ran;
     served_mla += o.kernel == "decode_mla";
     if (o.error.empty()) continue;
