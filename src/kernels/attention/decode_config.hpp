@@ -51,20 +51,10 @@ constexpr int decode_warps(int d) { return d > 128 ? 2 : 4; }
 // q.k and p.v run on the tensor cores (mma.sync, decode_mma.cuh): one pass covers 16 packed rows
 // at the cost of one (the mma's M). 16-bit K/V in q's type; fp8 K/V as f16 operands (converted
 // in registers, exact), q as f16 (exact; bf16 q scaled by a power of two per row); int8 q.k on
-// m16n8k32 s8 (s32 sums, exact), int8 V as f16 operands (exact). The fp32 CUDA-core path
-// (decode_mainloop.cuh) stays for formats where this returns false (none now).
-constexpr bool decode_uses_mma(DecodeKv f) { return f.kb == 2 || f.kb == 1; }
-constexpr int decode_row_capacity(DecodeKv f, int d) {  // rows per pass (registers)
-  return decode_uses_mma(f) || d <= 128 ? 16 : 8;
-}
-// Rows per pass of the instantiation picked for at most `packed` rows per (sequence, KV head):
-// the tensor-core path always takes 16; the CUDA-core path 4 or 8 (small shared memory: 2
-// CTAs per SM) or the capacity. Any choice is correct (the kernel loops over row groups); the
-// launcher dispatches on it (AttnParams::rows_per_cta).
-constexpr int decode_rows_for(DecodeKv f, int d, int64_t packed) {
-  if (decode_uses_mma(f)) return 16;
-  return packed <= 4 ? 4 : packed <= 8 ? 8 : decode_row_capacity(f, d);
-}
+// m16n8k32 s8 (s32 sums, exact), int8 V as f16 operands (exact). Every format (2-byte and
+// 1-byte K) takes this path; 16 packed rows per pass (the mma's M), whatever the row count: the
+// kernel loops over row groups.
+inline constexpr int kDecodeRows = 16;
 
 struct DecodeConfig {
   DType kv;  // K storage dtype
@@ -104,12 +94,11 @@ constexpr size_t decode_loc_bytes(DecodeKv f, int tile = 0) {  // a warp's Token
 }
 
 // Shared memory layout, in bytes (decode_fwd.cuh carves it the same way):
-//   q [rows, D] (f32; tensor-core path: q's 16-bit type or, for fp8 K/V, f16 in the channel order
-//   of decode_mma.cuh; int8: int8 in that module's order; rows padded by 16 B) | meta [rows] |
+//   q [rows, D] (q's 16-bit type or, for fp8 K/V, f16 in the channel order of decode_mma.cuh;
+//   int8: int8 in that module's order; rows padded by 16 B) | meta [rows] |
 //   per warp: stages x (K [tile keys, D*kb + 16 (8-bit: D)], V [tile keys, D*vb + 16], bad-key
-//   mask, int8: k scales [tile keys] f32), TokenLoc [tile] and, on the
-//   CUDA-core path, p [rows, 16] f32. The +16 B row pads put ldmatrix rows (and the CUDA-core
-//   path's lanes) on distinct banks. The cross-warp merge reuses the per-warp area.
+//   mask, int8: k scales [tile keys] f32) and TokenLoc [tile]. The +16 B row pads put ldmatrix
+//   rows on distinct banks. The cross-warp merge reuses the per-warp area.
 // bf16 D=128, 16 rows: 111 KB; fp8 D=128 (32-key tiles): 110 KB; int8 K8V8 112 KB, K8V16 (16-key
 // tiles, 4 stages) 108 KB; so two CTAs (8 warps) share an SM.
 // 8-bit K rows are unpadded (16-byte chunk c of key row r stored at c ^ (r & 1): decode_mma.cuh's
@@ -118,8 +107,8 @@ constexpr size_t decode_k_stride(DecodeKv f, int d) {
   return f.kb == 1 ? size_t(d) : size_t(d * f.kb + kDecodeChunk);
 }
 constexpr size_t decode_v_stride(DecodeKv f, int d) { return size_t(d * f.vb + kDecodeChunk); }
-constexpr size_t decode_q_stride(DecodeKv f, int d) {  // bytes per q row in shared memory
-  return decode_uses_mma(f) ? size_t(d * 2 + kDecodeChunk) : size_t(d) * 4;
+constexpr size_t decode_q_stride(DecodeKv, int d) {  // bytes per q row in shared memory
+  return size_t(d * 2 + kDecodeChunk);
 }
 constexpr size_t decode_kscale_offset(DecodeKv f, int d, int tile = 0) {  // in a stage
   return size_t(tile ? tile : decode_tile_keys(f)) * (decode_k_stride(f, d) + decode_v_stride(f, d)) +
@@ -128,9 +117,8 @@ constexpr size_t decode_kscale_offset(DecodeKv f, int d, int tile = 0) {  // in 
 constexpr size_t decode_stage_bytes(DecodeKv f, int d, int tile = 0) {
   return decode_kscale_offset(f, d, tile) + (f.int8 ? size_t(tile ? tile : decode_tile_keys(f)) * 4 : 0);
 }
-constexpr size_t decode_warp_bytes(DecodeKv f, int d, int rows, int tile = 0) {
-  return size_t(decode_stages(f)) * decode_stage_bytes(f, d, tile) + decode_loc_bytes(f, tile) +
-         (decode_uses_mma(f) ? 0 : size_t(rows) * decode_tile_keys(f) * 4);
+constexpr size_t decode_warp_bytes(DecodeKv f, int d, int /*rows*/, int tile = 0) {
+  return size_t(decode_stages(f)) * decode_stage_bytes(f, d, tile) + decode_loc_bytes(f, tile);
 }
 constexpr size_t decode_head_bytes(DecodeKv f, int d, int rows) {
   return size_t(rows) * (decode_q_stride(f, d) + kDecodeRowMetaBytes);

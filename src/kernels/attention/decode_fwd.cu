@@ -26,23 +26,21 @@ void launch_rows(const AttnParams& p, cudaStream_t stream) {
   FS_CUDA_CHECK_LAUNCH();
 }
 
-// The row-count instantiation the selection sized (AttnParams::rows_per_cta; decode_rows_for):
-// 16 on the tensor-core path; 4, 8 or the capacity on the CUDA-core path.
+// The instantiation of configuration I: 16 rows per pass (kDecodeRows); 8-bit K and V (fp8,
+// K8V8) in 32-key tiles, 16-key ones on short splits.
 template <size_t I>
 void launch_config(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeKv kVb = kFmt<I>;
-  constexpr int kCap = decode_row_capacity(kVb, kDecodeConfigs[I].d);
-  if constexpr (decode_tile_keys(kVb) > kDecodeTileKeys && decode_uses_mma(kVb)) {  // fp8, K8V8: 32-key tiles, 16 on short splits
+  if constexpr (decode_tile_keys(kVb) > kDecodeTileKeys) {
     // Batch-invariant (fixed-size splits): the tile from the split size alone, never the batch's span.
     const int64_t span = p.split_size > 0 ? p.split_size : p.paged ? p.max_blocks * p.kv_dim1 : p.kv_dim1;
     if (decode_launch_tile(kVb, kDecodeConfigs[I].d, span, p.split_size > 0 ? 1 : p.num_splits) == kDecodeTileKeys)
-      launch_rows<I, 16, kDecodeTileKeys>(p, stream);
+      launch_rows<I, kDecodeRows, kDecodeTileKeys>(p, stream);
     else
-      launch_rows<I, 16>(p, stream);
-  } else if constexpr (decode_uses_mma(kVb)) launch_rows<I, 16>(p, stream);
-  else if (p.rows_per_cta <= 4) launch_rows<I, 4>(p, stream);
-  else if (p.rows_per_cta <= 8) launch_rows<I, 8>(p, stream);
-  else launch_rows<I, kCap>(p, stream);
+      launch_rows<I, kDecodeRows>(p, stream);
+  } else {
+    launch_rows<I, kDecodeRows>(p, stream);
+  }
 }
 
 }  // namespace

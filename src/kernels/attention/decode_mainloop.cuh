@@ -109,23 +109,21 @@ FS_DEV void stage_rows_int8(const AttnParams& p, const DecodeSeq& s, int64_t g, 
   }
 }
 
-// Fills meta [kRows] and q [kRows, kD] (f32, or q's 16-bit type on the tensor-core path, f16 for
-// fp8 K/V; rows kQStride bytes apart; zeros for inactive rows) of the row group; the union of the
+// Fills meta [kRows] and q [kRows, kD] (q's 16-bit type, f16 for fp8 K/V, int8 for int8 K;
+// rows kQStride bytes apart; zeros for inactive rows) of the row group; the union of the
 // active rows' keys is returned (the same in every thread). Ends synchronized.
 template <class S>
 FS_DEV KeyRange setup_rows(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows,
                            unsigned char* q, RowMeta* meta) {
-  if constexpr (S::kMma && S::kInt8) {
+  if constexpr (S::kInt8) {
     stage_rows_int8<S>(p, s, g, g0, nrows, q, meta);
-  } else if constexpr (S::kMma && S::kKb == 1) {
+  } else if constexpr (S::kKb == 1) {
     stage_rows_fp8<S>(p, s, g, g0, nrows, q, meta);
   } else {
     if (int(threadIdx.x) < S::kRows) meta[threadIdx.x] = row_meta(p, s, g, g0, nrows, int(threadIdx.x));
     for (int idx = int(threadIdx.x); idx < S::kRows * S::kDim; idx += S::kThreads) {
       const int j = idx / S::kDim, d = idx % S::kDim;
-      const float x = q_elem(p, s, g, g0, nrows, j, d);
-      if constexpr (S::kMma) store_from_float(q + j * S::kQStride, d, p.q.dtype, x);  // exact: q's own type
-      else reinterpret_cast<float*>(q + j * S::kQStride)[d] = x;
+      store_from_float(q + j * S::kQStride, d, p.q.dtype, q_elem(p, s, g, g0, nrows, j, d));  // exact: q's own type
     }
   }
   __syncthreads();
@@ -251,206 +249,6 @@ FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st,
   __syncwarp();  // loc is rewritten by the next issue
 }
 
-// Per-warp running state of the row group: online softmax and output channels
-// [lane * kChan, (lane + 1) * kChan) of every row.
-template <class S>
-struct WarpAcc {
-  RowState st[S::kRows];
-  float acc[S::kRows][S::kChan];
-  FS_DEV WarpAcc() {
-#pragma unroll
-    for (int j = 0; j < S::kRows; ++j)
-#pragma unroll
-      for (int k = 0; k < S::kChan; ++k) acc[j][k] = 0.0f;
-  }
-  // The warp's state into the merge area: mo [kWarps, kRows, kD], ms [kWarps, kRows, 2].
-  FS_DEV void spill(float* mo, float* ms, int warp, int nrows, int lane) const {
-#pragma unroll
-    for (int j = 0; j < S::kRows; ++j) {
-      if (j >= nrows) break;
-#pragma unroll
-      for (int k = 0; k < S::kChan; ++k) mo[(warp * S::kRows + j) * S::kDim + lane * S::kChan + k] = acc[j][k];
-      if (lane == 0) {
-        ms[(warp * S::kRows + j) * 2] = st[j].m;
-        ms[(warp * S::kRows + j) * 2 + 1] = st[j].l;
-      }
-    }
-  }
-};
-
-// q.k of rows [j4, j4 + 4) over the tile, K consumed with 16-byte shared-memory reads and no q
-// re-reads per key: lane l owns chunk c = l % C (C = S::kChunks 16-byte chunks per K row) of
-// the kKeysPerLane keys s * KL + i (slot s = l / C, KL = C / 2) and sums that chunk's products
-// for each (key, row): 4 * KL = 2C partials. A halving butterfly over the slot's C lanes (each
-// level sends one half, keeps the other) leaves each lane 2 complete scores: key s * KL + c / 2,
-// rows j4 + 2 * (c % 2) + {0, 1} (KeySlot).
-struct KeySlot {
-  int key;  // key within the tile
-  int r0;   // first of the lane's two rows within the four (0 or 2)
-};
-template <class S>
-FS_DEV KeySlot key_slot(int lane) {
-  const int c = lane % S::kChunks;
-  return {lane / S::kChunks * S::kKeysPerLane + c / 2, 2 * (c % 2)};
-}
-
-// One butterfly level over lane bit M of the first N partials: the lane keeps the upper half
-// (bit set) or the lower, adding its partner's copy of it; then the next bit down.
-template <int M, int N, int K>
-FS_DEV void halve_reduce(float (&part)[K], int lane) {
-  const bool upper = (lane & M) != 0;
-#pragma unroll
-  for (int v = 0; v < N / 2; ++v) {
-    const float lo = part[v], hi = part[v + N / 2];
-    const float recv = __shfl_xor_sync(kFullMask, upper ? lo : hi, M);
-    part[v] = (upper ? hi : lo) + recv;
-  }
-  if constexpr (M > 1) halve_reduce<M / 2, N / 2>(part, lane);
-}
-
-template <DType kKv, class S>
-FS_DEV void tile_dots4(const Stage<S>& st, const float* q, int j4, int lane, float (&sc)[2]) {
-  constexpr int C = S::kChunks, KL = S::kKeysPerLane, E = S::kElems;
-  const int c = lane % C, s = lane / C;
-  float qr[4][E];
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const float4* qj = reinterpret_cast<const float4*>(q + (j4 + r) * S::kDim + c * E);
-#pragma unroll
-    for (int e = 0; e < E / 4; ++e) {
-      const float4 q4 = qj[e];
-      qr[r][4 * e] = q4.x;
-      qr[r][4 * e + 1] = q4.y;
-      qr[r][4 * e + 2] = q4.z;
-      qr[r][4 * e + 3] = q4.w;
-    }
-  }
-  float part[4 * KL];  // [key i][row r]
-#pragma unroll
-  for (int i = 0; i < KL; ++i) {
-    float kf[E];
-    smem_to_float<kKv, E>(st.k + (s * KL + i) * S::kKStride + c * kDecodeChunk, kf);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      float a0 = 0.0f, a1 = 0.0f;  // two chains: half the dependent FMA latency
-#pragma unroll
-      for (int e = 0; e < E; e += 2) {
-        a0 = fmaf(qr[r][e], kf[e], a0);
-        a1 = fmaf(qr[r][e + 1], kf[e + 1], a1);
-      }
-      part[i * 4 + r] = a0 + a1;
-    }
-  }
-  halve_reduce<C / 2, 2 * C>(part, lane);
-  sc[0] = part[0];
-  sc[1] = part[1];
-}
-
-// Max and sum over the tile's 16 keys of the lane's two rows: the lanes of one row pair share
-// lane parity (C is even), so the reduction runs over lane bits 1-4.
-FS_DEV void pair_max_nan(float (&x)[2]) {
-#pragma unroll
-  for (int o = 2; o < 32; o <<= 1)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) x[e] = nan_max(x[e], __shfl_xor_sync(kFullMask, x[e], o));
-}
-FS_DEV void pair_sum(float (&x)[2]) {
-#pragma unroll
-  for (int o = 2; o < 32; o <<= 1)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) x[e] += __shfl_xor_sync(kFullMask, x[e], o);
-}
-// The four rows' values from the lane's pair (rows r0, r0 + 1) and its xor-1 partner's.
-FS_DEV void gather_four(const float (&mine)[2], int r0, float (&four)[4]) {
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const float other = __shfl_xor_sync(kFullMask, mine[e], 1);
-    four[e] = r0 == 0 ? mine[e] : other;
-    four[2 + e] = r0 == 0 ? other : mine[e];
-  }
-}
-
-// Online softmax of rows [j4, j4 + 4) over the tile from the lanes' (key, row-pair) scores
-// (tile_dots4); p into pbuf [kRows, 16]. Every lane keeps all four rows' states. A row that
-// sees none of the tile's keys scores -inf everywhere: its state and accumulator stay as they are.
-template <class S>
-FS_DEV void tile_softmax4(const AttnParams& p, const RowMeta* meta, float* pbuf, int j4, int64_t t0, KeySlot ks,
-                          bool bad, float k_desc, const float (&sc)[2], WarpAcc<S>& w) {
-  const ScoreTransform score = make_score_transform(p);
-  const int64_t key = t0 + ks.key;
-  float x[2], mx[2], pe[2];
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const RowMeta& m = meta[j4 + ks.r0 + e];
-    const bool vis = key >= m.lo && key < m.hi;
-    x[e] = !vis ? kNegInf : bad ? nan_value() : score(sc[e] * k_desc, m.pos, key, m.slope);
-    mx[e] = x[e];
-  }
-  pair_max_nan(mx);
-  float m4[4], new_m[4], alpha[4];
-  gather_four(mx, ks.r0, m4);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (!w.st[j4 + i].rescale(m4[i], new_m[i], alpha[i])) new_m[i] = kNegInf;
-  }
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const float nm = ks.r0 == 0 ? new_m[e] : new_m[2 + e];
-    pe[e] = nm != kNegInf && x[e] != kNegInf ? expf(x[e] - nm) : 0.0f;
-    pbuf[(j4 + ks.r0 + e) * kTile + ks.key] = pe[e];
-  }
-  pair_sum(pe);
-  float sum4[4];
-  gather_four(pe, ks.r0, sum4);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (new_m[i] == kNegInf) continue;
-    w.st[j4 + i].update(new_m[i], alpha[i], sum4[i]);
-    if (alpha[i] != 1.0f) {
-#pragma unroll
-      for (int k = 0; k < S::kChan; ++k) w.acc[j4 + i][k] *= alpha[i];
-    }
-  }
-}
-
-// One tile of the warp: scores and online softmax per four rows (p into pbuf [kRows, 16]),
-// then p.v over all 16 keys (keys outside the stream are zero rows with p = 0), p read four
-// keys per 16-byte load.
-template <DType kKv, class S>
-FS_DEV void consume_tile(const AttnParams& p, const Stage<S>& st, const float* q, const RowMeta* meta, float* pbuf,
-                         int nrows, int64_t t0, float k_desc, int lane, WarpAcc<S>& w) {
-  const KeySlot ks = key_slot<S>(lane);
-  const bool bad = (*st.bad >> ks.key) & 1u;
-#pragma unroll
-  for (int j4 = 0; j4 < S::kRows; j4 += 4) {
-    if (j4 >= nrows) break;
-    float sc[2];
-    tile_dots4<kKv, S>(st, q, j4, lane, sc);
-    tile_softmax4<S>(p, meta, pbuf, j4, t0, ks, bad, k_desc, sc, w);
-  }
-  __syncwarp();
-  const unsigned char* vcol = st.v + lane * S::kChan * S::kVb;
-#pragma unroll
-  for (int t4 = 0; t4 < kTile; t4 += 4) {
-    float vf[4][S::kChan];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) smem_to_float<kKv, S::kChan>(vcol + (t4 + u) * S::kVStride, vf[u]);
-#pragma unroll
-    for (int j = 0; j < S::kRows; ++j) {
-      if (j >= ((nrows + 3) & ~3)) break;
-      const float4 p4 = *reinterpret_cast<const float4*>(pbuf + j * kTile + t4);
-#pragma unroll
-      for (int k = 0; k < S::kChan; ++k) {
-        float a = w.acc[j][k];
-        a = fmaf(p4.x, vf[0][k], a);
-        a = fmaf(p4.y, vf[1][k], a);
-        a = fmaf(p4.z, vf[2][k], a);
-        w.acc[j][k] = fmaf(p4.w, vf[3][k], a);
-      }
-    }
-  }
-}
-
 // The warp's tiles w, w + W, ... of keys [u.lo, u.hi) (tiles aligned to the split's start, as
 // the CPU reference), through an S::kStages-deep ring of cp.async groups; the block-table entries
 // of the tile after the one being issued wait in registers (`ahead`). consume(stage, t0) takes
@@ -484,7 +282,7 @@ FS_DEV void stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* 
     __syncwarp();
     consume(Stage<S>(warp_base, consume_stage), tile_start(k));
     consume_stage = consume_stage + 1 == S::kStages ? 0 : consume_stage + 1;
-    __syncwarp();  // the stage (and pbuf) are free for the next issue
+    __syncwarp();  // the stage is free for the next issue
   }
   cp_async_wait<0>();
 }
@@ -537,36 +335,25 @@ FS_DEV void merge_and_store(const AttnParams& p, const DecodeSeq& s, int64_t g, 
   }
 }
 
-// One row group: the CUDA-core path (fp8 K/V; decode_mainloop.cuh) or the tensor-core path
-// (16-bit K/V; decode_mma.cuh), then the cross-warp merge.
+// One row group on the tensor cores (decode_mma.cuh: 16-bit, fp8 and int8 K/V), then the
+// cross-warp merge.
 template <DType kKv, class S>
 FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows, int split,
                           unsigned char* q, RowMeta* meta, unsigned char* warps_base) {
   const int lane = int(threadIdx.x) % 32;
   unsigned char* warp_base = warps_base + size_t(threadIdx.x / 32) * S::kWarpBytes;
   const KeyRange u = setup_rows<S>(p, s, g, g0, nrows, q, meta);
-  if constexpr (S::kMma) {
-    MmaWarp<kKv, S> w(q, meta, lane);
-    if (u.lo < u.hi)
-      stream_keys<S>(p, s, warp_base, u, [&](const Stage<S>& st, int64_t t0) { w.consume(p, st, t0, lane); });
-    merge_and_store<S>(p, s, g, g0, nrows, split, warps_base, w);
-  } else {
-    WarpAcc<S> w;
-    const float* qf = reinterpret_cast<const float*>(q);
-    float* pbuf = reinterpret_cast<float*>(warp_base + S::kStages * S::kStageBytes + decode_loc_bytes(S::kFmt, S::kTile));
-    if (u.lo < u.hi)
-      stream_keys<S>(p, s, warp_base, u, [&](const Stage<S>& st, int64_t t0) {
-        consume_tile<kKv, S>(p, st, qf, meta, pbuf, nrows, t0, s.kv.k_desc, lane, w);
-      });
-    merge_and_store<S>(p, s, g, g0, nrows, split, warps_base, w);
-  }
+  MmaWarp<kKv, S> w(q, meta, lane);
+  if (u.lo < u.hi)
+    stream_keys<S>(p, s, warp_base, u, [&](const Stage<S>& st, int64_t t0) { w.consume(p, st, t0, lane); });
+  merge_and_store<S>(p, s, g, g0, nrows, split, warps_base, w);
 }
 
 // Two CTAs per SM by shared memory for the tensor-core path and kRows <= 8 (decode_config.hpp),
 // so at most 255 registers.
 // kTile: keys per warp tile (decode_tile_keys; fp8 also 16 for short splits, decode_fwd.cu).
 template <DType kKv, DType kV, int kD, int kRows, int kTile = decode_tile_keys(decode_kv(kKv, kV))>
-__global__ void __launch_bounds__(32 * decode_warps(kD), decode_uses_mma(decode_kv(kKv, kV)) || kRows <= 8 ? 2 : 1)
+__global__ void __launch_bounds__(32 * decode_warps(kD), 2)
     decode_fwd(const __grid_constant__ AttnParams p) {
   using S = Shape<kKv, kV, kD, kRows, kTile>;
   extern __shared__ __align__(16) unsigned char smem_raw[];

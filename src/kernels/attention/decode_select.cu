@@ -74,7 +74,7 @@ std::string try_decode(const detail::AttnProblem& pr, const DeviceProps& dev, At
   if (pr.batch > INT_MAX || pr.num_kv_heads > 65535)
     return detail::cat("decode kernel: B <= ", INT_MAX, " and H_kv <= 65535, got ", pr.batch, "/", pr.num_kv_heads);
   const DecodeKv kvb = decode_kv(pr.k.dtype, pr.v.dtype);
-  const int rows_per_cta = decode_rows_for(kvb, int(pr.head_dim), rows);
+  const int rows_per_cta = kDecodeRows;
   const size_t smem = decode_smem_bytes(kvb, int(pr.head_dim), rows_per_cta);
   if (smem > max_smem_per_block(dev))
     return detail::cat("decode kernel: ", smem, " bytes of shared memory per block, the device allows ",
