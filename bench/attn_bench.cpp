@@ -75,6 +75,7 @@ struct Spec {
   int64_t W = 0;         // prefill: chunk size (mod=chunk) or left window (mod=window)
   int64_t Dv = 0;        // prefill: V head size (0: D; MLA prefill 192/128)
   bool mla = false;      // decode: MLA absorbed decode over a latent cache (D 64 + Dv 512, Hkv 1)
+  bool inv = false;      // decode: batch-invariant mode (AttentionParams::batch_invariant)
 };
 
 Spec parse_spec(const std::string& text) {
@@ -93,13 +94,15 @@ Spec parse_spec(const std::string& text) {
   auto str = [&](const char* key, std::string& dst) {
     if (auto it = kv.find(key); it != kv.end()) dst = it->second, kv.erase(it);
   };
-  int64_t causal = 0, cascade = 1, mla = 0;
+  int64_t causal = 0, cascade = 1, mla = 0, inv = 0;
   str("name", s.name), str("op", s.op), str("kv", s.kv), str("mod", s.mod);
   num("W", s.W), num("Dv", s.Dv);
   num("B", s.B), num("S", s.S), num("L", s.L), num("H", s.H), num("Hkv", s.Hkv), num("D", s.D);
   num("block", s.block), num("causal", causal), num("P", s.P), num("cascade", cascade);
-  num("C", s.C), num("NP", s.NP), num("Q", s.Q), num("mla", mla);
+  num("C", s.C), num("NP", s.NP), num("Q", s.Q), num("mla", mla), num("inv", inv);
   s.causal = causal != 0;
+  s.inv = inv != 0;
+  if (s.inv && s.op != "decode") throw std::invalid_argument("inv=1: op=decode only");
   s.mla = mla != 0;
   if (s.mla && (s.op != "decode" || s.kv != "bf16")) throw std::invalid_argument("mla=1: op=decode with kv=bf16 only");
   if (s.mla) s.Hkv = 1, s.D = 64, s.Dv = 512;
@@ -327,6 +330,7 @@ BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
       p.q_v = TensorRef::contiguous(alloc_random(c, s.B * s.Q * s.H * s.Dv, DType::bf16), DType::bf16,
                                     {s.B, s.Q, s.H, s.Dv}, dev);
     p.causal = s.Q > 1;
+    p.batch_invariant = s.inv;
     p.k = k_ref;
     p.v = v_ref;
     void* table = alloc(c, size_t(s.B * per_seq) * 4);

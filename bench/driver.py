@@ -37,7 +37,8 @@ class Config:
     """One named configuration. prefill: varlen, q_len = kv_len = S per sequence; decode: one
     query per sequence over a paged cache of L tokens in blocks of `block`."""
     name: str
-    family: str          # prefill | paged_decode | small_pages | fp8_decode | int8_decode | mla_decode | shared_prefix | mixed_step
+    family: str          # prefill | paged_decode | small_pages | fp8_decode | int8_decode | verify | batch_invariant |
+                         # mla_decode | shared_prefix | mixed_step
     op: str              # prefill | decode | shared_prefix, mixed_step (one backend step)
     B: int
     H: int
@@ -57,6 +58,9 @@ class Config:
     W: int = 0           # prefill: chunk size (mod chunk) or left window (mod window)
     Dv: int = 0          # prefill: V head size when it differs from D (MLA prefill 192/128)
     mla: bool = False    # decode: MLA absorbed decode (q 64 + q_v 512 over one latent cache [.., 576], Hkv 1)
+    Q: int = 1           # decode: query rows per sequence (speculative verify: > 1, causal)
+    inv: bool = False    # decode: batch-invariant mode (fixed-size splits)
+    base: str = ""       # verify / batch_invariant: the q_len-1 / default-mode row of the same shape
     plain: str = ""      # prefill_mods: the unmodified configuration of the same shape (vs_plain)
     peers: tuple = ()    # peers (besides flashserve) that run it
     quick: bool = False  # part of --quick
@@ -122,7 +126,8 @@ class Config:
                     f" D={self.D} block={self.block}")
         if self.mla:
             return f"MLA B={self.B} L={self.L} H={self.H} D=64+512 block={self.block} kv={self.kv}"
-        return f"B={self.B} L={self.L} H={self.H}/{self.Hkv} D={self.D} block={self.block} kv={self.kv}"
+        extra = (f" q_len={self.Q}" if self.Q > 1 else "") + (" batch-invariant" if self.inv else "")
+        return f"B={self.B} L={self.L} H={self.H}/{self.Hkv} D={self.D} block={self.block} kv={self.kv}{extra}"
 
     def spec(self) -> str:
         """The attn_bench argument for this configuration."""
@@ -135,7 +140,8 @@ class Config:
             return f"{common},L={self.L},P={self.P},block={self.block},cascade={int(self.cascade)}"
         if self.op == "mixed_step":
             return f"{common},L={self.L},S={self.S},C={self.C},NP={self.NP},block={self.block}"
-        return f"{common},L={self.L},block={self.block},kv={self.kv}" + (",mla=1" if self.mla else "")
+        extra = (",mla=1" if self.mla else "") + (f",Q={self.Q}" if self.Q > 1 else "") + (",inv=1" if self.inv else "")
+        return f"{common},L={self.L},block={self.block},kv={self.kv}{extra}"
 
 
 def _k(n: int) -> str:
@@ -180,6 +186,18 @@ def all_configs() -> list[Config]:
     for b, l in decode_shapes:
         out.append(Config(name=f"decode_fp8_b{b}_l{_k(l)}_bs16", family="fp8_decode", B=b, L=l, block=16,
                           kv="fp8", quick=b == 64, **common))
+    # Speculative verify (q_len 2-8, causal) over the decode shapes' caches; vs_decode: the q_len-1
+    # row's time / this row's (the same KV bytes: issue 15 wants >= 0.9 at q_len 4). flashserve only.
+    for kv in ("bf16", "fp8"):
+        for q in (2, 4, 8):
+            pre = "decode_" if kv == "bf16" else f"decode_{kv}_"
+            out.append(Config(name=f"verify{'' if kv == 'bf16' else '_' + kv}_q{q}_b64_l4k_bs16", family="verify", B=64,
+                              L=4096, block=16, kv=kv, Q=q, base=f"{pre}b64_l4k_bs16", quick=q == 4, **common))
+    # Batch-invariant mode against the default split heuristic (vs_default: default time / this
+    # row's; issue 15 wants >= 0.9 at every shape). flashserve only.
+    for b, l in decode_shapes:
+        out.append(Config(name=f"decode_inv_b{b}_l{_k(l)}_bs16", family="batch_invariant", B=b, L=l, block=16,
+                          inv=True, base=f"decode_b{b}_l{_k(l)}_bs16", quick=b == 64, **common))
     # int8 (the vLLM int8 fork's K8V8 / K8V16 decode; fs/best: bf16 time / int8 time). flashserve only.
     for kv in ("k8v8", "k8v16"):
         for b, l in ((64, 4096), (16, 8192)):
@@ -305,10 +323,12 @@ def add_figures(rows: list[dict], configs: list[Config], header: dict) -> None:
             peer_times = [times[(c.name, p)] for p in c.peers if (c.name, p) in times]
             if peer_times:
                 r["vs_best_peer"] = min(peer_times) / r["time_ms"]
-            if c.kv in ("fp8", "k8v8", "k8v16"):
+            if c.family in ("fp8_decode", "int8_decode"):
                 bf16 = c.name.replace(f"decode_{c.kv}_", "decode_")
                 if (bf16, "flashserve") in times:
                     r["vs_bf16"] = times[(bf16, "flashserve")] / r["time_ms"]
+            if c.base and (c.base, "flashserve") in times:
+                r["vs_decode" if c.family == "verify" else "vs_default"] = times[(c.base, "flashserve")] / r["time_ms"]
             if c.plain and (c.plain, "flashserve") in times:
                 p = by_name.get(c.plain)
                 if p is not None:
@@ -343,7 +363,8 @@ def print_table(header: dict, configs: list[Config], rows: list[dict]) -> None:
     for c in configs:
         line = f"{c.name:36}" + "".join(f"{figure(cell.get((c.name, p))):>11}" for p in ALL_PEERS)
         fs = cell.get((c.name, "flashserve"), {})
-        ratio = fs.get("vs_best_peer", fs.get("vs_bf16", fs.get("vs_split", fs.get("vs_plain"))))
+        ratio = fs.get("vs_best_peer", fs.get("vs_bf16", fs.get("vs_split", fs.get("vs_plain", fs.get(
+            "vs_decode", fs.get("vs_default"))))))
         line += f"{ratio:9.2f}" if ratio is not None else f"{'-':>9}"
         frac = fs.get("frac_ceiling")
         line += f"{100 * frac:8.0f}%" if frac is not None else f"{'-':>9}"
