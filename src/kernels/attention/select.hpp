@@ -3,12 +3,12 @@
 // "is it supported" and "what runs" never disagree. Plain C++ (no CUDA headers).
 //
 // Candidates are tried in order: fast paths first (decode_mla: MLA absorbed decode with q_v;
-// decode; prefill_wgmma: the sm_90a
-// tensor-core prefill; prefill_mma: the sm80+ one), each returning its own reason when it
-// does not apply; the generic kernel stays the fallback for every validated problem.
-// FLASHSERVE_DISABLE_KERNELS (comma-separated names of the tensor-core prefill kernels and
-// decode_mla, e.g. "prefill_wgmma") takes them out of the selection, to test or compare the portable paths
-// on a Hopper GPU.
+// decode; prefill_tma: the sm_90a warp-specialized prefill, contiguous K/V; prefill_wgmma: the
+// sm_90a prefill for paged caches and what TMA cannot map; prefill_mma: the sm80+ one), each
+// returning its own reason when it does not apply; the generic kernel stays the fallback for
+// every validated problem. FLASHSERVE_DISABLE_KERNELS (comma-separated names of the
+// tensor-core prefill kernels and decode_mla, e.g. "prefill_tma,prefill_wgmma") takes them out
+// of the selection, to test or compare the portable paths on a Hopper GPU.
 #pragma once
 
 #include <cstddef>
