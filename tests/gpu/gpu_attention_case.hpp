@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
@@ -281,6 +282,34 @@ Outcome run_and_compare(fstest::AttentionCase& ac, Edit gpu_params_edit) {
   }
   o.error = fstest::check_case(ac) + compare_with_cpu(ac, cpu.first, cpu.second, kernel_rounds_p(o.kernel, ac.cfg));
   return o;
+}
+
+// Entry (1, col) of the case's block table replaced by `bad_id` (outside the cache), for col 1
+// (a block no row of sequence 1 sees: the case's window) and col 3 (one it sees): the GPU never
+// reads it, exactly sequence 1's rows are NaN when col 3 is bad, every other output matches the
+// CPU reference. The case (batched paged, 3 sequences, q_len 1) must select `kernel`.
+inline void expect_bad_block_nan_rows(fstest::AttentionCase& ac, const std::string& kernel, int bad_id, int splits) {
+  DeviceCase dc = mirror_case(ac);
+  const fs::Plan plan = plan_case(ac, dc.params);
+  const auto cpu = run_cpu(ac, plan);
+  ASSERT_EQ(served(dc.params, true), kernel);
+  const fstest::CaseConfig& c = ac.cfg;
+  for (int col : {1, 3}) {
+    int32_t* entry = static_cast<int32_t*>(ac.params.block_table->at(1, col));
+    const int32_t good_id = *entry;
+    *entry = bad_id;
+    dc.upload(ac);
+    run_gpu_planned(ac, dc, plan);
+    for (int64_t b = 0; b < 3; ++b)
+      for (int64_t h = 0; h < c.H; ++h)
+        for (int64_t d = 0; d < c.Dv; ++d) {
+          const float x = ac.out.get({b, 0, h, d}), y = cpu.first.get({b, 0, h, d});
+          const bool want_nan = b == 1 && col == 3;
+          if (want_nan) ASSERT_TRUE(std::isnan(x)) << "b=1 h=" << h << " d=" << d << " splits " << splits;
+          else ASSERT_NEAR(x, y, 1e-2 * (1.0 + std::fabs(y))) << "b=" << b << " h=" << h << " col " << col;
+        }
+    *entry = good_id;
+  }
 }
 
 }  // namespace fsgpu

@@ -51,6 +51,19 @@ struct RowMeta {
                     // the row's power-of-two q scale); int8: the row's q_scale; 1 otherwise
 };
 static_assert(sizeof(RowMeta) == kDecodeRowMetaBytes, "decode_config.hpp sizes shared memory with it");
+
+// Union of the visible keys of rows [0, nrows) (meta in shared memory; empty rows skipped):
+// the keys a row group streams, the same in every thread.
+FS_DEV KeyRange rows_key_union(const RowMeta* meta, int nrows, const KvRange& range) {
+  KeyRange u{range.end, range.begin};
+  for (int j = 0; j < nrows; ++j) {
+    const RowMeta& m = meta[j];
+    if (m.lo >= m.hi) continue;
+    u.lo = imin(u.lo, m.lo);
+    u.hi = imax(u.hi, m.hi);
+  }
+  return u;
+}
 static_assert(sizeof(TokenLoc) * kTile == decode_loc_bytes(kDecodeBf16) &&
                   2 * decode_loc_bytes(kDecodeBf16) == decode_loc_bytes(kDecodeFp8),
               "decode_config.hpp sizes shared memory with it");

@@ -127,14 +127,7 @@ FS_DEV KeyRange setup_rows(const AttnParams& p, const DecodeSeq& s, int64_t g, i
     }
   }
   __syncthreads();
-  KeyRange u{s.range.end, s.range.begin};
-  for (int j = 0; j < nrows; ++j) {
-    const RowMeta& m = meta[j];
-    if (m.lo >= m.hi) continue;
-    u.lo = imin(u.lo, m.lo);
-    u.hi = imax(u.hi, m.hi);
-  }
-  return u;
+  return rows_key_union(meta, nrows, s.range);
 }
 
 // Where key t0 + lane % 16 of a tile lives, before its offsets: the block-table entry (paged)
