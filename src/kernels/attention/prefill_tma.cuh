@@ -219,19 +219,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_const
   uint32_t pl[kF32Out ? kN / 16 : 1][4];
   float m[1][2] = {{kNegInf, kNegInf}}, l[1][2] = {};
   const auto softmax_tile = [&](int j, float (&alpha)[2]) {
-    const int off = j * kN;
-    const bool masked = wk.masks(off);
-    int lo[2] = {0, 0}, hi[2] = {kN, kN};
-    if (masked) wk.tile_rows(0, off, warp, lane, lo, hi);
-    softmax_scores<kN>(p, s, m[0], l[0], alpha, score, lo, hi, masked, lane & 3, bias, float(d0 - off));
+    prefill::softmax_tile<S, kN>(p, wk, score, bias, d0, j, warp, lane, s, m[0], l[0], alpha);
   };
-  const auto pack_p = [&] {
-#pragma unroll
-    for (int kk = 0; kk < kN / 16; ++kk) {
-      p_fragment<T, kN>(s, kk, pa[kk]);
-      if constexpr (kF32Out) p_residue<T, kN>(s, kk, pa[kk], pl[kk]);
-    }
-  };
+  const auto pack_p = [&] { prefill::pack_p<T, kN, kF32Out>(s, pa, pl); };
   const auto parity = [](int j) { return uint32_t((j >> 1) & 1); };
   mbar_wait(sm.q_full(), 0);
   if (ck.tiles > 0) {
