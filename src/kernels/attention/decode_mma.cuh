@@ -179,6 +179,31 @@ struct MmaWarp {
     ldmatrix_x4(a, q_smem + uint32_t(row * S::kQStride + col * 2));
   }
 
+  // Q's A fragment of k-step ks, from the registers (kQInRegs) or shared memory.
+  FS_DEV void q_fragment(int ks, int lane, uint32_t (&a)[4]) const {
+    if constexpr (kQInRegs) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = qf[ks][i];
+    } else {
+      load_q(ks, lane, a);
+    }
+  }
+
+  // 8-bit K (fp8, int8): the lane's D / 4 bytes of key row g + 8n (lane / 4 = g), chunks
+  // c0.. of the row (c0 = (lane % 4) x D / 64), chunk c stored at c ^ (row & 1) (unpadded
+  // rows, decode_config.hpp), as D / 16 words.
+  static constexpr int k8BitLaneWords = S::kDim / 16;
+  FS_DEV static void k_words_8bit(const Stage<S>& st, int n, int lane, uint32_t (&w)[k8BitLaneWords]) {
+    constexpr int kLaneBytes = S::kDim / 4;
+    const int c0 = (lane % 4) * (kLaneBytes / 16), swz = (lane / 4) & 1;  // first chunk; row parity
+    const unsigned char* kr = st.k + (lane / 4) * S::kKStride;
+#pragma unroll
+    for (int j = 0; j < kLaneBytes / 16; ++j) {  // chunk c0 + j, stored at (c0 + j) ^ swz
+      const uint4 v = *reinterpret_cast<const uint4*>(kr + 8 * n * S::kKStride + 16 * ((c0 + j) ^ swz));
+      w[4 * j] = v.x, w[4 * j + 1] = v.y, w[4 * j + 2] = v.z, w[4 * j + 3] = v.w;
+    }
+  }
+
   // s[n][.] = scores of keys 8n + 2t, 8n + 2t + 1 (rows g: [0..1], g + 8: [2..3]).
   FS_DEV void scores(const Stage<S>& st, int lane, float (&s)[kSTiles][4]) const {
 #pragma unroll
@@ -186,27 +211,15 @@ struct MmaWarp {
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
     if constexpr (kInt8) {
-      constexpr int kLaneBytes = S::kDim / 4;  // 8 per k-step of 32 channels
-      const int c0 = (lane % 4) * (kLaneBytes / 16), swz = (lane / 4) & 1;  // first chunk; row parity
-      const unsigned char* kr = st.k + (lane / 4) * S::kKStride;
 #pragma unroll
       for (int n = 0; n < kSTiles; ++n) {  // keys g + 8n
-        uint32_t w[kLaneBytes / 4];      // words 2 ks, 2 ks + 1: k-step ks
-#pragma unroll
-        for (int j = 0; j < kLaneBytes / 16; ++j) {  // chunk c0 + j, stored at (c0 + j) ^ swz
-          const uint4 v = *reinterpret_cast<const uint4*>(kr + 8 * n * S::kKStride + 16 * ((c0 + j) ^ swz));
-          w[4 * j] = v.x, w[4 * j + 1] = v.y, w[4 * j + 2] = v.z, w[4 * j + 3] = v.w;
-        }
+        uint32_t w[k8BitLaneWords];          // words 2 ks, 2 ks + 1: k-step ks (of 32 channels)
+        k_words_8bit(st, n, lane, w);
         int acc[4] = {0, 0, 0, 0};
 #pragma unroll
         for (int ks = 0; ks < kKSteps; ++ks) {
           uint32_t a[4];
-          if constexpr (kQInRegs) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) a[i] = qf[ks][i];
-          } else {
-            load_q(ks, lane, a);
-          }
+          q_fragment(ks, lane, a);
           mma_16832_s8(acc, a, w[2 * ks], w[2 * ks + 1]);
         }
         // keys 8n + 2t, 8n + 2t + 1: their scales (exact s32 dots, one rounding per factor)
@@ -218,26 +231,14 @@ struct MmaWarp {
       }
       return;
     } else if constexpr (kFp8) {
-      constexpr int kLaneBytes = S::kDim / 4;  // 4 per k-step
-      const int c0 = (lane % 4) * (kLaneBytes / 16), swz = (lane / 4) & 1;  // first chunk; row parity
-      const unsigned char* kr = st.k + (lane / 4) * S::kKStride;
 #pragma unroll
       for (int n = 0; n < kSTiles; ++n) {  // keys g + 8n
-        uint32_t w[kLaneBytes / 4];      // word ks: k-step ks
-#pragma unroll
-        for (int j = 0; j < kLaneBytes / 16; ++j) {  // chunk c0 + j, stored at (c0 + j) ^ swz
-          const uint4 v = *reinterpret_cast<const uint4*>(kr + 8 * n * S::kKStride + 16 * ((c0 + j) ^ swz));
-          w[4 * j] = v.x, w[4 * j + 1] = v.y, w[4 * j + 2] = v.z, w[4 * j + 3] = v.w;
-        }
+        uint32_t w[k8BitLaneWords];          // word ks: k-step ks (of 16 channels)
+        k_words_8bit(st, n, lane, w);
 #pragma unroll
         for (int ks = 0; ks < kKSteps; ++ks) {
           uint32_t a[4];
-          if constexpr (kQInRegs) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) a[i] = qf[ks][i];
-          } else {
-            load_q(ks, lane, a);
-          }
+          q_fragment(ks, lane, a);
           mma_16816<T>(s[n], a, fp8x2_to_f16x2<kKv>(w[ks]), fp8x2_to_f16x2<kKv>(w[ks] >> 16));
         }
       }
