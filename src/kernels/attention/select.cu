@@ -129,17 +129,14 @@ std::string try_prefill_wgmma(const detail::AttnProblem& pr, const DeviceProps& 
                       pr, c);
 }
 
-// Whether TMA can map an operand (tma_map.cuh: tma_mappable, on the kernel's normalized view):
-// every dim non-empty and below 2^31, strides of dims longer than 1 positive and below 2^40
-// bytes (alignment is prefill_scope's).
+// Whether TMA can map an operand: tma_dim_ok for every dim (tma_map.cu asks the same of the
+// kernel's normalized view; alignment is prefill_scope's).
 bool tma_sizes_ok(const TensorRef& t) {
   const int64_t es = int64_t(dtype_size(t.dtype));
-  for (int d = 0; d < t.ndim; ++d) {
-    const int64_t n = t.size(d), st = t.stride[size_t(d)];
-    if (n < 1 || n >= (int64_t(1) << 31)) return false;
-    if (n > 1 && (st <= 0 || st * es >= (int64_t(1) << 40))) return false;
-  }
-  return true;
+  for (int d = 0; d + 1 < t.ndim; ++d)
+    if (!tma_dim_ok(t.size(d), t.stride[size_t(d)], es)) return false;
+  const int64_t channels = t.ndim > 0 ? t.size(t.ndim - 1) : 0;  // contiguous (prefill_scope)
+  return channels >= 1 && channels < (int64_t(1) << 31);
 }
 
 // The sm_90a warp-specialized prefill kernel (prefill_tma.cuh): prefill_wgmma's scope for

@@ -146,6 +146,15 @@ inline constexpr PrefillConfig kPrefillTmaConfigs[] = {
     {DType::f16, 64},  {DType::f16, 128},  {DType::f16, 256},  {DType::f16, 192}};
 #endif
 
+// Whether TMA can map a dim of n elements, stride_elems apart, of elem_bytes each: 1 <= n <
+// 2^31 and, for n > 1, a positive stride below 2^40 bytes that is a multiple of 16 bytes. The
+// selection (select.cu) and the tensor maps (tma_map.cu) both ask it.
+constexpr bool tma_dim_ok(int64_t n, int64_t stride_elems, int64_t elem_bytes) {
+  if (n < 1 || n >= (int64_t(1) << 31)) return false;
+  const int64_t bytes = stride_elems * elem_bytes;
+  return n == 1 || (stride_elems > 0 && bytes < (int64_t(1) << 40) && bytes % 16 == 0);
+}
+
 constexpr bool prefill_tma_config_built(DType t, int64_t d, int64_t dv) {
   if (!FLASHSERVE_SM90A) return false;
   for (const PrefillConfig& c : kPrefillTmaConfigs)

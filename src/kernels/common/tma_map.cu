@@ -2,6 +2,7 @@
 #include <cudaTypedefs.h>
 
 #include "flashserve/status.hpp"
+#include "kernels/attention/select.hpp"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/tma_map.cuh"
 
@@ -33,11 +34,8 @@ bool tma_mappable(const StridedRef& ref, int64_t n0, int64_t n1, int64_t heads, 
   if (!ref.data || reinterpret_cast<uintptr_t>(ref.data) % 16 != 0 || ref.stride[3] != 1 || channels % 64 != 0)
     return false;
   const int64_t sizes[3] = {n0, n1, heads};
-  for (int d = 0; d < 3; ++d) {
-    if (sizes[d] < 1 || sizes[d] >= (int64_t(1) << 31)) return false;
-    if (sizes[d] > 1 && (ref.stride[d] <= 0 || (ref.stride[d] * 2) % 16 != 0 || ref.stride[d] * 2 >= (int64_t(1) << 40)))
-      return false;
-  }
+  for (int d = 0; d < 3; ++d)
+    if (!tma_dim_ok(sizes[d], ref.stride[d], 2)) return false;
   return true;
 }
 
