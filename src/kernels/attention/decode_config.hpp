@@ -117,14 +117,14 @@ constexpr size_t decode_kscale_offset(DecodeKv f, int d, int tile = 0) {  // in 
 constexpr size_t decode_stage_bytes(DecodeKv f, int d, int tile = 0) {
   return decode_kscale_offset(f, d, tile) + (f.int8 ? size_t(tile ? tile : decode_tile_keys(f)) * 4 : 0);
 }
-constexpr size_t decode_warp_bytes(DecodeKv f, int d, int /*rows*/, int tile = 0) {
+constexpr size_t decode_warp_bytes(DecodeKv f, int d, int tile = 0) {
   return size_t(decode_stages(f)) * decode_stage_bytes(f, d, tile) + decode_loc_bytes(f, tile);
 }
 constexpr size_t decode_head_bytes(DecodeKv f, int d, int rows) {
   return size_t(rows) * (decode_q_stride(f, d) + kDecodeRowMetaBytes);
 }
 constexpr size_t decode_smem_bytes(DecodeKv f, int d, int rows, int tile = 0) {
-  return decode_head_bytes(f, d, rows) + size_t(decode_warps(d)) * decode_warp_bytes(f, d, rows, tile);
+  return decode_head_bytes(f, d, rows) + size_t(decode_warps(d)) * decode_warp_bytes(f, d, tile);
 }
 // The tile the launcher runs: fp8 takes 16-key tiles when a split's key span (bounded by the
 // block table's width x block size, or the contiguous cache's rows) leaves some warp without a
@@ -138,7 +138,7 @@ constexpr int decode_launch_tile(DecodeKv f, int d, int64_t span, int splits) {
 }
 // The merge area ([warps, rows, D] outputs and [warps, rows, 2] states) fits in the warps' area.
 constexpr bool decode_merge_fits(DecodeKv f, int d, int rows) {
-  return size_t(rows) * size_t(d + 2) * 4 <= decode_warp_bytes(f, d, rows);
+  return size_t(rows) * size_t(d + 2) * 4 <= decode_warp_bytes(f, d);
 }
 inline constexpr DecodeKv kDecodeBf16 = decode_kv(DType::bf16), kDecodeFp8 = decode_kv(DType::f8e4m3),
                           kDecodeK8V8 = decode_kv(DType::i8), kDecodeK8V16 = decode_kv(DType::i8, DType::bf16);

@@ -91,8 +91,8 @@ struct Shape {
   static constexpr int kTile = kT;  // keys per warp tile
   static constexpr size_t kStageBytes = decode_stage_bytes(kFmt, kD, kT);
   static constexpr size_t kKScaleOffset = decode_kscale_offset(kFmt, kD, kT);  // int8: k scales in a stage
-  static constexpr size_t kWarpBytes = decode_warp_bytes(kFmt, kD, kR, kT);
-  static_assert(kWarpBytes <= decode_warp_bytes(kFmt, kD, kR), "within the launch's shared memory");
+  static constexpr size_t kWarpBytes = decode_warp_bytes(kFmt, kD, kT);
+  static_assert(kWarpBytes <= decode_warp_bytes(kFmt, kD), "within the launch's shared memory");
   static_assert(kChunks >= 2 && kChunks <= 32 && 32 % kChunks == 0, "a warp copies whole rows");
   static_assert(kVChunks >= 2 && kVChunks <= 32 && 32 % kVChunks == 0, "a warp copies whole rows");
   static_assert(kTile % (32 / kChunks) == 0 && kTile % (32 / kVChunks) == 0, "a tile is whole copy steps");
