@@ -16,6 +16,8 @@ prefill::TmaAttnParams tma_params(const AttnParams& p) {
   constexpr int kN = wgmma_tile_keys(kD, kDv);
   prefill::TmaAttnParams tp;
   tp.p = p;
+  tp.row_tiles = row_tile_count(p);
+  tp.items = tp.row_tiles * p.num_heads * p.num_splits;
   tp.q = make_tma_map(p.q, p.q_batches, p.q_rows, p.num_heads, kD, kWgmmaRowsPerCta, "q");
   tp.k = make_tma_map(p.k, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kD, kN, "k");
   tp.v = make_tma_map(p.v, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kDv, kN, "v");
@@ -24,8 +26,17 @@ prefill::TmaAttnParams tma_params(const AttnParams& p) {
 
 }  // namespace
 
+// The persistent grid: one CTA per SM (choice.persistent_ctas), at most one per item.
+template <auto kKernel>
+void launch_persistent(const prefill::TmaAttnParams& tp, const AttnKernelChoice& choice, size_t smem,
+                       cudaStream_t stream) {
+  ensure_smem_limit<kKernel>(smem, true);
+  const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(tp.items, choice.persistent_ctas));
+  kKernel<<<unsigned(ctas), prefill::kTmaThreads, smem, stream>>>(tp);
+  FS_CUDA_CHECK_LAUNCH();
+}
+
 void launch_prefill_tma(const AttnParams& p, const AttnKernelChoice& choice, void* stream) {
-  (void)choice;
   const auto s = static_cast<cudaStream_t>(stream);
   const bool f32_out = p.out.dtype == DType::f32, alibi = p.alibi.data != nullptr;
   if (f32_out && alibi) throw RuntimeError("prefill_tma: no instantiation for ALiBi with fp32 out");
@@ -33,10 +44,9 @@ void launch_prefill_tma(const AttnParams& p, const AttnKernelChoice& choice, voi
                                                              [&]<class T, int kD, int kDv>() {
     const size_t smem = prefill::prefill_tma_smem_bytes_of<kD, kDv>();
     const prefill::TmaAttnParams tp = tma_params<kD, kDv>(p);
-    constexpr int threads = prefill::kTmaThreads;
-    if (f32_out) launch_row_tiles<&prefill::prefill_tma<T, kD, kDv, true, false>>(p, smem, threads, s, &tp);
-    else if (alibi) launch_row_tiles<&prefill::prefill_tma<T, kD, kDv, false, true>>(p, smem, threads, s, &tp);
-    else launch_row_tiles<&prefill::prefill_tma<T, kD, kDv, false, false>>(p, smem, threads, s, &tp);
+    if (f32_out) launch_persistent<&prefill::prefill_tma<T, kD, kDv, true, false>>(tp, choice, smem, s);
+    else if (alibi) launch_persistent<&prefill::prefill_tma<T, kD, kDv, false, true>>(tp, choice, smem, s);
+    else launch_persistent<&prefill::prefill_tma<T, kD, kDv, false, false>>(tp, choice, smem, s);
   });
   if (!built)
     throw RuntimeError(detail::cat("prefill_tma: no instantiation for ", dtype_name(p.q.dtype), " D=", p.head_dim,

@@ -7,12 +7,16 @@
 // try_prefill_tma); paged caches stay on prefill_wgmma.
 //
 // CTA: 384 threads = consumer warpgroups 0, 1 (threads 0-255: rows 64 wg .. 64 wg + 63, the
-// TileShape and epilogue of prefill_wgmma) + the producer warpgroup 2 (one warp works, 24
-// registers; the consumers take 240 with setmaxnreg). The CTA schedule (prefill_common.cuh:
-// 128 query rows of one sequence x head x split) and the epilogue (store_rows, through the
-// warp's own Q rows) are prefill_wgmma's.
+// TileShape of prefill_wgmma) + the producer warpgroup 2 (one warp works, 40 registers; the
+// consumers take 232 with setmaxnreg). Persistent: one CTA per SM walks work items (128 query
+// rows of one sequence x head x split, prefill_common.cuh's cta_work) in cta_of_block's order,
+// longest causal rows first, so the producer loads the next item's K and V (and, with a separate
+// O tile, its Q) while the consumers finish the last one: what a short item (S = 512, chunked
+// and sliding-window rows of a few tiles) used to pay per CTA launch. The epilogue is
+// store_rows, staged through the O tile (D = 256: the warp's own Q rows).
 //
-// Pipelines (mbarriers, 2 stages each): K full / empty, V full / empty, and Q full. A full
+// Pipelines (mbarriers, 2 stages each): K full / empty, V full / empty; Q full / empty, one
+// stage. Their stage and parity run on across items (TmaPipe). A full
 // barrier completes on the producer's arrival plus the TMA bytes; an empty one on one arrival
 // per consumer warp after its wgmma reading the stage completed. A tile whose keys leave the
 // sequence or the cache (the last of a CTA, or bad metadata) is copied by the producer warp with
@@ -43,19 +47,37 @@ inline constexpr int kTmaConsumerRegs = 232, kTmaProducerRegs = 40;
 struct TmaAttnParams {
   CUtensorMap q, k, v;  // make_tma_map: boxes of 128 query rows / kN keys x 64 channels
   AttnParams p;
+  int64_t row_tiles = 0;  // 128-row tiles of the schedule (prefill_launch.cuh: row_tile_count)
+  int64_t items = 0;      // work items: row_tiles x heads x splits
 };
 
+// The persistent schedule: CTA c takes items c, c + gridDim.x, ... of cta_of_block's order
+// (heads fastest, row tiles descending: the longest causal tiles first), splits slowest.
+FS_DEV CtaWork tma_item(const TmaAttnParams& tp, int64_t u, int64_t& h, int& split) {
+  const AttnParams& p = tp.p;
+  const int64_t per_split = tp.row_tiles * p.num_heads, linear = u % per_split;
+  split = int(u / per_split);
+  h = linear % p.num_heads;
+  return cta_work<kWgmmaRowsPerCta>(p, tp.row_tiles - 1 - linear / p.num_heads);
+}
+
 // Shared memory: prefill_wgmma's [Q | K 0, 1 | V 0, 1] (two V stages: the empty barriers order
-// the reuse), then the rows' key ranges (int2 [128]) and the mbarriers.
+// the reuse), the epilogue's own [128, Dv] O tile where it fits (kSeparateO: then Q is free for
+// the next item's load once the last Q K^T is done; else the epilogue stages O in Q's rows and Q
+// is released after it), the rows' key ranges (int2 [128]) and 10 mbarriers. The layout rule is
+// select.hpp's prefill_tma_smem_bytes (asserted equal).
 template <int kD, int kDv>
 struct TmaSmem {
   static constexpr int kN = wgmma_tile_keys(kD, kDv);
   using QL = SwizzledTile<kWgmmaRowsPerCta>;
   using KvL = SwizzledTile<kN>;
+  static constexpr bool kSeparateO = prefill_tma_separate_o(kD, kDv);
   static constexpr uint32_t kQBytes = kWgmmaRowsPerCta * wgmma_tile_width(kD) * 2;
   static constexpr uint32_t kKBytes = kN * wgmma_tile_width(kD) * 2, kVBytes = kN * wgmma_tile_width(kDv) * 2;
-  static constexpr uint32_t kTiles = kQBytes + 2 * kKBytes + 2 * kVBytes;
-  static constexpr uint32_t kBytes = 1024 + kTiles + kWgmmaRowsPerCta * 8 + 9 * 8;
+  static constexpr uint32_t kOBytes = kSeparateO ? kWgmmaRowsPerCta * wgmma_tile_width(kDv) * 2 : 0;
+  static constexpr uint32_t kTiles = kQBytes + 2 * kKBytes + 2 * kVBytes + kOBytes;
+  static constexpr uint32_t kBytes = 1024 + kTiles + kWgmmaRowsPerCta * 8 + kTmaBarriers * 8;
+  static_assert(kBytes == prefill_tma_smem_bytes(kD, kDv), "select.hpp's rule");
   uint32_t q, bars;
   unsigned char* ranges;
   FS_DEV explicit TmaSmem(unsigned char* raw) {
@@ -66,11 +88,13 @@ struct TmaSmem {
   }
   FS_DEV uint32_t k(int st) const { return q + kQBytes + uint32_t(st) * kKBytes; }
   FS_DEV uint32_t v(int st) const { return q + kQBytes + 2 * kKBytes + uint32_t(st) * kVBytes; }
+  FS_DEV uint32_t o() const { return kSeparateO ? q + kQBytes + 2 * kKBytes + 2 * kVBytes : q; }
   FS_DEV uint32_t q_full() const { return bars; }
-  FS_DEV uint32_t k_full(int st) const { return bars + 8 + 8 * st; }
-  FS_DEV uint32_t k_empty(int st) const { return bars + 24 + 8 * st; }
-  FS_DEV uint32_t v_full(int st) const { return bars + 40 + 8 * st; }
-  FS_DEV uint32_t v_empty(int st) const { return bars + 56 + 8 * st; }
+  FS_DEV uint32_t q_empty() const { return bars + 8; }
+  FS_DEV uint32_t k_full(int st) const { return bars + 16 + 8 * st; }
+  FS_DEV uint32_t k_empty(int st) const { return bars + 32 + 8 * st; }
+  FS_DEV uint32_t v_full(int st) const { return bars + 48 + 8 * st; }
+  FS_DEV uint32_t v_empty(int st) const { return bars + 64 + 8 * st; }
 };
 
 template <int kD, int kDv>
@@ -106,14 +130,28 @@ FS_DEV void copy_tail(const AttnParams& p, const StridedRef& src, const SeqKv& k
   if (lane == 0) mbar_arrive(full);
 }
 
-// The producer warp: Q once, then K and V of every tile into the stage (j % 2) its consumers
-// released, by TMA where the whole tile lies in the sequence and the cache, else copy_tail.
+// The pipelines' position, shared by producer and consumers: KV tiles walked so far (tile `it`
+// uses stage it & 1 in pass it >> 1) and work items begun (Q's pass).
+struct TmaPipe {
+  uint32_t it = 0, items = 0;
+  FS_DEV int stage() const { return int(it & 1); }
+  FS_DEV uint32_t pass() const { return (it >> 1) & 1; }
+};
+
+// The producer warp, over the CTA's items: Q once the consumers released the last item's (its
+// q_empty pass), then K and V of every tile into the stage its consumers released, by TMA where
+// the whole tile lies in the sequence and the cache, else copy_tail. The next item's K and V
+// start while the consumers still finish this one.
 template <class T, int kD, int kDv>
-FS_DEV void produce(const TmaAttnParams& tp, const CtaWork& w, int64_t h, const SeqKv& kv, const CtaKeys& ck,
-                    const TmaSmem<kD, kDv>& sm, int lane) {
+FS_DEV void produce_item(const TmaAttnParams& tp, const CtaWork& w, int64_t h, int split, const TmaSmem<kD, kDv>& sm,
+                         TmaPipe& pipe, int lane) {
   using Sm = TmaSmem<kD, kDv>;
   constexpr int kN = Sm::kN;
   const AttnParams& p = tp.p;
+  const SeqKv kv = seq_kv(p, w.b, h / p.group);
+  const CtaKeys ck = cta_keys<kN>(p, w, kv, split);
+  if (pipe.items > 0) mbar_wait(sm.q_empty(), (pipe.items - 1) & 1);
+  ++pipe.items;
   if (lane == 0) {
     mbar_arrive_expect_tx(sm.q_full(), Sm::kQBytes);
 #pragma unroll
@@ -123,13 +161,13 @@ FS_DEV void produce(const TmaAttnParams& tp, const CtaWork& w, int64_t h, const 
   }
   const int64_t sk = kv_len(p, w.b);
   const KeyRange cache = generic::cache_tokens(p, kv);
-  for (int j = 0; j < ck.tiles; ++j) {
-    const int st = j & 1;
-    const uint32_t parity = uint32_t((j >> 1) & 1) ^ 1u;
+  for (int j = 0; j < ck.tiles; ++j, ++pipe.it) {
+    const int st = pipe.stage();
+    const uint32_t parity = pipe.pass() ^ 1u;
     const int64_t n0 = ck.n_begin + int64_t(j) * kN;
     const bool whole = n0 >= cache.lo && n0 + kN <= imin(sk, cache.hi);
     const int row = int(kv.k_begin + n0);
-    if (j >= 2) mbar_wait(sm.k_empty(st), parity);
+    if (pipe.it >= 2) mbar_wait(sm.k_empty(st), parity);
     if (whole) {
       if (lane == 0) {
         mbar_arrive_expect_tx(sm.k_full(st), Sm::kKBytes);
@@ -141,7 +179,7 @@ FS_DEV void produce(const TmaAttnParams& tp, const CtaWork& w, int64_t h, const 
     } else {
       copy_tail<T, typename Sm::KvL, kN, kD / 8, true>(p, p.k, kv, cache, sk, n0, sm.k(st), sm.k_full(st), lane);
     }
-    if (j >= 2) mbar_wait(sm.v_empty(st), parity);
+    if (pipe.it >= 2) mbar_wait(sm.v_empty(st), parity);
     if (whole) {
       if (lane == 0) {
         mbar_arrive_expect_tx(sm.v_full(st), Sm::kVBytes);
@@ -173,41 +211,18 @@ FS_DEV void release(uint32_t empty, int lane) {
   if (lane == 0) mbar_arrive(empty);
 }
 
+// One consumer warpgroup's item: the rows' keys, Q, then S = Q K^T and O += P V over the tiles
+// in ping-pong with the other warpgroup (the softmax of tile j between the GEMMs of j + 1 and
+// P V of j), Q released once its last reader is done, and the epilogue.
 template <class T, int kD, int kDv, bool kF32Out, bool kAlibi>
-__global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_constant__ TmaAttnParams tp) {
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+FS_DEV void consume_item(const AttnParams& p, const CtaWork& w, int64_t h, int split, const TmaSmem<kD, kDv>& sm,
+                         TmaPipe& pipe, int warp, int lane) {
   using S = Wgmma90<kD, kDv>;
   using Sm = TmaSmem<kD, kDv>;
-  using QL = typename Sm::QL;
   constexpr int kN = S::kN, kDo = wgmma_tile_width(kDv);
-  static_assert(kD % 64 == 0 && kDv % 64 == 0, "whole 64-channel TMA boxes");
-  const AttnParams& p = tp.p;
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
-  int64_t h;
-  const CtaWork w = cta_of_block<S::kM>(p, h);
-  if (!w.active) return;
-  const Sm sm(smem_raw);
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, wg = warp / 4;
-  const int split = int(blockIdx.z);
+  const int wg = warp / 4;
   const SeqKv kv = seq_kv(p, w.b, h / p.group);
   const CtaKeys ck = cta_keys<kN>(p, w, kv, split);
-  if (threadIdx.x == 0) {
-    mbar_init(sm.q_full(), 1);
-    for (int st = 0; st < 2; ++st) {
-      mbar_init(sm.k_full(st), 1);
-      mbar_init(sm.v_full(st), 1);
-      mbar_init(sm.k_empty(st), S::kWarps);
-      mbar_init(sm.v_empty(st), S::kWarps);
-    }
-    mbar_init_fence();
-  }
-  __syncthreads();
-  if (wg == 2) {  // the producer warpgroup
-    regs_dealloc<kTmaProducerRegs>();
-    if (warp == 8) produce<T, kD, kDv>(tp, w, h, kv, ck, sm, lane);
-    return;
-  }
-  regs_alloc<kTmaConsumerRegs>();
   const WarpKeys<S> wk(ck.rows, ck.n_begin, w.rows, warp, lane, reinterpret_cast<int2*>(sm.ranges));
   const ScoreLog2 score(p);
   const ScoreBias<kAlibi> bias = make_score_bias<kAlibi>(p, w.b, h, score);
@@ -222,48 +237,102 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_const
     prefill::softmax_tile<S, kN>(p, wk, score, bias, d0, j, warp, lane, s, m[0], l[0], alpha);
   };
   const auto pack_p = [&] { prefill::pack_p<T, kN, kF32Out>(s, pa, pl); };
-  const auto parity = [](int j) { return uint32_t((j >> 1) & 1); };
-  mbar_wait(sm.q_full(), 0);
+  mbar_wait(sm.q_full(), pipe.items & 1);
+  ++pipe.items;
   if (ck.tiles > 0) {
     float alpha[2];
     if (wg == 1) named_arrive(1, 2 * 128);  // opens warpgroup 0's first turn
-    mbar_wait(sm.k_full(0), 0);
+    mbar_wait(sm.k_full(pipe.stage()), pipe.pass());
     turn.my_turn();
-    issue_qk<T, kD, kN>(sm.q, sm.k(0), wg, s);
+    issue_qk<T, kD, kN>(sm.q, sm.k(pipe.stage()), wg, s);
     turn.hand_over(false);
     wgmma_wait<0>();
     fence_operands(s);
-    release(sm.k_empty(0), lane);
+    release(sm.k_empty(pipe.stage()), lane);
     softmax_tile(0, alpha);
     pack_p();
     for (int j = 1; j < ck.tiles; ++j) {
-      const int st = j & 1, prev = st ^ 1;
-      mbar_wait(sm.k_full(st), parity(j));
-      mbar_wait(sm.v_full(prev), parity(j - 1));
+      const TmaPipe prev = pipe;
+      ++pipe.it;
+      mbar_wait(sm.k_full(pipe.stage()), pipe.pass());
+      mbar_wait(sm.v_full(prev.stage()), prev.pass());
       turn.my_turn();
-      issue_qk<T, kD, kN>(sm.q, sm.k(st), wg, s);
-      issue_pv<T, kDo, kN, kF32Out>(pa, pl, sm.v(prev), o[0]);
+      issue_qk<T, kD, kN>(sm.q, sm.k(pipe.stage()), wg, s);
+      issue_pv<T, kDo, kN, kF32Out>(pa, pl, sm.v(prev.stage()), o[0]);
       turn.hand_over(false);
       wgmma_wait<1>();
       fence_operands(s);
-      release(sm.k_empty(st), lane);
+      release(sm.k_empty(pipe.stage()), lane);
       softmax_tile(j, alpha);
       wgmma_wait<0>();
       fence_operands(o[0]);
-      release(sm.v_empty(prev), lane);
+      release(sm.v_empty(prev.stage()), lane);
       rescale_o<kDo>(o[0], alpha);
       pack_p();
     }
-    const int last = (ck.tiles - 1) & 1;
-    mbar_wait(sm.v_full(last), parity(ck.tiles - 1));
+    if (Sm::kSeparateO) release(sm.q_empty(), lane);  // the last Q K^T is done
+    mbar_wait(sm.v_full(pipe.stage()), pipe.pass());
     turn.my_turn();
-    issue_pv<T, kDo, kN, kF32Out>(pa, pl, sm.v(last), o[0]);
+    issue_pv<T, kDo, kN, kF32Out>(pa, pl, sm.v(pipe.stage()), o[0]);
     turn.hand_over(true);
     wgmma_wait<0>();
     fence_operands(o[0]);
+    release(sm.v_empty(pipe.stage()), lane);
+    ++pipe.it;
+  } else if (Sm::kSeparateO) {
+    release(sm.q_empty(), lane);
   }
-  store_rows<S, QL, T, kDo, kDv, std::conditional_t<kF32Out, float, T>>(p, w, h, split, o, m, l, score.exp_mul, sm.q,
-                                                                        warp, lane);
+  store_rows<S, typename Sm::QL, T, kDo, kDv, std::conditional_t<kF32Out, float, T>>(p, w, h, split, o, m, l,
+                                                                                     score.exp_mul, sm.o(), warp, lane);
+  if (!Sm::kSeparateO) {  // O was staged in Q's rows: the next Q (async proxy) after these writes
+    fence_proxy_async_shared();
+    __syncwarp();
+    release(sm.q_empty(), lane);
+  }
+}
+
+// CTA: persistent over the items of tma_item (launch: one CTA per SM, at most one per item).
+template <class T, int kD, int kDv, bool kF32Out, bool kAlibi>
+__global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_constant__ TmaAttnParams tp) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using S = Wgmma90<kD, kDv>;
+  using Sm = TmaSmem<kD, kDv>;
+  static_assert(kD % 64 == 0 && kDv % 64 == 0, "whole 64-channel TMA boxes");
+  const AttnParams& p = tp.p;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const Sm sm(smem_raw);
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, wg = warp / 4;
+  if (threadIdx.x == 0) {
+    mbar_init(sm.q_full(), 1);
+    mbar_init(sm.q_empty(), S::kWarps);
+    for (int st = 0; st < 2; ++st) {
+      mbar_init(sm.k_full(st), 1);
+      mbar_init(sm.v_full(st), 1);
+      mbar_init(sm.k_empty(st), S::kWarps);
+      mbar_init(sm.v_empty(st), S::kWarps);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+  TmaPipe pipe;
+  if (wg == 2) {  // the producer warpgroup
+    regs_dealloc<kTmaProducerRegs>();
+    if (warp != 8) return;
+    for (int64_t u = blockIdx.x; u < tp.items; u += gridDim.x) {
+      int64_t h;
+      int split;
+      const CtaWork w = tma_item(tp, u, h, split);
+      if (w.active) produce_item<T, kD, kDv>(tp, w, h, split, sm, pipe, lane);
+    }
+    return;
+  }
+  regs_alloc<kTmaConsumerRegs>();
+  for (int64_t u = blockIdx.x; u < tp.items; u += gridDim.x) {
+    int64_t h;
+    int split;
+    const CtaWork w = tma_item(tp, u, h, split);
+    if (w.active) consume_item<T, kD, kDv, kF32Out, kAlibi>(p, w, h, split, sm, pipe, warp, lane);
+  }
 #endif
 }
 
