@@ -2,6 +2,8 @@
 // as prefill_wgmma's (out of q's dtype plain and with ALiBi, fp32 out) for the kPrefillTmaConfigs
 // entries; the tensor maps of q, k and v made here per call (host arithmetic only: nothing is
 // allocated or synchronized, and a captured launch keeps them as kernel parameters).
+#include <cstdlib>
+
 #include "kernels/attention/launchers.hpp"
 #include "kernels/attention/prefill_launch.cuh"
 #include "kernels/attention/prefill_tma.cuh"
@@ -31,7 +33,8 @@ template <auto kKernel>
 void launch_persistent(const prefill::TmaAttnParams& tp, const AttnKernelChoice& choice, size_t smem,
                        cudaStream_t stream) {
   ensure_smem_limit<kKernel>(smem, true);
-  const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(tp.items, choice.persistent_ctas));
+  static const bool one_item = std::getenv("FLASHSERVE_TMA_ONE_ITEM_PER_CTA") != nullptr;  // A/B experiment
+  const int64_t ctas = one_item ? tp.items : std::max<int64_t>(1, std::min<int64_t>(tp.items, choice.persistent_ctas));
   kKernel<<<unsigned(ctas), prefill::kTmaThreads, smem, stream>>>(tp);
   FS_CUDA_CHECK_LAUNCH();
 }
