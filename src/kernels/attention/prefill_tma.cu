@@ -2,6 +2,7 @@
 // as prefill_wgmma's (out of q's dtype plain and with ALiBi, fp32 out) for the kPrefillTmaConfigs
 // entries; the tensor maps of q, k and v made here per call (host arithmetic only: nothing is
 // allocated or synchronized, and a captured launch keeps them as kernel parameters).
+#include <atomic>
 #include <cstdlib>
 
 #include "kernels/attention/launchers.hpp"
@@ -20,6 +21,8 @@ prefill::TmaAttnParams tma_params(const AttnParams& p) {
   tp.p = p;
   tp.row_tiles = row_tile_count(p);
   tp.items = tp.row_tiles * p.num_heads * p.num_splits;
+  static std::atomic<uint32_t> launches{0};  // launches in flight rarely share a slot (64)
+  tp.sched_slot = launches.fetch_add(1, std::memory_order_relaxed) % prefill::kTmaSchedSlots;
   tp.q = make_tma_map(p.q, p.q_batches, p.q_rows, p.num_heads, kD, kWgmmaRowsPerCta, "q");
   tp.k = make_tma_map(p.k, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kD, kN, "k");
   tp.v = make_tma_map(p.v, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kDv, kN, "v");

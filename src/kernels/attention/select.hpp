@@ -164,15 +164,15 @@ constexpr bool prefill_tma_config_built(DType t, int64_t d, int64_t dv) {
 
 // Its dynamic shared memory: 1 KB of alignment slack, Q [128, D] + K [2, N, D] + V [2, N, Dv]
 // 16-bit, the epilogue's O [128, Dv] where the total fits the 227 KB a CTA can have (all but D =
-// 256: its epilogue stages O in Q's rows), the rows' key ranges (int2 [128]) and kTmaBarriers
-// mbarriers (prefill_tma.cuh: TmaSmem). 194 KB at D = 96 and 128, 98 KB at 64, 192 KB at 256
+// 256: its epilogue stages O in Q's rows), the rows' key ranges (int2 [128]) and kTmaSyncWords
+// 8-byte words (10 mbarriers and the scheduled item; prefill_tma.cuh: TmaSmem). 194 KB at D = 96 and 128, 98 KB at 64, 192 KB at 256
 // and 192, 162 KB at 192/128.
-inline constexpr int kTmaBarriers = 10;
+inline constexpr int kTmaSyncWords = 11;
 inline constexpr size_t kMaxSmemPerCtaSm90 = 227 * 1024;
 constexpr size_t prefill_tma_smem_base(int64_t d, int64_t dv) {
   const int64_t n = wgmma_tile_keys(d, dv), wd = wgmma_tile_width(d), wdv = wgmma_tile_width(dv);
   return 1024 + size_t(kWgmmaRowsPerCta * wd + 2 * n * wd + 2 * n * wdv) * 2 + size_t(kWgmmaRowsPerCta) * 8 +
-         kTmaBarriers * 8;
+         kTmaSyncWords * 8;
 }
 constexpr bool prefill_tma_separate_o(int64_t d, int64_t dv) {
   return prefill_tma_smem_base(d, dv) + size_t(kWgmmaRowsPerCta * wgmma_tile_width(dv)) * 2 <= kMaxSmemPerCtaSm90;
