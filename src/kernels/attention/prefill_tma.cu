@@ -32,12 +32,16 @@ prefill::TmaAttnParams tma_params(const AttnParams& p) {
 }  // namespace
 
 // The persistent grid: one CTA per SM (choice.persistent_ctas), at most one per item.
-template <auto kKernel>
+template <auto kKernel, bool kSeparateO>
 void launch_persistent(const prefill::TmaAttnParams& tp, const AttnKernelChoice& choice, size_t smem,
                        cudaStream_t stream) {
   ensure_smem_limit<kKernel>(smem, true);
-  static const bool one_item = std::getenv("FLASHSERVE_TMA_ONE_ITEM_PER_CTA") != nullptr;  // A/B experiment
-  const int64_t ctas = one_item ? tp.items : std::max<int64_t>(1, std::min<int64_t>(tp.items, choice.persistent_ctas));
+  // One item per CTA (the hardware's dispatch) where the epilogue stages O in Q's rows (D = 256:
+  // persistent measured 7% slower at S = 2k causal, Q's load waiting for the epilogue), or with
+  // FLASHSERVE_TMA_ONE_ITEM_PER_CTA set (an A/B switch for benchmarks).
+  static const bool one_item = std::getenv("FLASHSERVE_TMA_ONE_ITEM_PER_CTA") != nullptr;
+  const int64_t ctas = one_item || !kSeparateO ? tp.items
+                                               : std::max<int64_t>(1, std::min<int64_t>(tp.items, choice.persistent_ctas));
   kKernel<<<unsigned(ctas), prefill::kTmaThreads, smem, stream>>>(tp);
   FS_CUDA_CHECK_LAUNCH();
 }
@@ -49,10 +53,11 @@ void launch_prefill_tma(const AttnParams& p, const AttnKernelChoice& choice, voi
   const bool built = with_prefill_config<kPrefillTmaConfigs>(p.q.dtype, p.head_dim, p.head_dim_v,
                                                              [&]<class T, int kD, int kDv>() {
     const size_t smem = prefill::prefill_tma_smem_bytes_of<kD, kDv>();
+    constexpr bool sep = prefill_tma_separate_o(kD, kDv);
     const prefill::TmaAttnParams tp = tma_params<kD, kDv>(p);
-    if (f32_out) launch_persistent<&prefill::prefill_tma<T, kD, kDv, true, false>>(tp, choice, smem, s);
-    else if (alibi) launch_persistent<&prefill::prefill_tma<T, kD, kDv, false, true>>(tp, choice, smem, s);
-    else launch_persistent<&prefill::prefill_tma<T, kD, kDv, false, false>>(tp, choice, smem, s);
+    if (f32_out) launch_persistent<&prefill::prefill_tma<T, kD, kDv, true, false>, sep>(tp, choice, smem, s);
+    else if (alibi) launch_persistent<&prefill::prefill_tma<T, kD, kDv, false, true>, sep>(tp, choice, smem, s);
+    else launch_persistent<&prefill::prefill_tma<T, kD, kDv, false, false>, sep>(tp, choice, smem, s);
   });
   if (!built)
     throw RuntimeError(detail::cat("prefill_tma: no instantiation for ", dtype_name(p.q.dtype), " D=", p.head_dim,

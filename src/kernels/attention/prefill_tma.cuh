@@ -89,8 +89,8 @@ FS_DEV CtaWork tma_item(const TmaAttnParams& tp, int64_t u, int64_t& h, int& spl
 // Shared memory: prefill_wgmma's [Q | K 0, 1 | V 0, 1] (two V stages: the empty barriers order
 // the reuse), the epilogue's own [128, Dv] O tile where it fits (kSeparateO: then Q is free for
 // the next item's load once the last Q K^T is done; else the epilogue stages O in Q's rows and Q
-// is released after it), the rows' key ranges (int2 [128]), 10 mbarriers and the item of Q's
-// stage (the producer's claim, published with Q). The layout rule is
+// is released after it), the rows' key ranges (int2 [128]), 10 mbarriers and the next item (the
+// producer's claim). The layout rule is
 // select.hpp's prefill_tma_smem_bytes (asserted equal).
 template <int kD, int kDv>
 struct TmaSmem {
@@ -121,7 +121,7 @@ struct TmaSmem {
   FS_DEV uint32_t k_empty(int st) const { return bars + 32 + 8 * st; }
   FS_DEV uint32_t v_full(int st) const { return bars + 48 + 8 * st; }
   FS_DEV uint32_t v_empty(int st) const { return bars + 64 + 8 * st; }
-  FS_DEV uint32_t item() const { return bars + 80; }  // the item of Q's stage (int64; -1: none left)
+  FS_DEV uint32_t item() const { return bars + 80; }  // the next item (int64; publish_item)
 };
 
 template <int kD, int kDv>
@@ -165,21 +165,36 @@ struct TmaPipe {
   FS_DEV uint32_t pass() const { return (it >> 1) & 1; }
 };
 
-// Q's stage for the next item once the consumers released the last one (q_empty): the item
-// written to shared memory and Q loaded, both published by q_full; u < 0 (no item left)
-// publishes the end alone.
+// The item handed from the producer warp to the consumer warpgroups through shared memory
+// (sm.item()), ordered by two named barriers of 256 + 32 threads: kItemFull (the producer
+// arrives after writing, the consumers wait before reading) and kItemEmpty (the consumers
+// arrive after reading, the producer waits before the next write). u < 0: no item left.
+inline constexpr int kItemFull = 3, kItemEmpty = 4, kItemThreads = 256 + 32;
+
 template <int kD, int kDv>
-FS_DEV void load_q(const TmaAttnParams& tp, const CtaWork& w, int64_t h, int64_t u, const TmaSmem<kD, kDv>& sm,
-                   TmaPipe& pipe, int lane) {
+FS_DEV void publish_item(const TmaSmem<kD, kDv>& sm, int64_t u, uint32_t n, int lane) {
+  if (n > 0) named_sync(kItemEmpty, kItemThreads);
+  if (lane == 0)
+    asm volatile("st.shared.s64 [%0], %1;\n" ::"r"(sm.item()), "l"(static_cast<long long>(u)) : "memory");
+  named_arrive(kItemFull, kItemThreads);
+}
+
+FS_DEV int64_t receive_item(uint32_t item_s) {
+  named_sync(kItemFull, kItemThreads);
+  long long u;
+  asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(u) : "r"(item_s) : "memory");
+  if (u >= 0) named_arrive(kItemEmpty, kItemThreads);  // the end is the last read
+  return u;
+}
+
+// Q of the next item once the consumers released the last one (q_empty), on q_full.
+template <int kD, int kDv>
+FS_DEV void load_q(const TmaAttnParams& tp, const CtaWork& w, int64_t h, const TmaSmem<kD, kDv>& sm, TmaPipe& pipe,
+                   int lane) {
   using Sm = TmaSmem<kD, kDv>;
   if (pipe.items > 0) mbar_wait(sm.q_empty(), (pipe.items - 1) & 1);
   ++pipe.items;
   if (lane != 0) return;
-  asm volatile("st.shared.s64 [%0], %1;\n" ::"r"(sm.item()), "l"(static_cast<long long>(u)) : "memory");
-  if (u < 0) {
-    mbar_arrive(sm.q_full());
-    return;
-  }
   mbar_arrive_expect_tx(sm.q_full(), Sm::kQBytes);
 #pragma unroll
   for (int c = 0; c < wgmma_tile_width(kD) / 64; ++c)
@@ -234,8 +249,8 @@ FS_DEV void produce_kv(const TmaAttnParams& tp, const CtaWork& w, int64_t h, int
 }
 
 // The producer warp: the CTA's items (its first, then its claims; padding tiles of a varlen
-// batch skipped), each published with its Q, then its K and V; the next claim is in flight
-// meanwhile. Then the end, and the counters' done count.
+// batch skipped), each published (publish_item), then its Q and its K and V; the next claim is
+// in flight meanwhile. Then the end, and the counters' done count.
 template <class T, int kD, int kDv>
 FS_DEV void produce(const TmaAttnParams& tp, const TmaSmem<kD, kDv>& sm, int lane) {
   TmaPipe pipe;
@@ -246,12 +261,13 @@ FS_DEV void produce(const TmaAttnParams& tp, const TmaSmem<kD, kDv>& sm, int lan
     const CtaWork w = tma_item(tp, u, h, split);
     if (lane == 0) next = tma_claim(tp);
     if (w.active) {
-      load_q(tp, w, h, u, sm, pipe, lane);
+      publish_item(sm, u, pipe.items, lane);
+      load_q(tp, w, h, sm, pipe, lane);
       produce_kv<T, kD, kDv>(tp, w, h, split, sm, pipe, lane);
     }
     u = __shfl_sync(kFullMask, next, 0);
   }
-  load_q(tp, CtaWork{}, 0, -1, sm, pipe, lane);
+  publish_item(sm, -1, pipe.items, lane);
   if (lane == 0) tma_sched_done(tp);
 }
 
@@ -382,11 +398,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_const
   regs_alloc<kTmaConsumerRegs>();
   TmaPipe pipe;
   for (;;) {
+    const int64_t u = receive_item(sm.item());
+    if (u < 0) break;
     mbar_wait(sm.q_full(), pipe.items & 1);
     ++pipe.items;
-    long long u;
-    asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(u) : "r"(sm.item()) : "memory");
-    if (u < 0) break;
     int64_t h;
     int split;
     const CtaWork w = tma_item(tp, u, h, split);
