@@ -180,7 +180,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_const
   using Sm = TmaSmem<kD, kDv>;
   using QL = typename Sm::QL;
   constexpr int kN = S::kN, kDo = wgmma_tile_width(kDv);
-  static_assert(kD % 64 == 0 && kDv % 64 == 0, "whole 64-channel TMA boxes");
+  // D = 96: the second box's channels past D load as zeros (tma_map.cuh); copy_tail leaves them
+  // stale, which QK^T (D in k16 steps) never reads and P V only adds into unstored channels.
+  static_assert(kD % 16 == 0 && kDv % 8 == 0 && kDv <= wgmma_tile_width(kD), "k16 steps; out staged in Q's rows");
   const AttnParams& p = tp.p;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   int64_t h;
