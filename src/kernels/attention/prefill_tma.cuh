@@ -373,7 +373,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_const
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = Wgmma90<kD, kDv>;
   using Sm = TmaSmem<kD, kDv>;
-  static_assert(kD % 64 == 0 && kDv % 64 == 0, "whole 64-channel TMA boxes");
+  // D = 96: the second box's channels past D load as zeros (tma_map.cuh); copy_tail leaves them
+  // stale, which QK^T (D in k16 steps) never reads and P V only adds into unstored channels.
+  static_assert(kD % 16 == 0 && kDv % 8 == 0 && kDv <= wgmma_tile_width(kD), "k16 steps; out staged in Q's rows");
   const AttnParams& p = tp.p;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const Sm sm(smem_raw);

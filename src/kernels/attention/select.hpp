@@ -107,10 +107,12 @@ constexpr int wgmma_tile_keys(int64_t d, int64_t dv) { return d <= 128 && dv <= 
 constexpr int wgmma_tile_width(int64_t d) { return int((d + 63) / 64 * 64); }
 
 // D 64/128/256 (the benchmark's), 96 and 192 (D = Dv), and MLA prefill's 192/128; the dev set
-// (three instantiations each, ~3 s of nvcc apiece) leaves out 96, 192 and f16.
+// (three instantiations each, ~3 s of nvcc apiece) is the bf16 half: every head size, no f16.
+// Contiguous caches go to prefill_tma; this kernel serves the paged ones of every head size.
 #if FLASHSERVE_DEV_CONFIGS
-inline constexpr PrefillConfig kPrefillWgmmaConfigs[] = {
-    {DType::bf16, 64}, {DType::bf16, 128}, {DType::bf16, 256}, {DType::bf16, 192, 128}};
+inline constexpr PrefillConfig kPrefillWgmmaConfigs[] = {{DType::bf16, 64},  {DType::bf16, 96},
+                                                         {DType::bf16, 128}, {DType::bf16, 192},
+                                                         {DType::bf16, 256}, {DType::bf16, 192, 128}};
 #else
 inline constexpr PrefillConfig kPrefillWgmmaConfigs[] = {
     {DType::bf16, 64}, {DType::bf16, 96}, {DType::bf16, 128}, {DType::bf16, 192}, {DType::bf16, 256},
@@ -136,14 +138,19 @@ constexpr size_t prefill_wgmma_smem_bytes(int64_t d, int64_t dv) {
 }
 
 // ---- the warp-specialized prefill kernel (prefill_tma.cuh): sm_90a, contiguous K/V, TMA
-// loads in 64-channel boxes (D, Dv multiples of 64), 384 threads (a producer warpgroup), the
-// wgmma kernel's tiles with two K and two V stages.
+// loads in 64-channel boxes (D = 96: the second box's channels past 96 load as zeros into the
+// tile's padding, tma_map.cuh), 384 threads (a producer warpgroup), the wgmma kernel's tiles
+// with two K and two V stages. The same head sizes as prefill_wgmma (dev set: bf16 only).
 #if FLASHSERVE_DEV_CONFIGS
-inline constexpr PrefillConfig kPrefillTmaConfigs[] = {{DType::bf16, 64}, {DType::bf16, 128}, {DType::bf16, 256}};
+inline constexpr PrefillConfig kPrefillTmaConfigs[] = {{DType::bf16, 64},  {DType::bf16, 96},
+                                                       {DType::bf16, 128}, {DType::bf16, 192},
+                                                       {DType::bf16, 256}, {DType::bf16, 192, 128}};
 #else
 inline constexpr PrefillConfig kPrefillTmaConfigs[] = {
-    {DType::bf16, 64}, {DType::bf16, 128}, {DType::bf16, 256}, {DType::bf16, 192},
-    {DType::f16, 64},  {DType::f16, 128},  {DType::f16, 256},  {DType::f16, 192}};
+    {DType::bf16, 64}, {DType::bf16, 96}, {DType::bf16, 128}, {DType::bf16, 192}, {DType::bf16, 256},
+    {DType::bf16, 192, 128},
+    {DType::f16, 64},  {DType::f16, 96},  {DType::f16, 128},  {DType::f16, 192},  {DType::f16, 256},
+    {DType::f16, 192, 128}};
 #endif
 
 // Whether TMA can map a dim of n elements, stride_elems apart, of elem_bytes each: 1 <= n <
@@ -163,10 +170,10 @@ constexpr bool prefill_tma_config_built(DType t, int64_t d, int64_t dv) {
 }
 
 // Its dynamic shared memory: 1 KB of alignment slack, Q [128, D] + K [2, N, D] + V [2, N, Dv]
-// 16-bit, the epilogue's O [128, Dv] where the total fits the 227 KB a CTA can have (all but D =
-// 256: its epilogue stages O in Q's rows), the rows' key ranges (int2 [128]) and kTmaSyncWords
-// 8-byte words (10 mbarriers and the scheduled item; prefill_tma.cuh: TmaSmem). 194 KB at D = 96 and 128, 98 KB at 64, 192 KB at 256
-// and 192, 162 KB at 192/128.
+// 16-bit (D and Dv padded to whole 64-channel blocks), the epilogue's O [128, Dv] where the
+// total fits the 227 KB a CTA can have (all but D = 256: its epilogue stages O in Q's rows),
+// the rows' key ranges (int2 [128]) and kTmaSyncWords 8-byte words (10 mbarriers and the scheduled item; prefill_tma.cuh: TmaSmem). 194 KB at D =
+// 96, 128, 192 and 256, 162 KB at 192/128, 98 KB at 64.
 inline constexpr int kTmaSyncWords = 11;
 inline constexpr size_t kMaxSmemPerCtaSm90 = 227 * 1024;
 constexpr size_t prefill_tma_smem_base(int64_t d, int64_t dv) {

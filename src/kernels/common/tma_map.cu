@@ -31,7 +31,8 @@ uint64_t stride_bytes(int64_t stride, int64_t n, int64_t channels) {
 }  // namespace
 
 bool tma_mappable(const StridedRef& ref, int64_t n0, int64_t n1, int64_t heads, int64_t channels) {
-  if (!ref.data || reinterpret_cast<uintptr_t>(ref.data) % 16 != 0 || ref.stride[3] != 1 || channels % 64 != 0)
+  if (!ref.data || reinterpret_cast<uintptr_t>(ref.data) % 16 != 0 || ref.stride[3] != 1 || channels < 1 ||
+      channels >= (int64_t(1) << 31))
     return false;
   const int64_t sizes[3] = {n0, n1, heads};
   for (int d = 0; d < 3; ++d)
