@@ -116,7 +116,7 @@ FS_DEV void softmax_tile(const AttnParams& p, const WarpKeys<S>& wk, const Score
   const bool masked = wk.masks(off);
   int lo[2] = {0, 0}, hi[2] = {kN, kN};
   if (masked) wk.tile_rows(0, off, warp, lane, lo, hi);
-  softmax_scores<kN>(p, s, m, l, alpha, score, lo, hi, masked, lane & 3, bias, float(d0 - off));
+  softmax_scores<kN>(s, m, l, alpha, score, lo, hi, masked, lane & 3, bias, float(d0 - off));
 }
 
 // P = S rounded to T as wgmma A fragments, plus the rounding residues when kF32Out.
