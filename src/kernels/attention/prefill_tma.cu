@@ -3,6 +3,7 @@
 // entries; the tensor maps of q, k and v made here per call (host arithmetic only: nothing is
 // allocated or synchronized, and a captured launch keeps them as kernel parameters).
 #include <atomic>
+#include <climits>
 #include <cstdlib>
 
 #include "kernels/attention/launchers.hpp"
@@ -31,17 +32,18 @@ prefill::TmaAttnParams tma_params(const AttnParams& p) {
 
 }  // namespace
 
-// The persistent grid: one CTA per SM (choice.persistent_ctas), at most one per item.
+// The persistent grid: one CTA per SM (choice.persistent_ctas), at most one per item; or one
+// item per CTA (the hardware's dispatch) where the epilogue stages O in Q's rows (D = 256:
+// persistent measured 7% slower at S = 2k causal, Q's load waiting for the epilogue), or with
+// FLASHSERVE_TMA_ONE_ITEM_PER_CTA set (an A/B switch for benchmarks), unless the items overflow
+// a grid's x.
 template <auto kKernel, bool kSeparateO>
-void launch_persistent(const prefill::TmaAttnParams& tp, const AttnKernelChoice& choice, size_t smem,
-                       cudaStream_t stream) {
+void launch_persistent(prefill::TmaAttnParams tp, const AttnKernelChoice& choice, size_t smem, cudaStream_t stream) {
   ensure_smem_limit<kKernel>(smem, true);
-  // One item per CTA (the hardware's dispatch) where the epilogue stages O in Q's rows (D = 256:
-  // persistent measured 7% slower at S = 2k causal, Q's load waiting for the epilogue), or with
-  // FLASHSERVE_TMA_ONE_ITEM_PER_CTA set (an A/B switch for benchmarks).
   static const bool one_item = std::getenv("FLASHSERVE_TMA_ONE_ITEM_PER_CTA") != nullptr;
-  const int64_t ctas = one_item || !kSeparateO ? tp.items
-                                               : std::max<int64_t>(1, std::min<int64_t>(tp.items, choice.persistent_ctas));
+  const int64_t persistent = std::min<int64_t>(choice.persistent_ctas, prefill::kTmaMaxPersistentCtas);
+  tp.persistent = persistent > 0 && tp.items > persistent && ((kSeparateO && !one_item) || tp.items > INT_MAX);
+  const int64_t ctas = tp.persistent ? persistent : tp.items;
   kKernel<<<unsigned(ctas), prefill::kTmaThreads, smem, stream>>>(tp);
   FS_CUDA_CHECK_LAUNCH();
 }

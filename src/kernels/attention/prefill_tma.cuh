@@ -50,6 +50,7 @@ struct TmaAttnParams {
   int64_t row_tiles = 0;  // 128-row tiles of the schedule (prefill_launch.cuh: row_tile_count)
   int64_t items = 0;      // work items: row_tiles x heads x splits
   uint32_t sched_slot = 0;  // the launch's counters in g_tma_sched (prefill_tma.cu)
+  bool persistent = false;  // CTAs claim items (tma_claim); else one item per CTA, blockIdx.x
 };
 
 // The dynamic persistent schedule: items in cta_of_block's order (heads fastest, row tiles
@@ -57,11 +58,13 @@ struct TmaAttnParams {
 // claims gridDim.x + the next count of a global counter, so the items in flight stay a
 // contiguous window (the L2 locality and the load balance of the hardware's own CTA dispatch; a
 // static c, c + gridDim.x, ... walk measured 15% slower at S = 2k causal: SMs 83% busy, L2 hits
-// 60% vs 78%). Counters: [slot][0] claims, [slot][1] CTAs done; the last CTA done zeroes both,
-// so the next launch on the slot (stream-ordered, or a graph replay) starts from zero.
-inline constexpr uint32_t kTmaSchedSlots = 64;
+// 60% vs 78%). Counters: claims and CTAs done; the last CTA done zeroes both, so the next
+// launch on the slot (stream-ordered, or a graph replay) starts from zero. The mailbox holds
+// each CTA's next item for its consumers (publish_item).
+inline constexpr uint32_t kTmaSchedSlots = 64, kTmaMaxPersistentCtas = 256;
 struct TmaSchedCounters {
   unsigned long long next, done;
+  long long mailbox[kTmaMaxPersistentCtas];
 };
 // Zero at module load; each launch leaves its slot zero. Defined here: prefill_tma.cu, the one
 // includer, holds every instantiation.
@@ -89,8 +92,7 @@ FS_DEV CtaWork tma_item(const TmaAttnParams& tp, int64_t u, int64_t& h, int& spl
 // Shared memory: prefill_wgmma's [Q | K 0, 1 | V 0, 1] (two V stages: the empty barriers order
 // the reuse), the epilogue's own [128, Dv] O tile where it fits (kSeparateO: then Q is free for
 // the next item's load once the last Q K^T is done; else the epilogue stages O in Q's rows and Q
-// is released after it), the rows' key ranges (int2 [128]), 10 mbarriers and the next item (the
-// producer's claim). The layout rule is
+// is released after it), the rows' key ranges (int2 [128]) and 10 mbarriers. The layout rule is
 // select.hpp's prefill_tma_smem_bytes (asserted equal).
 template <int kD, int kDv>
 struct TmaSmem {
@@ -121,7 +123,6 @@ struct TmaSmem {
   FS_DEV uint32_t k_empty(int st) const { return bars + 32 + 8 * st; }
   FS_DEV uint32_t v_full(int st) const { return bars + 48 + 8 * st; }
   FS_DEV uint32_t v_empty(int st) const { return bars + 64 + 8 * st; }
-  FS_DEV uint32_t item() const { return bars + 80; }  // the next item (int64; publish_item)
 };
 
 template <int kD, int kDv>
@@ -165,24 +166,26 @@ struct TmaPipe {
   FS_DEV uint32_t pass() const { return (it >> 1) & 1; }
 };
 
-// The item handed from the producer warp to the consumer warpgroups through shared memory
-// (sm.item()), ordered by two named barriers of 256 + 32 threads: kItemFull (the producer
-// arrives after writing, the consumers wait before reading) and kItemEmpty (the consumers
-// arrive after reading, the producer waits before the next write). u < 0: no item left.
+// The item handed from the producer warp to the consumer warpgroups through the CTA's global
+// mailbox (racecheck cannot follow a shared slot ordered by bar.arrive), ordered by two named
+// barriers of 256 + 32 threads: kItemFull (the producer arrives after writing, the consumers
+// wait before reading) and kItemEmpty (the consumers arrive after reading, the producer waits
+// before the next write). u < 0: no item left.
 inline constexpr int kItemFull = 3, kItemEmpty = 4, kItemThreads = 256 + 32;
 
-template <int kD, int kDv>
-FS_DEV void publish_item(const TmaSmem<kD, kDv>& sm, int64_t u, uint32_t n, int lane) {
+FS_DEV volatile long long& mailbox(const TmaAttnParams& tp) {
+  return const_cast<volatile long long&>(g_tma_sched[tp.sched_slot].mailbox[blockIdx.x]);
+}
+
+FS_DEV void publish_item(const TmaAttnParams& tp, int64_t u, uint32_t n, int lane) {
   if (n > 0) named_sync(kItemEmpty, kItemThreads);
-  if (lane == 0)
-    asm volatile("st.shared.s64 [%0], %1;\n" ::"r"(sm.item()), "l"(static_cast<long long>(u)) : "memory");
+  if (lane == 0) mailbox(tp) = static_cast<long long>(u);
   named_arrive(kItemFull, kItemThreads);
 }
 
-FS_DEV int64_t receive_item(uint32_t item_s) {
+FS_DEV int64_t receive_item(const TmaAttnParams& tp) {
   named_sync(kItemFull, kItemThreads);
-  long long u;
-  asm volatile("ld.shared.s64 %0, [%1];\n" : "=l"(u) : "r"(item_s) : "memory");
+  const int64_t u = mailbox(tp);
   if (u >= 0) named_arrive(kItemEmpty, kItemThreads);  // the end is the last read
   return u;
 }
@@ -256,18 +259,19 @@ FS_DEV void produce(const TmaAttnParams& tp, const TmaSmem<kD, kDv>& sm, int lan
   TmaPipe pipe;
   int64_t u = blockIdx.x;
   while (u < tp.items) {
-    int64_t h, next = 0;
+    int64_t h, next = tp.items;
     int split;
     const CtaWork w = tma_item(tp, u, h, split);
-    if (lane == 0) next = tma_claim(tp);
+    if (lane == 0 && tp.persistent) next = tma_claim(tp);
     if (w.active) {
-      publish_item(sm, u, pipe.items, lane);
+      if (tp.persistent) publish_item(tp, u, pipe.items, lane);
       load_q(tp, w, h, sm, pipe, lane);
       produce_kv<T, kD, kDv>(tp, w, h, split, sm, pipe, lane);
     }
     u = __shfl_sync(kFullMask, next, 0);
   }
-  publish_item(sm, -1, pipe.items, lane);
+  if (!tp.persistent) return;
+  publish_item(tp, -1, pipe.items, lane);
   if (lane == 0) tma_sched_done(tp);
 }
 
@@ -399,15 +403,15 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_const
   }
   regs_alloc<kTmaConsumerRegs>();
   TmaPipe pipe;
-  for (;;) {
-    const int64_t u = receive_item(sm.item());
+  for (bool first = true;; first = false) {
+    const int64_t u = tp.persistent ? receive_item(tp) : first ? int64_t(blockIdx.x) : -1;
     if (u < 0) break;
     mbar_wait(sm.q_full(), pipe.items & 1);
     ++pipe.items;
     int64_t h;
     int split;
     const CtaWork w = tma_item(tp, u, h, split);
-    consume_item<T, kD, kDv, kF32Out, kAlibi>(p, w, h, split, sm, pipe, warp, lane);
+    if (w.active) consume_item<T, kD, kDv, kF32Out, kAlibi>(p, w, h, split, sm, pipe, warp, lane);
   }
 #endif
 }

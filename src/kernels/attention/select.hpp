@@ -172,9 +172,9 @@ constexpr bool prefill_tma_config_built(DType t, int64_t d, int64_t dv) {
 // Its dynamic shared memory: 1 KB of alignment slack, Q [128, D] + K [2, N, D] + V [2, N, Dv]
 // 16-bit (D and Dv padded to whole 64-channel blocks), the epilogue's O [128, Dv] where the
 // total fits the 227 KB a CTA can have (all but D = 256: its epilogue stages O in Q's rows),
-// the rows' key ranges (int2 [128]) and kTmaSyncWords 8-byte words (10 mbarriers and the scheduled item; prefill_tma.cuh: TmaSmem). 194 KB at D =
+// the rows' key ranges (int2 [128]) and kTmaSyncWords 8-byte words (mbarriers; prefill_tma.cuh: TmaSmem). 194 KB at D =
 // 96, 128, 192 and 256, 162 KB at 192/128, 98 KB at 64.
-inline constexpr int kTmaSyncWords = 11;
+inline constexpr int kTmaSyncWords = 10;
 inline constexpr size_t kMaxSmemPerCtaSm90 = 227 * 1024;
 constexpr size_t prefill_tma_smem_base(int64_t d, int64_t dv) {
   const int64_t n = wgmma_tile_keys(d, dv), wd = wgmma_tile_width(d), wdv = wgmma_tile_width(dv);
