@@ -406,12 +406,13 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_const
   for (bool first = true;; first = false) {
     const int64_t u = tp.persistent ? receive_item(tp) : first ? int64_t(blockIdx.x) : -1;
     if (u < 0) break;
-    mbar_wait(sm.q_full(), pipe.items & 1);
-    ++pipe.items;
     int64_t h;
     int split;
     const CtaWork w = tma_item(tp, u, h, split);
-    if (w.active) consume_item<T, kD, kDv, kF32Out, kAlibi>(p, w, h, split, sm, pipe, warp, lane);
+    if (!w.active) continue;  // a varlen batch's padding tile (never published when persistent)
+    mbar_wait(sm.q_full(), pipe.items & 1);
+    ++pipe.items;
+    consume_item<T, kD, kDv, kF32Out, kAlibi>(p, w, h, split, sm, pipe, warp, lane);
   }
 #endif
 }
