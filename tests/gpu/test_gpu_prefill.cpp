@@ -144,36 +144,6 @@ TEST(GpuPrefill, VarlenUnevenLengthsCausalAndGqa) {
   expect_prefill_matches(c, 2);
 }
 
-// prefill_tma is persistent (one CTA per SM walks items of 128 rows x head x split): batches
-// of several items per CTA, so the pipelines' stages and parities run on across items of
-// different lengths (1 to 5 tiles, zero-length sequences and fully masked rows between), with
-// splits, a window and soft-cap, and D = 256 (its epilogue stages O in Q's rows: Q is released
-// after it) next to D = 128 (a separate O tile: Q released after the last Q K^T).
-TEST(GpuPrefill, PersistentManyItemsPerCta) {
-  auto rng = fstest::make_rng(90);
-  std::vector<int64_t> q, k;
-  for (int b = 0; b < 48; ++b) {
-    const int64_t len = b % 7 == 3 ? 0 : int64_t(rng() % 600);
-    q.push_back(len);
-    k.push_back(len + int64_t(rng() % 3) * 64);
-  }
-  for (int variant = 0; variant < 3; ++variant) {
-    CaseConfig c = prefill_config(KvMode::varlen_contiguous, q, k, 8, 2);
-    c.causal = variant != 1;
-    if (variant == 1) c.num_splits = 2, c.window = {200, 50}, c.softcap = 20.0f;
-    if (variant == 2) c.D = c.Dv = 256;
-    auto r = fstest::make_rng(91 + uint64_t(variant));
-    fstest::AttentionCase ac = fstest::build_case(c, r);
-    std::string kernel;
-    EXPECT_EQ(run_and_check(ac, kernel), "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
-    if (expected_prefill_kernel() == "prefill_wgmma") EXPECT_EQ(kernel, "prefill_tma") << fstest::describe(c);
-  }
-  CaseConfig c = prefill_config(KvMode::batched_contiguous, {300}, std::vector<int64_t>(40, 300), 4, 4);
-  c.causal = true;
-  c.num_splits = 3;
-  expect_prefill_matches(c, 94);
-}
-
 TEST(GpuPrefill, PagedAnyBlockSize) {
   for (int64_t bs : {1, 16, 64, 80})
     for (fs::KvLayout layout : {fs::KvLayout::nhd, fs::KvLayout::hnd}) {

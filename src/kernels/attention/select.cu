@@ -158,9 +158,7 @@ std::string try_prefill_tma(const detail::AttnProblem& pr, const DeviceProps& de
     return detail::cat(what, "TMA coordinates in int32");
   if (!tma_sizes_ok(pr.q) || !tma_sizes_ok(pr.k) || !tma_sizes_ok(pr.v))
     return detail::cat(what, "q, k, v TMA can map (non-empty dims, strides below 2^40 bytes)");
-  why = take_prefill(AttnKernelId::prefill_tma, prefill_tma_smem_bytes(pr.head_dim, pr.head_dim_v), dev, what, pr, c);
-  c.persistent_ctas = dev.num_sms;
-  return why;
+  return take_prefill(AttnKernelId::prefill_tma, prefill_tma_smem_bytes(pr.head_dim, pr.head_dim_v), dev, what, pr, c);
 }
 
 // The sm80+ mma.sync prefill kernel (prefill_fwd.cuh): the prefill scope, D == Dv in kPrefillConfigs.

@@ -170,23 +170,12 @@ constexpr bool prefill_tma_config_built(DType t, int64_t d, int64_t dv) {
 }
 
 // Its dynamic shared memory: 1 KB of alignment slack, Q [128, D] + K [2, N, D] + V [2, N, Dv]
-// 16-bit (D and Dv padded to whole 64-channel blocks), the epilogue's O [128, Dv] where the
-// total fits the 227 KB a CTA can have (all but D = 256: its epilogue stages O in Q's rows),
-// the rows' key ranges (int2 [128]) and kTmaSyncWords 8-byte words (mbarriers; prefill_tma.cuh: TmaSmem). 194 KB at D =
-// 96, 128, 192 and 256, 162 KB at 192/128, 98 KB at 64.
-inline constexpr int kTmaSyncWords = 10;
-inline constexpr size_t kMaxSmemPerCtaSm90 = 227 * 1024;
-constexpr size_t prefill_tma_smem_base(int64_t d, int64_t dv) {
-  const int64_t n = wgmma_tile_keys(d, dv), wd = wgmma_tile_width(d), wdv = wgmma_tile_width(dv);
-  return 1024 + size_t(kWgmmaRowsPerCta * wd + 2 * n * wd + 2 * n * wdv) * 2 + size_t(kWgmmaRowsPerCta) * 8 +
-         kTmaSyncWords * 8;
-}
-constexpr bool prefill_tma_separate_o(int64_t d, int64_t dv) {
-  return prefill_tma_smem_base(d, dv) + size_t(kWgmmaRowsPerCta * wgmma_tile_width(dv)) * 2 <= kMaxSmemPerCtaSm90;
-}
+// 16-bit (D and Dv padded to whole 64-channel blocks), the rows' key ranges (int2 [128]) and 9
+// mbarriers (prefill_tma.cuh: TmaSmem). 162 KB at D = 96 and 128, 194 KB at 256, 146 KB at 192,
+// 130 KB at 192/128, 82 KB at 64.
 constexpr size_t prefill_tma_smem_bytes(int64_t d, int64_t dv) {
-  return prefill_tma_smem_base(d, dv) +
-         (prefill_tma_separate_o(d, dv) ? size_t(kWgmmaRowsPerCta * wgmma_tile_width(dv)) * 2 : 0);
+  const int64_t n = wgmma_tile_keys(d, dv), wd = wgmma_tile_width(d), wdv = wgmma_tile_width(dv);
+  return 1024 + size_t(kWgmmaRowsPerCta * wd + 2 * n * wd + 2 * n * wdv) * 2 + size_t(kWgmmaRowsPerCta) * 8 + 9 * 8;
 }
 
 struct AttnKernelChoice {
@@ -198,7 +187,6 @@ struct AttnKernelChoice {
   int head_slices = 0;      // ceil(group / heads_per_cta); decode_mla: CTAs per sequence in y
                             // (ceil(q_len x H / rows_per_cta) packed rows of rows_per_cta each)
   size_t smem_bytes = 0;    // dynamic shared memory per CTA
-  int persistent_ctas = 0;  // prefill_tma: CTAs of its persistent grid (one per SM)
   std::string why_not;      // kernel == none: every candidate's reason, "; "-separated
   bool supported() const { return kernel != AttnKernelId::none; }
   const char* name() const;  // kernel_name(kernel): "decode", "generic", ...
