@@ -106,6 +106,17 @@ FS_DEV void copy_tail(const AttnParams& p, const StridedRef& src, const SeqKv& k
   if (lane == 0) mbar_arrive(full);
 }
 
+// One K or V stage (kW channels, rows from `row` of cache batch `kb`, KV head g) by TMA: lane 0
+// expects the stage's bytes on `full` and loads its 64-channel boxes.
+template <class L, int kW>
+FS_DEV void tma_tile(const CUtensorMap* map, uint32_t dst, uint32_t full, uint32_t bytes, int g, int row, int kb,
+                     int lane) {
+  if (lane != 0) return;
+  mbar_arrive_expect_tx(full, bytes);
+#pragma unroll
+  for (int c = 0; c < wgmma_tile_width(kW) / 64; ++c) tma_load_4d(dst + uint32_t(c) * L::kBlockBytes, map, full, 64 * c, g, row, kb);
+}
+
 // The producer warp: Q once, then K and V of every tile into the stage (j % 2) its consumers
 // released, by TMA where the whole tile lies in the sequence and the cache, else copy_tail.
 template <class T, int kD, int kDv>
@@ -130,29 +141,11 @@ FS_DEV void produce(const TmaAttnParams& tp, const CtaWork& w, int64_t h, const 
     const bool whole = n0 >= cache.lo && n0 + kN <= imin(sk, cache.hi);
     const int row = int(kv.k_begin + n0);
     if (j >= 2) mbar_wait(sm.k_empty(st), parity);
-    if (whole) {
-      if (lane == 0) {
-        mbar_arrive_expect_tx(sm.k_full(st), Sm::kKBytes);
-#pragma unroll
-        for (int c = 0; c < wgmma_tile_width(kD) / 64; ++c)
-          tma_load_4d(sm.k(st) + uint32_t(c) * Sm::KvL::kBlockBytes, &tp.k, sm.k_full(st), 64 * c, int(kv.g), row,
-                      int(kv.kb));
-      }
-    } else {
-      copy_tail<T, typename Sm::KvL, kN, kD / 8, true>(p, p.k, kv, cache, sk, n0, sm.k(st), sm.k_full(st), lane);
-    }
+    if (whole) tma_tile<typename Sm::KvL, kD>(&tp.k, sm.k(st), sm.k_full(st), Sm::kKBytes, int(kv.g), row, int(kv.kb), lane);
+    else copy_tail<T, typename Sm::KvL, kN, kD / 8, true>(p, p.k, kv, cache, sk, n0, sm.k(st), sm.k_full(st), lane);
     if (j >= 2) mbar_wait(sm.v_empty(st), parity);
-    if (whole) {
-      if (lane == 0) {
-        mbar_arrive_expect_tx(sm.v_full(st), Sm::kVBytes);
-#pragma unroll
-        for (int c = 0; c < wgmma_tile_width(kDv) / 64; ++c)
-          tma_load_4d(sm.v(st) + uint32_t(c) * Sm::KvL::kBlockBytes, &tp.v, sm.v_full(st), 64 * c, int(kv.g), row,
-                      int(kv.kb));
-      }
-    } else {
-      copy_tail<T, typename Sm::KvL, kN, kDv / 8, false>(p, p.v, kv, cache, sk, n0, sm.v(st), sm.v_full(st), lane);
-    }
+    if (whole) tma_tile<typename Sm::KvL, kDv>(&tp.v, sm.v(st), sm.v_full(st), Sm::kVBytes, int(kv.g), row, int(kv.kb), lane);
+    else copy_tail<T, typename Sm::KvL, kN, kDv / 8, false>(p, p.v, kv, cache, sk, n0, sm.v(st), sm.v_full(st), lane);
   }
 }
 
@@ -221,7 +214,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_const
   uint32_t pl[kF32Out ? kN / 16 : 1][4];
   float m[1][2] = {{kNegInf, kNegInf}}, l[1][2] = {};
   const auto softmax_tile = [&](int j, float (&alpha)[2]) {
-    prefill::softmax_tile<S, kN>(p, wk, score, bias, d0, j, warp, lane, s, m[0], l[0], alpha);
+    prefill::softmax_tile<S, kN>(wk, score, bias, d0, j, warp, lane, s, m[0], l[0], alpha);
   };
   const auto pack_p = [&] { prefill::pack_p<T, kN, kF32Out>(s, pa, pl); };
   const auto parity = [](int j) { return uint32_t((j >> 1) & 1); };

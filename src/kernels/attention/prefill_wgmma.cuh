@@ -109,7 +109,7 @@ FS_DEV void issue_pv(const uint32_t (&pa)[kN / 16][4], const uint32_t (&lo)[kLo]
 // The softmax of tile j on one warpgroup's S (completed), masked where some row of the
 // warpgroup sees only part of it; alpha receives the rescale of O (both wgmma kernels).
 template <class S, int kN, class Bias>
-FS_DEV void softmax_tile(const AttnParams& p, const WarpKeys<S>& wk, const ScoreLog2& score, const Bias& bias,
+FS_DEV void softmax_tile(const WarpKeys<S>& wk, const ScoreLog2& score, const Bias& bias,
                          int64_t d0, int j, int warp, int lane, float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
                          float (&alpha)[2]) {
   const int off = j * kN;
@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_c
     cp_async_commit();
   };
   const auto softmax_tile = [&](int j, float (&alpha)[2]) {
-    prefill::softmax_tile<S, kN>(p, wk, score, bias, d0, j, warp, lane, s, m[0], l[0], alpha);
+    prefill::softmax_tile<S, kN>(wk, score, bias, d0, j, warp, lane, s, m[0], l[0], alpha);
   };
   const auto pack_p = [&] { prefill::pack_p<T, kN, kF32Out>(s, pa, pl); };
   if (ck.tiles > 0) {
