@@ -233,9 +233,7 @@ void reshape_and_cache_op(nb::handle key, nb::handle value, nb::handle key_cache
   p.v_scale = opt_tensor_arg(v_scale, "v_scale");
   p.k_scale_cache = opt_tensor_arg(k_scale_cache, "k_scale_cache");
   p.key_scale = opt_tensor_arg(key_scale, "key_scale");
-  ExecContext ctx = stream_context(stream);
-  nb::gil_scoped_release nogil;
-  reshape_and_cache(p, ctx);
+  call_on_stream(stream, reshape_and_cache, p);
 }
 
 void merge_op(nb::handle out, nb::handle out_lse, nb::handle a_out, nb::handle a_lse, nb::handle b_out,
@@ -251,9 +249,7 @@ void merge_op(nb::handle out, nb::handle out_lse, nb::handle a_out, nb::handle a
   p.lse_layout = token_major ? LseLayout::token_major : LseLayout::head_major;
   p.prefill_tokens_with_context = prefill_tokens_with_context;
   p.output_scale = opt_tensor_arg(output_scale, "output_scale");
-  ExecContext ctx = stream_context(stream);
-  nb::gil_scoped_release nogil;
-  merge_states(p, ctx);
+  call_on_stream(stream, merge_states, p);
 }
 
 void copy_blocks_op(const std::vector<nb::handle>& caches, nb::handle block_mapping, nb::handle stream) {
@@ -262,17 +258,13 @@ void copy_blocks_op(const std::vector<nb::handle>& caches, nb::handle block_mapp
   for (size_t i = 0; i < caches.size(); ++i)
     refs.push_back(tensor_arg(caches[i], ("caches[" + std::to_string(i) + "]").c_str()));
   const TensorRef mapping = tensor_arg(block_mapping, "block_mapping");
-  ExecContext ctx = stream_context(stream);
-  nb::gil_scoped_release nogil;
-  copy_blocks(refs, mapping, ctx);
+  call_on_stream(stream, copy_blocks, refs, mapping);
 }
 
 void swap_blocks_op(nb::handle src, nb::handle dst, nb::handle block_mapping, nb::handle stream) {
   const TensorRef s = tensor_arg(src, "src"), d = tensor_arg(dst, "dst");
   const TensorRef mapping = tensor_arg(block_mapping, "block_mapping");
-  ExecContext ctx = stream_context(stream);
-  nb::gil_scoped_release nogil;
-  swap_blocks(s, d, mapping, ctx);
+  call_on_stream(stream, swap_blocks, s, d, mapping);
 }
 
 void advance_step_op(int64_t num_seqs, int64_t num_queries, int64_t block_size, nb::handle input_tokens,
@@ -288,16 +280,12 @@ void advance_step_op(int64_t num_seqs, int64_t num_queries, int64_t block_size, 
   p.seq_lens = tensor_arg(seq_lens, "seq_lens");
   p.slot_mapping = tensor_arg(slot_mapping, "slot_mapping");
   p.block_tables = tensor_arg(block_tables, "block_tables");
-  ExecContext ctx = stream_context(stream);
-  nb::gil_scoped_release nogil;
-  advance_step(p, ctx);
+  call_on_stream(stream, advance_step, p);
 }
 
 void quantize_int8_op(nb::handle x, nb::handle out, nb::handle scale, nb::handle stream) {
   const TensorRef xs = tensor_arg(x, "x"), o = tensor_arg(out, "out"), s = tensor_arg(scale, "scale");
-  ExecContext ctx = stream_context(stream);
-  nb::gil_scoped_release nogil;
-  quantize_int8(xs, o, s, ctx);
+  call_on_stream(stream, quantize_int8, xs, o, s);
 }
 
 void register_cache_merge(nb::module_& m) {
@@ -331,9 +319,7 @@ void differential_combine_op(nb::handle a1, nb::handle a2, nb::handle lambda_q1,
   p.lambda_init = float(lambda_init);
   p.eps = float(eps);
   p.out = tensor_arg(out, "out");
-  ExecContext ctx = stream_context(stream);
-  nb::gil_scoped_release nogil;
-  differential_combine(p, ctx);
+  call_on_stream(stream, differential_combine, p);
 }
 
 void lse_correct_op(nb::handle out, nb::handle lse_all, int64_t rank, nb::handle lse_out, bool token_major,
@@ -344,9 +330,7 @@ void lse_correct_op(nb::handle out, nb::handle lse_all, int64_t rank, nb::handle
   p.rank = rank;
   p.lse_out = opt_tensor_arg(lse_out, "lse_out");
   p.lse_layout = token_major ? LseLayout::token_major : LseLayout::head_major;
-  ExecContext ctx = stream_context(stream);
-  nb::gil_scoped_release nogil;
-  lse_correct(p, ctx);
+  call_on_stream(stream, lse_correct, p);
 }
 
 void gather_cache_op(nb::handle cache, nb::handle block_table, nb::handle seqused_k, nb::handle cu_seqlens_q,
@@ -361,9 +345,7 @@ void gather_cache_op(nb::handle cache, nb::handle block_table, nb::handle sequse
   if (token_end) p.token_end = *token_end;
   p.dst = tensor_arg(dst, "dst");
   p.cu_seqlens_dst = tensor_arg(cu_seqlens_dst, "cu_seqlens_dst");
-  ExecContext ctx = stream_context(stream);
-  nb::gil_scoped_release nogil;
-  gather_cache(p, ctx);
+  call_on_stream(stream, gather_cache, p);
 }
 
 void register_variants(nb::module_& m) {

@@ -45,9 +45,7 @@ void spec_draft_expand_op(nb::handle out_cache_loc, int64_t decode_length, nb::h
   p.page_table = tensor_arg(page_table, "page_table");
   p.cache_seqlens = tensor_arg(cache_seqlens, "cache_seqlens");
   p.cu_seqlens_k = tensor_arg(cu_seqlens_k, "cu_seqlens_k");
-  ExecContext ctx = stream_context(stream);
-  nb::gil_scoped_release nogil;
-  spec_draft_expand(p, ctx);
+  call_on_stream(stream, spec_draft_expand, p);
 }
 
 void spec_verify_expand_op(nb::handle custom_mask, nb::handle req_to_token, nb::handle req_pool_indices,
@@ -64,9 +62,7 @@ void spec_verify_expand_op(nb::handle custom_mask, nb::handle req_to_token, nb::
   p.page_table = tensor_arg(page_table, "page_table");
   p.cache_seqlens = tensor_arg(cache_seqlens, "cache_seqlens");
   p.cu_seqlens_k = tensor_arg(cu_seqlens_k, "cu_seqlens_k");
-  ExecContext ctx = stream_context(stream);
-  nb::gil_scoped_release nogil;
-  spec_verify_expand(p, ctx);
+  call_on_stream(stream, spec_verify_expand, p);
 }
 
 void spec_window_page_table_op(nb::handle page_table_a, nb::handle page_table_b, nb::handle seq_len_a,
@@ -81,9 +77,7 @@ void spec_window_page_table_op(nb::handle page_table_a, nb::handle page_table_b,
   p.page_table = tensor_arg(page_table, "page_table");
   p.cache_seqlens = tensor_arg(cache_seqlens, "cache_seqlens");
   p.cu_seqlens_k = tensor_arg(cu_seqlens_k, "cu_seqlens_k");
-  ExecContext ctx = stream_context(stream);
-  nb::gil_scoped_release nogil;
-  spec_window_page_table(p, ctx);
+  call_on_stream(stream, spec_window_page_table, p);
 }
 
 }  // namespace

@@ -28,6 +28,14 @@ std::span<const int32_t> opt_host_i32_arg(nanobind::handle obj, const char* name
 void* stream_arg(nanobind::handle stream);
 // An ExecContext on that stream (no workspace, no plan).
 ExecContext stream_context(nanobind::handle stream);
+// op(args..., ctx) on `stream` with the GIL released (the call may wait on the device; other
+// Python threads run meanwhile): the tail of every operation binding.
+template <class Op, class... Args>
+void call_on_stream(nanobind::handle stream, Op&& op, const Args&... args) {
+  const ExecContext ctx = stream_context(stream);
+  nanobind::gil_scoped_release nogil;
+  op(args..., ctx);
+}
 
 // "cpu" or "cuda" and an index as a Device (ValueError naming `device` otherwise).
 Device parse_device(const std::string& type, int index);
