@@ -23,16 +23,20 @@ void check_table(const TensorRef& t, Arg arg, std::initializer_list<DType> dtype
   check_data(t, arg);
 }
 
-// An int32 [rows] lengths output and its int32 [rows + 1] offsets.
-void check_lengths_out(const TensorRef& lens, const TensorRef& cu, int64_t rows, std::string_view rows_name) {
-  check_table(lens, "cache_seqlens", {DType::i32}, {rows}, cat("[", rows_name, "]"));
-  check_table(cu, "cu_seqlens_k", {DType::i32}, {rows + 1}, cat("[", rows_name, " + 1]"));
-}
-
-// An int32 page table output [rows, >= min_cols].
-void check_page_table_out(const TensorRef& t, int64_t rows, int64_t min_cols, std::string_view what) {
-  check_table(t, "page_table", {DType::i32}, {rows, -1}, what);
-  if (t.size(1) < min_cols) fail_arg("page_table", cat("at least ", min_cols, " columns (", what, ")"), t.shape_str());
+// The three outputs every operation here writes, checked and taken into its problem: an int32
+// page table [rows, >= min_cols] (`table_shape` describes it), int32 lengths [rows] and their
+// int32 offsets [rows + 1].
+template <class Params, class Problem>
+void take_outputs(const Params& p, Problem& pr, int64_t rows, int64_t min_cols, std::string_view table_shape,
+                  std::string_view rows_name) {
+  check_table(p.page_table, "page_table", {DType::i32}, {rows, -1}, table_shape);
+  if (p.page_table.size(1) < min_cols)
+    fail_arg("page_table", cat("at least ", min_cols, " columns (", table_shape, ")"), p.page_table.shape_str());
+  check_table(p.cache_seqlens, "cache_seqlens", {DType::i32}, {rows}, cat("[", rows_name, "]"));
+  check_table(p.cu_seqlens_k, "cu_seqlens_k", {DType::i32}, {rows + 1}, cat("[", rows_name, " + 1]"));
+  pr.page_table = p.page_table;
+  pr.cache_seqlens = p.cache_seqlens;
+  pr.cu_seqlens_k = p.cu_seqlens_k;
 }
 
 void check_draft_count(int64_t n) {
@@ -51,12 +55,8 @@ DraftExpandProblem validate_spec_draft_expand(const SpecDraftExpandParams& p) {
   if (p.decode_length < 1 || p.decode_length > steps)
     fail_arg("decode_length", cat("a value in [1, ", steps, "] (num_steps = out_cache_loc's dim 1)"), p.decode_length);
   pr.decode_length = p.decode_length;
-  check_page_table_out(p.page_table, pr.rows, pr.decode_length, "[R, >= decode_length] with R of out_cache_loc");
-  check_lengths_out(p.cache_seqlens, p.cu_seqlens_k, pr.rows, "R");
+  take_outputs(p, pr, pr.rows, pr.decode_length, "[R, >= decode_length] with R of out_cache_loc", "R");
   pr.out_cache_loc = p.out_cache_loc;
-  pr.page_table = p.page_table;
-  pr.cache_seqlens = p.cache_seqlens;
-  pr.cu_seqlens_k = p.cu_seqlens_k;
   return pr;
 }
 
@@ -76,15 +76,11 @@ VerifyExpandProblem validate_spec_verify_expand(const SpecVerifyExpandParams& p)
   const int64_t rows = pr.batch * pr.drafts;
   pr.mask_rows = p.mask_rows.value_or(rows);
   if (pr.mask_rows < 0 || pr.mask_rows > rows) fail_arg("mask_rows", cat("a value in [0, ", rows, "] (B * n)"), pr.mask_rows);
-  check_page_table_out(p.page_table, rows, pr.drafts, "[B * n, >= n]");
-  check_lengths_out(p.cache_seqlens, p.cu_seqlens_k, rows, "B * n");
+  take_outputs(p, pr, rows, pr.drafts, "[B * n, >= n]", "B * n");
   pr.custom_mask = p.custom_mask;
   pr.req_to_token = p.req_to_token;
   pr.req_pool_indices = p.req_pool_indices;
   pr.seq_lens = p.seq_lens;
-  pr.page_table = p.page_table;
-  pr.cache_seqlens = p.cache_seqlens;
-  pr.cu_seqlens_k = p.cu_seqlens_k;
   return pr;
 }
 
@@ -122,15 +118,11 @@ WindowPageTableProblem validate_spec_window_page_table(const SpecWindowPageTable
   check_table(p.seq_len_b, "seq_len_b", {DType::i32}, {rows}, "[B * n] with B of seq_len_a");
   check_table(p.page_table_a, "page_table_a", {DType::i32}, {pr.batch, -1}, "[B, LEN_A] with B of seq_len_a");
   check_table(p.page_table_b, "page_table_b", {DType::i32}, {rows, -1}, "[B * n, LEN_B]");
-  check_page_table_out(p.page_table, rows, 0, "[B * n, width]");
-  check_lengths_out(p.cache_seqlens, p.cu_seqlens_k, rows, "B * n");
+  take_outputs(p, pr, rows, 0, "[B * n, width]", "B * n");
   pr.page_table_a = p.page_table_a;
   pr.page_table_b = p.page_table_b;
   pr.seq_len_a = p.seq_len_a;
   pr.seq_len_b = p.seq_len_b;
-  pr.page_table = p.page_table;
-  pr.cache_seqlens = p.cache_seqlens;
-  pr.cu_seqlens_k = p.cu_seqlens_k;
   return pr;
 }
 
