@@ -54,15 +54,7 @@ TEST(BatchInvariant, FixedSizeSplitArithmetic) {
 }
 
 TEST(BatchInvariant, PlansSplitBySizeAndNameTheirBounds) {
-  fs::ProblemShape s;
-  s.batch = 64;
-  s.max_seqlen_q = 1;
-  s.max_seqlen_k = 4096;
-  s.num_heads = 32;
-  s.num_kv_heads = 8;
-  s.head_dim = s.head_dim_v = 128;
-  s.total_q = 64;
-  s.page_size = 16;
+  fs::ProblemShape s = decode_shape(64, 4096);
   s.batch_invariant = true;
   const fs::DeviceProps gpu = fs::DeviceProps::h200(), cpu = fs::DeviceProps::cpu();
   for (const fs::DeviceProps& dev : {gpu, cpu}) {

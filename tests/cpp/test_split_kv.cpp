@@ -77,15 +77,7 @@ TEST(SplitKv, UnsplitIsBatchInvariant) {
 }
 
 TEST(SplitKv, HeuristicSplitsOnlyWhenTheGpuWouldIdle) {
-  fs::ProblemShape s;
-  s.batch = 1;
-  s.max_seqlen_q = 1;
-  s.max_seqlen_k = 32768;
-  s.num_heads = 32;
-  s.num_kv_heads = 8;
-  s.head_dim = s.head_dim_v = 128;
-  s.total_q = 1;
-  s.page_size = 16;
+  fs::ProblemShape s = decode_shape(1, 32768);
   EXPECT_GT(fs::choose_num_splits(s, fs::DeviceProps::h200(), 0), 1);
   s.batch = s.total_q = 256;
   EXPECT_EQ(fs::choose_num_splits(s, fs::DeviceProps::h200(), 0), 1);

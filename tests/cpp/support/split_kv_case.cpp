@@ -299,4 +299,16 @@ int granules(const Built& bt, const fs::DeviceProps& dev) {
   return int((plan.shape.max_seqlen_k + plan.split_granularity - 1) / plan.split_granularity);
 }
 
+fs::ProblemShape decode_shape(int64_t batch, int64_t max_seqlen_k) {
+  fs::ProblemShape s;
+  s.batch = s.total_q = batch;
+  s.max_seqlen_q = 1;
+  s.max_seqlen_k = max_seqlen_k;
+  s.num_heads = 32;
+  s.num_kv_heads = 8;
+  s.head_dim = s.head_dim_v = 128;
+  s.page_size = 16;
+  return s;
+}
+
 }  // namespace fstest::splitkv

@@ -94,4 +94,8 @@ inline constexpr float kLseTol = 2e-5f;
 // KV granules of the plan the CPU makes for bt's call.
 int granules(const Built& bt, const fs::DeviceProps& dev);
 
+// The planner's view of a decode step (q_len 1, H 32, H_kv 8, D 128, pages of 16) over B
+// sequences of up to max_seqlen_k keys.
+fs::ProblemShape decode_shape(int64_t batch, int64_t max_seqlen_k);
+
 }  // namespace fstest::splitkv
