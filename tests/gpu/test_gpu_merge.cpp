@@ -20,6 +20,7 @@
 #include "flashserve/cache.hpp"
 #include "flashserve/merge.hpp"
 #include "flashserve/status.hpp"
+#include "support/captured_graph.hpp"
 #include "support/device_tensor.hpp"
 #include "support/checks.hpp"
 #include "support/host_tensor.hpp"
@@ -259,13 +260,10 @@ TEST(GpuGraph, ReshapeAndCacheThenMergeReplaysEqualEager) {
   MergeRun mr({DType::f16, DType::bf16, DType::bf16, LseLayout::head_major, true, true, true}, 48, 8, 128, rng);
   fsgpu::sync();
 
-  cudaGraph_t graph;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  fs::reshape_and_cache(cr.params(true), ctx);
-  fs::merge_states(mr.params(true), ctx);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  const fsgpu::CapturedGraph graph(stream, [&] {
+    fs::reshape_and_cache(cr.params(true), ctx);
+    fs::merge_states(mr.params(true), ctx);
+  });
 
   for (int replay = 0; replay < 2; ++replay) {
     SCOPED_TRACE("replay " + std::to_string(replay));
@@ -273,8 +271,7 @@ TEST(GpuGraph, ReshapeAndCacheThenMergeReplaysEqualEager) {
     cr.upload();
     mr.randomize(rng);
     fsgpu::sync();
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    graph.replay();
     const HostTensor g_kc = cr.dkc.download(cr.kc), g_vc = cr.dvc.download(cr.vc);
     const HostTensor g_out = mr.dout.download(mr.out), g_lo = mr.dlo.download(mr.lo);
 
@@ -299,7 +296,5 @@ TEST(GpuGraph, ReshapeAndCacheThenMergeReplaysEqualEager) {
     check_merge(mr, g_out, g_lo, m, exact, total);
     EXPECT_EQ(m.count, 0) << "merge: graph != CPU: " << m.first << seed_note();
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }

@@ -12,6 +12,7 @@
 
 #include "flashserve/spec_metadata.hpp"
 #include "flashserve/status.hpp"
+#include "support/captured_graph.hpp"
 #include "support/checks.hpp"
 #include "support/device_tensor.hpp"
 #include "support/spec_operands.hpp"
@@ -151,14 +152,7 @@ TEST(GpuSpecMetadata, GraphReplayEqualsEager) {
   DeviceCase<fstest::VerifyExpandCase> v(fstest::make_verify_expand(rng, 1100, 6, DType::i32, true));
   DeviceCase<fstest::WindowCase> w(fstest::make_window(rng, 200, 4, 100, 6));
   auto all = [&] { run(e.dev, ctx), run(v.dev, ctx), run(w.dev, ctx); };
-  cudaGraph_t graph;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  all();
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  fsgpu::CapturedGraph(stream, all).replay();
   const fstest::SpecOutputs replayed[] = {e.download(), v.download(), w.download()};
   for (const DeviceTensor* t : {&e.page, &e.lens, &e.cu, &v.page, &v.lens, &v.cu, &w.page, &w.lens, &w.cu})
     fsgpu::poison(*t);
@@ -170,8 +164,6 @@ TEST(GpuSpecMetadata, GraphReplayEqualsEager) {
   expect_same(replayed[2], w.download(), "window: graph vs eager");
   run(v.host);  // and the eager CUDA run equals the CPU
   expect_same(v.host.out, v.download(), "verify expand: CUDA vs CPU");
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 

@@ -20,6 +20,7 @@
 #include "flashserve/numeric.hpp"
 #include "flashserve/status.hpp"
 #include "flashserve/variants_ops.hpp"
+#include "support/captured_graph.hpp"
 #include "support/checks.hpp"
 #include "support/device_tensor.hpp"
 #include "support/host_tensor.hpp"
@@ -467,14 +468,7 @@ TEST(GpuVariantsOps, GraphReplayEqualsEager) {
     fs::lse_correct(l.params(true), ctx);
     fs::gather_cache(g.params(true), ctx);
   };
-  cudaGraph_t graph;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  run();
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  fsgpu::CapturedGraph(stream, run).replay();
   const HostTensor outs[] = {d.dout.download(d.out), l.dout.download(l.out), l.dlo.download(l.lo),
                              g.ddst.download(g.dst), g.dcu_dst.download(g.cu_dst)};
   fsgpu::poison(d.dout), fsgpu::poison(l.dlo), fsgpu::poison(g.ddst), fsgpu::poison(g.dcu_dst);
@@ -487,8 +481,6 @@ TEST(GpuVariantsOps, GraphReplayEqualsEager) {
   EXPECT_TRUE(fstest::same_bytes(outs[2], *l.dlo.download(l.lo).bytes)) << "lse_out: graph != eager" << seed_note();
   EXPECT_TRUE(fstest::same_bytes(outs[3], *g.ddst.download(g.dst).bytes)) << "gather dst: graph != eager" << seed_note();
   EXPECT_TRUE(fstest::same_bytes(outs[4], *g.dcu_dst.download(g.cu_dst).bytes)) << "cu_seqlens_dst: graph != eager";
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 
