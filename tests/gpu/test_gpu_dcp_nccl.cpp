@@ -50,7 +50,7 @@ Shard make_shard(const Batch& bt, int W, int r, int64_t il, bool context_only, s
 
 be::BuilderConfig config_of(const be::LayerSpec& spec, int W, int r, int64_t il, const fs::DeviceProps& dev,
                             void* stream) {
-  be::BuilderConfig c = fstest::dcp_builder_config(spec, W, r, il, kBs, 128, 4);
+  be::BuilderConfig c = fstest::dcp_builder_config(spec, W, r, il, kBs, 192, 4);
   c.num_splits = 1;
   c.device = dev;
   c.stream = stream;

@@ -5,7 +5,8 @@
 // v; H 1, 16, 128 (16- and 64-row CTAs, two row slices at H = 128), q_len 1..4 (causal verify),
 // block sizes 1/16/64, paged and contiguous (varlen and batched), zero-length sequences, splits 1
 // and forced > 1, LSE, the score modifiers, bad block indices (NaN rows), an understated
-// max_seqlen_q; and the selection: picked for these shapes, declined with its reason otherwise.
+// max_seqlen_q; a DCP rank's keys with fp32 out; and the selection: picked for these shapes,
+// declined with its reason otherwise.
 // bf16 in every build; f16 where instantiated (the full set).
 #include <gtest/gtest.h>
 
@@ -143,6 +144,40 @@ TEST(GpuDecodeMla, F16) {
   if (skipped) GTEST_SKIP() << "f16 MLA decode not instantiated in this build";
 }
 
+// One DCP rank's call (bench/dcp_bench.py; vLLM's MLA under decode context parallelism): rank r
+// of W holds the keys at global positions t with t % W == r, causal verify rows at their global
+// positions, the LSE, and out in fp32 (the partial output lse_correct rescales) or q's dtype.
+// Against the CPU reference under the same plan (the fp64 oracle has no context parallelism).
+TEST(GpuDecodeMla, ContextParallelFp32Out) {
+  auto rng = fstest::make_rng(10);
+  int i = 0;
+  for (int world : {2, 3})
+    for (int64_t H : {16, 128})
+      for (int64_t q_len : {1, 3}) {
+        const int rank = i % world;
+        const std::vector<int64_t> global = {900, q_len, 257};
+        CaseConfig c = mla_config(3, 1, H, q_len, rng);
+        c.k_lens.clear();
+        for (int64_t g : global) c.k_lens.push_back(g / world + (g % world > rank));
+        c.causal = true;
+        c.out_dtype = i % 4 == 3 ? DType::bf16 : DType::f32;
+        c.num_splits = 1 + i % 3;
+        ++i;
+        if (!fs::kernels::mla_config_built(c.q_dtype)) continue;
+        auto crng = fstest::make_rng(600 + uint64_t(i));
+        fstest::AttentionCase ac = fstest::build_case(c, crng);
+        fsgpu::set_context_parallel(ac, global, world, rank);
+        const fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
+        const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
+        const auto cpu = fsgpu::run_cpu(ac, plan);
+        fsgpu::run_gpu_planned(ac, dc, plan);
+        const std::string kernel = fs::attention_kernel_name(dc.params, c.batched(), fs::kernels::cuda_device_props(0));
+        EXPECT_EQ(kernel, "decode_mla") << fstest::describe(c);
+        EXPECT_EQ(fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, true, false), "")
+            << "world " << world << " rank " << rank << "\n" << fstest::describe(c);
+      }
+}
+
 // A varlen max_seqlen_q below the truth: 4 rows x 16 heads = 64 packed rows, sized for 16.
 TEST(GpuDecodeMla, UnderstatedMaxSeqlenQ) {
   auto rng = fstest::make_rng(6);
@@ -198,6 +233,12 @@ TEST(GpuDecodeMla, Selection) {
     EXPECT_EQ(choice.rows_per_cta, w.rows);
     EXPECT_EQ(choice.head_slices, w.slices);
   }
+  {  // fp32 out (a DCP rank's partial output) as well
+    CaseConfig c = mla_config(2, 100, 16, 1, rng);
+    c.out_dtype = DType::f32;
+    fs::kernels::AttnKernelChoice choice;
+    EXPECT_EQ(mla_why(c, choice), "");
+  }
   auto declines = [&](auto edit, const std::string& why) {
     CaseConfig c = mla_config(2, 100, 16, 1, rng);
     edit(c);
@@ -208,7 +249,6 @@ TEST(GpuDecodeMla, Selection) {
   };
   declines([](CaseConfig& c) { c.D = 128, c.Dv = 128, c.has_qv = false; }, "q_v");
   declines([](CaseConfig& c) { c.H_kv = 2, c.H = 32; }, "H_kv = 1");
-  declines([](CaseConfig& c) { c.out_dtype = DType::f32; }, "out of q's dtype");
   declines([](CaseConfig& c) { c.q_dtype = c.kv_dtype = c.out_dtype = DType::f32; }, "float16/bfloat16");
   declines([](CaseConfig& c) { c.quant = fstest::QuantMode::fp8_kv, c.kv_dtype = DType::f8e4m3; }, "dtype");
   declines([](CaseConfig& c) { c.kv_latent = false, c.kv_pad = 3; }, "16 bytes");

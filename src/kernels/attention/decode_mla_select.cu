@@ -36,9 +36,13 @@ std::string try_decode_mla(const detail::AttnProblem& pr, const DeviceProps& dev
   if (pr.num_kv_heads != 1) return detail::cat(what, "H_kv = 1, got ", pr.num_kv_heads);
   const DType t = pr.q.dtype;
   if (t != DType::bf16 && t != DType::f16) return detail::cat(what, "q float16/bfloat16, got ", dtype_name(t));
-  if (pr.q_v->dtype != t || pr.k.dtype != t || pr.v.dtype != t || pr.out.dtype != t)
-    return detail::cat(what, "q_v, k, v and out of q's dtype (", dtype_name(t), "), got ", dtype_name(pr.q_v->dtype),
-                       "/", dtype_name(pr.k.dtype), "/", dtype_name(pr.v.dtype), "/", dtype_name(pr.out.dtype));
+  if (pr.q_v->dtype != t || pr.k.dtype != t || pr.v.dtype != t)
+    return detail::cat(what, "q_v, k and v of q's dtype (", dtype_name(t), "), got ", dtype_name(pr.q_v->dtype), "/",
+                       dtype_name(pr.k.dtype), "/", dtype_name(pr.v.dtype));
+  // out in q's dtype, or fp32 (the DCP step's partial outputs before lse_correct): the epilogue
+  // and the split combine store through store_from_float.
+  if (pr.out.dtype != t && pr.out.dtype != DType::f32)
+    return detail::cat(what, "out of q's dtype (", dtype_name(t), ") or float32, got ", dtype_name(pr.out.dtype));
   if (!mla_config_built(t)) return detail::cat(what, dtype_name(t), " instantiated (kMlaConfigs)");
   if (pr.q_scale || pr.k_scale_cache || pr.v_scale || pr.q_descale || pr.k_descale || pr.v_descale)
     return detail::cat(what, "no quantization scales or descales");
