@@ -17,7 +17,8 @@
 //          verify step), paged NHD caches [blocks, block, Hkv, D] (kv = bf16 or fp8 e4m3,
 //          descales absent), block tables shuffled over the pool. mla=1: MLA absorbed decode,
 //          q [B, Q, H, 64] + q_v [B, Q, H, 512] over one latent cache [blocks, block, 1, 576]
-//          (v = channels 0..511, k = 512..575; Hkv and D are ignored), out [B, Q, H, 512].
+//          (v = channels 0..511, k = 512..575; Hkv and D are ignored; kv = bf16 or fp8 e4m3,
+//          descales absent), out [B, Q, H, 512].
 // shared_prefix: one decode step of B requests through the backend layer (MetadataBuilder with
 //          CUDA metadata, AttentionLayer::forward incl. the cache write), each context the same
 //          P-token prefix (shared blocks) plus L - P tokens of its own; cascade=0 keeps the
@@ -99,7 +100,7 @@ Spec parse_spec(const std::string& text) {
   num("C", s.C), num("NP", s.NP), num("Q", s.Q), num("mla", mla);
   s.causal = causal != 0;
   s.mla = mla != 0;
-  if (s.mla && (s.op != "decode" || s.kv != "bf16")) throw std::invalid_argument("mla=1: op=decode with kv=bf16 only");
+  if (s.mla && s.op != "decode") throw std::invalid_argument("mla=1: op=decode only");
   if (s.mla) s.Hkv = 1, s.D = 64, s.Dv = 512;
   s.cascade = cascade != 0;
   if (!kv.empty()) throw std::invalid_argument("unknown spec key: " + kv.begin()->first);
@@ -234,7 +235,8 @@ void set_modifier(const Spec& s, BenchCase& c, AttentionParams& p, Device dev) {
 size_t decode_set_bytes(const Spec& s) {
   const size_t blocks = size_t(s.B * ((s.L + s.block - 1) / s.block));
   if (s.mla)  // the latent cache, q + q_v and out
-    return blocks * size_t(s.block) * 576 * 2 + size_t(s.B * s.Q * s.H) * (64 + 2 * 512) * 2 + blocks * 4;
+    return blocks * size_t(s.block) * 576 * (s.kv == "fp8" ? 1 : 2) + size_t(s.B * s.Q * s.H) * (64 + 2 * 512) * 2 +
+           blocks * 4;
   const size_t kv = blocks * size_t(s.block * s.Hkv * s.D) * (s.kv == "fp8" ? 1 : 2) * 2;
   return kv + size_t(s.B * s.Q * s.H * s.D) * 4 + blocks * 4;
 }
@@ -280,7 +282,8 @@ BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
   if (s.mla) {  // one latent cache: v = channels 0..511, k = 512..575 of each 576-element row
     char* latent = static_cast<char*>(alloc_random(c, pool * s.block * 576, kv_t));
     v_ref = TensorRef::strided(latent, kv_t, {pool, s.block, 1, 512}, {s.block * 576, 576, 576, 1}, dev);
-    k_ref = TensorRef::strided(latent + 512 * 2, kv_t, {pool, s.block, 1, 64}, {s.block * 576, 576, 576, 1}, dev);
+    k_ref = TensorRef::strided(latent + 512 * dtype_size(kv_t), kv_t, {pool, s.block, 1, 64},
+                               {s.block * 576, 576, 576, 1}, dev);
   } else {
     void* k = alloc_random(c, cache_elems, kv_t);
     void* v = alloc_random(c, cache_elems, kv_t);
