@@ -47,6 +47,38 @@
 //     by HBM when the grid fills >= 2 CTAs per SM: predicted 3.3-3.7 TB/s at B=64 L=4k; B=1
 //     L=32k is bounded by the planner's split count (stream_splits: 32 splits of 1024 keys =
 //     32 CTAs on 132 SMs) to ~25% until the planner splits MLA finer.
+//
+// fp8 latent cache (e4m3 / e5m2; k_descale / v_descale [B, H_kv] or broadcasts, as the engines
+// pass them for fp8 caches; q and q_v 16-bit): the mma operands are f16. Every fp8 value is exact
+// in f16 (cvt.rn.f16x2.{e4m3,e5m2}x2 in registers, decode_mma.cuh's fp8x2_to_f16x2); q is staged
+// once per row group as f16 (stage_q_fp8): bf16 rows scaled by 2^shift (max |x| into
+// [2^15, 2^16); exact for every value within 2^-32 of the row's max), f16 rows as they are; the
+// row's qk_scale = k_descale x 2^-shift multiplies its scores before the modifiers, v_descale
+// goes into the epilogue's 1 / l. P is rounded to f16 (finer than bf16).
+//   Load tiles of 64 keys (64 x 592 B = 37.9 KB per stage, as a 32-key 16-bit tile), computed
+//   as two 32-key tiles (the steps above; one more barrier between them, so the barriers per
+//   byte are unchanged).
+//   S: the channels of each 16-channel k-step are permuted (fp8_q_column, applied to Q's
+//   staging) so that ldmatrix on fp8 key rows (a 16-byte row = one k-step of a key) hands lane
+//   (g, t) exactly its B fragment: one ldmatrix.x4 = four k-steps of 8 keys, two cvt per k-step.
+//   P V: the output channels are permuted instead (n-tile n's column g is channel
+//   w kCols + g kNTiles + n): lane (g, t) reads kNTiles contiguous bytes (LDS.128 at kM = 16,
+//   LDS.64 at kM = 64) of keys 16 kk + (2t, 2t+1, 2t+8, 2t+9) and pairs them with PRMT; the
+//   epilogue writes the channels back in order. KV rows are 592 B (= 80 mod 128): the
+//   ldmatrix rows and the V loads of a quarter- (half-) warp hit distinct banks.
+//   Per 32-key compute tile, kM = 16 (per warp): 36 Q + 9 K ldmatrix.x4, 36 + 32 mma, 72 + 64
+//   cvt, 16 PRMT, 8 LDS.128, 2 P ldmatrix. The conversions are the tightest pipe: the latent's
+//   v channels are converted twice (S's contraction and P V's B operand): 544 f16x2
+//   conversions per key; at 16 per clk per SM (the F2FP rate decode_mma.cuh assumes) ~34 clk
+//   per 576-byte key, ~17 B/clk per SM = ~4.1 TB/s on 132 SMs at 1.83 GHz before any overlap
+//   loss. Shared memory per 37.9 KB load tile: Q re-reads 147 KB (twice bf16's per byte), K
+//   37 KB, V 32 KB, cp.async 38 KB: ~250 KB, ~2000 clk at 128 B/clk against ~2450 clk for 85%
+//   of the copy ceiling. Predicted (B=64 L=4k H=16): 2.9-3.4 TB/s of fp8 bytes (time 0.55-0.65x
+//   bf16's); B=1 L=32k bounded by the split count as bf16. kM = 64 (H = 128): the 4 m-blocks'
+//   warps each convert the same K (4x): ~2800 clk of conversions per 32-key tile, about bf16's
+//   ~3100 clk of shared memory: about bf16's time per key (0.9-1.2x). Next: K converted once per
+//   tile at kM = 64 (an f16 copy in shared memory), or integer unpacking (PRMT + LOP3, exact but
+//   for NaN) for part of the conversions to take load off the F2FP pipe.
 #pragma once
 
 #include <cstdint>
