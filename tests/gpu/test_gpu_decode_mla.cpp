@@ -374,7 +374,6 @@ TEST(GpuDecodeMla, Selection) {
   declines([](CaseConfig& c) { c.H_kv = 2, c.H = 32; }, "H_kv = 1");
   declines([](CaseConfig& c) { c.out_dtype = DType::f32; }, "out of q's dtype");
   declines([](CaseConfig& c) { c.q_dtype = c.kv_dtype = c.out_dtype = DType::f32; }, "float16/bfloat16");
-  declines([](CaseConfig& c) { c.kv_dtype = DType::f16; }, "k and v of q's dtype");
   declines([](CaseConfig& c) { c.quant = fstest::QuantMode::fp8_qkv, c.q_dtype = c.kv_dtype = DType::f8e4m3; },
            "float16/bfloat16");
   if (!fs::kernels::mla_config_built(DType::bf16, DType::f8e5m2))
