@@ -25,15 +25,16 @@
 //   3. O [kM, 512] += P V: warp w owns output columns [w 512/W, (w+1) 512/W) for all kM rows
 //      (accumulators kM/16 x 512/W/8 x 4 fp32: 64 registers at kM=16, 128 at kM=64), rescaled
 //      by alpha; P fragments by ldmatrix, V by ldmatrix.trans from the same latent tile.
-//   The next tile's copies are issued right after the barrier that ends the previous P V
-//   (three barriers per tile). Epilogue: l reduced over the row's lanes, out = O / l with the
+//   The next tile's copies are issued right after the barrier that ends the previous P V, before
+//   waiting for the current tile (two tiles in flight per CTA while it waits; four barriers per
+//   tile). Epilogue: l reduced over the row's lanes, out = O / l with the
 //   sink merged once (or the split partial and its LSE), LSE = m + log l.
 //
 // Per 32-key tile (1152 B per key: 36,864 B of KV):
 //   kM = 64 (H = 128, 8 warps, 1 CTA per SM, two CTAs per sequence share the tile through L2):
 //     4.46 MFLOP = 1088 mma (S 576, P V 512); shared-memory reads ~360 KB (S: per warp 36 Q and
 //     36 K ldmatrix.x4 = 36 KB; P V: per warp 8 P and 8 V ldmatrix.x4 = 8 KB; S/P 20 KB) plus
-//     36 KB of cp.async writes; 3 barriers. At ~128 B/clk of shared memory the tile needs
+//     36 KB of cp.async writes; 4 barriers. At ~128 B/clk of shared memory the tile needs
 //     ~3100 clk against ~1750 clk of mma.sync issue (~0.6 m16n8k16 per clk per SM): shared
 //     memory bound, ~4.46 MFLOP / 3100 clk x 1.83 GHz x 132 SMs = ~350 TFLOP/s ideal, ~200-250
 //     expected with the barriers (30-35% of a ~700 TFLOP/s bf16 GEMM; the 60% target needs the
@@ -47,6 +48,14 @@
 //     by HBM when the grid fills >= 2 CTAs per SM: predicted 3.3-3.7 TB/s at B=64 L=4k; B=1
 //     L=32k is bounded by the planner's split count (stream_splits: 32 splits of 1024 keys =
 //     32 CTAs on 132 SMs) to ~25% until the planner splits MLA finer.
+//     Measured (H200, B=64 L=4k block 64, waiting for tile k before issuing k + 1): 0.124 ms,
+//     2.43 TB/s (57%): per SM 18.4 B/ns, i.e. each CTA retired a 37 KB tile every ~4 us,
+//     about twice the tile's compute plus a loaded HBM latency; with that order a CTA had
+//     ONE tile in flight while it waited (the next stage was free but not yet issued), so an
+//     SM had <= 74 KB in flight only while both CTAs computed and ~37-74 KB while they waited.
+//     Issuing k + 1 first (above; one barrier more) keeps two tiles per CTA in flight during
+//     the wait: predicted 3.0-3.5 TB/s (70-80%) if the stream was latency-bound as these
+//     numbers say; if it was bound by the per-tile compute instead, ~1-3% slower (the barrier).
 //
 // fp8 latent cache (e4m3 / e5m2; k_descale / v_descale [B, H_kv] or broadcasts, as the engines
 // pass them for fp8 caches; q and q_v 16-bit): the mma operands are f16. Every fp8 value is exact
@@ -542,10 +551,13 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
   }
   for (int64_t k = 0; k < nload; ++k) {
     const int st = int(k & 1);
-    cp_async_wait<0>();
-    __syncthreads();  // load tile k landed; every warp is done with tile k - 1 (its stage is free)
+    // Load tile k + 1 is issued as soon as its stage is free, before waiting for tile k: two
+    // tiles in flight per CTA while it waits (one barrier more per load tile than waiting first).
+    __syncthreads();  // every warp is done with tile k - 1 (its stage is free); k + 1's locations are written
     if (k + 1 < nload) issue_kv<S>(p, loc, bad + (st ^ 1) * S::kSub, kv + uint32_t((st ^ 1) * S::kStageBytes));
     cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();  // load tile k landed (every thread's copies)
 #pragma unroll
     for (int h = 0; h < S::kSub; ++h) {
       const int64_t sub = k * S::kSub + h;
