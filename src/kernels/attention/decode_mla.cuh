@@ -60,7 +60,7 @@
 // fp8 latent cache (e4m3 / e5m2; k_descale / v_descale [B, H_kv] or broadcasts, as the engines
 // pass them for fp8 caches; q and q_v 16-bit): the mma operands are f16. Every fp8 value is exact
 // in f16 (cvt.rn.f16x2.{e4m3,e5m2}x2 in registers, decode_mma.cuh's fp8x2_to_f16x2); q is staged
-// once per row group as f16 (stage_q_fp8): bf16 rows scaled by 2^shift (max |x| into
+// once per row group as f16 (convert_q_fp8, in place after the 16-bit copies): bf16 rows scaled by 2^shift (max |x| into
 // [2^15, 2^16); exact for every value within 2^-32 of the row's max), f16 rows as they are; the
 // row's qk_scale = k_descale x 2^-shift multiplies its scores before the modifiers, v_descale
 // goes into the epilogue's 1 / l. P is rounded to f16 (finer than bf16).
@@ -175,34 +175,24 @@ FS_DEV int fp8_q_column(int d) {
   return d - b + 2 * t + (i < 2 ? i : i + 6);
 }
 
-// fp8 KV: rows [0, kM) of the group as f16 in fp8_q_column's order, each row scaled by a power of
-// two 2^shift (bf16 q: the row's max |x| into [2^15, 2^16); f16 q: 1), so that every bf16 value
-// within 2^-32 of the row's max is exact in f16 (smaller ones weigh < 2^-32 of a score); and the
-// rows' meta with qk_scale = k_descale x 2^-shift. Plain loads and stores (the caller syncs).
+// fp8 KV: the row group's q (16-bit, landed in Q by issue_q's copies) rewritten in place as f16
+// in fp8_q_column's order, each row scaled by a power of two 2^shift (bf16 q: the row's max |x|
+// into [2^15, 2^16); f16 q: 1), so that every bf16 value within 2^-32 of the row's max is exact
+// in f16 (smaller ones weigh < 2^-32 of a score); meta[j].qk_scale = k_descale x 2^-shift. One
+// warp per row (reads, then writes after __syncwarp); rows past nrows are zeros. The caller syncs.
 template <class S>
-FS_DEV void stage_q_fp8(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, unsigned char* q,
-                        RowMeta* meta) {
+FS_DEV void convert_q_fp8(const DecodeSeq& s, unsigned char* q, RowMeta* meta) {
   using QT = typename S::QT;
-  constexpr int kPer = kMlaWidth / 32;  // 18 channels per lane: 2 of q, 16 of q_v
+  constexpr int kPer = kMlaWidth / 32;  // 18 channels per lane
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   for (int j = warp; j < S::kM; j += S::kWarps) {
+    const QT* raw = reinterpret_cast<const QT*>(q + j * S::kRowBytes);
     float x[kPer];
     float amax = 0.0f;
-    if (j < nrows) {
-      const PackedIdx pi = decode::packed_idx(p, 0, g0, j);
-      const int64_t q_row = s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
-      const QT* qp = static_cast<const QT*>(p.q.data) + s.rows.qb * p.q.stride[0] + q_row * p.q.stride[1] +
-                     pi.h * p.q.stride[2];
-      const QT* qvp = static_cast<const QT*>(p.q_v.data) + s.rows.qb * p.q_v.stride[0] + q_row * p.q_v.stride[1] +
-                      pi.h * p.q_v.stride[2];
 #pragma unroll
-      for (int k = 0; k < kPer; ++k) {
-        x[k] = float(k < 2 ? qp[lane + 32 * k] : qvp[lane + 32 * (k - 2)]);
-        amax = fmaxf(amax, fabsf(x[k]));
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) x[k] = 0.0f;
+    for (int k = 0; k < kPer; ++k) {
+      x[k] = float(raw[lane + 32 * k]);
+      amax = fmaxf(amax, fabsf(x[k]));
     }
     int shift = 0;
     if constexpr (std::is_same_v<QT, __nv_bfloat16>) {
@@ -213,18 +203,12 @@ FS_DEV void stage_q_fp8(const AttnParams& p, const DecodeSeq& s, int64_t g0, int
         shift = int(imin(imax(15 - e, -126), 126));
       }
     }
+    __syncwarp();  // the row is read before it is rewritten
     const float up = ldexpf(1.0f, shift);
     __half* row = reinterpret_cast<__half*>(q + j * S::kRowBytes);
 #pragma unroll
-    for (int k = 0; k < kPer; ++k) {
-      const int d = lane + 32 * k;
-      row[fp8_q_column(d)] = __float2half_rn(x[k] * up);
-    }
-    if (lane == 0) {
-      RowMeta m = decode::row_meta(p, s, 0, g0, nrows, j);
-      m.qk_scale = s.kv.k_desc * ldexpf(1.0f, -shift);
-      meta[j] = m;
-    }
+    for (int k = 0; k < kPer; ++k) row[fp8_q_column(lane + 32 * k)] = __float2half_rn(x[k] * up);
+    if (lane == 0) meta[j].qk_scale = s.kv.k_desc * ldexpf(1.0f, -shift);
   }
 }
 
@@ -500,12 +484,9 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
 
   unsigned char* kvp = sm + S::kKvOff;
 
-  if constexpr (S::kFp8) {
-    stage_q_fp8<S>(p, s, g0, nrows, sm + S::kQOff, meta);
-  } else {
-    if (tid < S::kM) meta[tid] = decode::row_meta(p, s, 0, g0, nrows, tid);
-    issue_q<S>(p, s, g0, nrows, q);
-  }
+  if (tid < S::kM) meta[tid] = decode::row_meta(p, s, 0, g0, nrows, tid);
+  issue_q<S>(p, s, g0, nrows, q);
+  if constexpr (S::kFp8) cp_async_commit();  // q alone: converted (convert_q_fp8) once it lands
   __syncthreads();
   KeyRange u{s.range.end, s.range.begin};
   for (int j = 0; j < nrows; ++j) {
@@ -520,7 +501,6 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
   rr.lo = meta[row].lo;
   rr.hi = meta[row].hi;
   rr.slope = meta[row].slope;
-  rr.qk = meta[row].qk_scale;
   float o[S::kMBlocks][S::kNTiles][4];
 #pragma unroll
   for (int mb = 0; mb < S::kMBlocks; ++mb)
@@ -544,7 +524,14 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
     __syncthreads();
     issue_kv<S>(p, loc, bad, kv);
   }
-  cp_async_commit();  // Q (+ load tile 0)
+  cp_async_commit();  // Q (16-bit KV) + load tile 0
+  if constexpr (S::kFp8) {
+    cp_async_wait<1>();  // q landed (load tile 0 may still be in flight)
+    __syncthreads();
+    convert_q_fp8<S>(s, sm + S::kQOff, meta);
+    __syncthreads();
+  }
+  rr.qk = meta[row].qk_scale;
   if (nload > 1) {
     __syncthreads();  // load tile 0's locations are read
     if (warp == 0) locate_load(base + kL);
