@@ -415,9 +415,10 @@ TEST(GpuDecodeMla, Fuzz) {
     c.q_dtype = c.out_dtype = built.dtype;
     c.kv_dtype = built.kv;
     c.sink_dtype = DType::f32;
-    auto whole = [](int64_t pad) { return (pad + 7) / 8 * 8; };
-    c.q_pad = whole(c.q_pad), c.out_pad = whole(c.out_pad), c.kv_pad = whole(c.kv_pad);
-    c.kv_latent = i % 2 == 0;
+    auto whole = [](int64_t pad, int64_t elems) { return (pad + elems - 1) / elems * elems; };  // 16 bytes
+    c.q_pad = whole(c.q_pad, 8), c.out_pad = whole(c.out_pad, 8);
+    c.kv_pad = whole(c.kv_pad, fs::is_fp8(built.kv) ? 16 : 8);
+    c.kv_latent = (i / 2) % 2 == 0;  // both layouts for each built pair (dev: 2 pairs)
     for (int64_t& q : c.q_lens) q = std::min<int64_t>(q, 4);
     if (c.batched()) c.q_lens.assign(c.q_lens.size(), c.q_lens.empty() ? 1 : c.q_lens[0]);
     if (c.H >= 32)
