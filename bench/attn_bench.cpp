@@ -18,7 +18,8 @@
 //          descales absent), block tables shuffled over the pool. mla=1: MLA absorbed decode,
 //          q [B, Q, H, 64] + q_v [B, Q, H, 512] over one latent cache [blocks, block, 1, 576]
 //          (v = channels 0..511, k = 512..575; Hkv and D are ignored; kv = bf16 or fp8 e4m3,
-//          descales absent), out [B, Q, H, 512].
+//          descales absent), out [B, Q, H, 512]. splits=N forces the split-KV count (0: the
+//          planner's; the row reports the count used).
 // shared_prefix: one decode step of B requests through the backend layer (MetadataBuilder with
 //          CUDA metadata, AttentionLayer::forward incl. the cache write), each context the same
 //          P-token prefix (shared blocks) plus L - P tokens of its own; cascade=0 keeps the
@@ -74,6 +75,7 @@ struct Spec {
   int64_t W = 0;         // prefill: chunk size (mod=chunk) or left window (mod=window)
   int64_t Dv = 0;        // prefill: V head size (0: D; MLA prefill 192/128)
   bool mla = false;      // decode: MLA absorbed decode over a latent cache (D 64 + Dv 512, Hkv 1)
+  int64_t splits = 0;    // decode: AttentionParams::num_splits (0: the planner's heuristic)
 };
 
 Spec parse_spec(const std::string& text) {
@@ -97,7 +99,7 @@ Spec parse_spec(const std::string& text) {
   num("W", s.W), num("Dv", s.Dv);
   num("B", s.B), num("S", s.S), num("L", s.L), num("H", s.H), num("Hkv", s.Hkv), num("D", s.D);
   num("block", s.block), num("causal", causal), num("P", s.P), num("cascade", cascade);
-  num("C", s.C), num("NP", s.NP), num("Q", s.Q), num("mla", mla);
+  num("C", s.C), num("NP", s.NP), num("Q", s.Q), num("mla", mla), num("splits", s.splits);
   s.causal = causal != 0;
   s.mla = mla != 0;
   if (s.mla && s.op != "decode") throw std::invalid_argument("mla=1: op=decode only");
@@ -306,6 +308,7 @@ BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
       p.q_v = TensorRef::contiguous(alloc_random(c, s.B * s.Q * s.H * s.Dv, DType::bf16), DType::bf16,
                                     {s.B, s.Q, s.H, s.Dv}, dev);
     p.causal = s.Q > 1;
+    p.num_splits = int(s.splits);
     p.k = k_ref;
     p.v = v_ref;
     void* table = alloc(c, size_t(s.B * per_seq) * 4);
