@@ -15,7 +15,9 @@
 //          window (size W; window (W, 0) causal, (W, W) not).
 // decode:  kvcache_attention, q [B, Q, H, D] bf16 (Q = 1 unless given; Q > 1 is a causal
 //          verify step), paged NHD caches [blocks, block, Hkv, D] (kv = bf16 or fp8 e4m3,
-//          descales absent), block tables shuffled over the pool. mla=1: MLA absorbed decode,
+//          descales absent; or the vLLM int8 fork's formats, q int8 [B, Q, H, D] with q_scale f32
+//          [B, Q, H], k int8 with k_scale_cache f32 [blocks, Hkv, block], v int8 with v_scale
+//          f32 [Hkv, D] (kv = k8v8) or bf16 (kv = k8v16); out bf16), block tables shuffled over the pool. mla=1: MLA absorbed decode,
 //          q [B, Q, H, 64] + q_v [B, Q, H, 512] over one latent cache [blocks, block, 1, 576]
 //          (v = channels 0..511, k = 512..575; Hkv and D are ignored; kv = bf16 or fp8 e4m3,
 //          descales absent), out [B, Q, H, 512]. splits=N forces the split-KV count (0: the
@@ -76,6 +78,7 @@ struct Spec {
   int64_t Dv = 0;        // prefill: V head size (0: D; MLA prefill 192/128)
   bool mla = false;      // decode: MLA absorbed decode over a latent cache (D 64 + Dv 512, Hkv 1)
   int64_t splits = 0;    // decode: AttentionParams::num_splits (0: the planner's heuristic)
+  bool inv = false;      // decode: batch-invariant mode (AttentionParams::batch_invariant)
 };
 
 Spec parse_spec(const std::string& text) {
@@ -94,15 +97,18 @@ Spec parse_spec(const std::string& text) {
   auto str = [&](const char* key, std::string& dst) {
     if (auto it = kv.find(key); it != kv.end()) dst = it->second, kv.erase(it);
   };
-  int64_t causal = 0, cascade = 1, mla = 0;
+  int64_t causal = 0, cascade = 1, mla = 0, inv = 0;
   str("name", s.name), str("op", s.op), str("kv", s.kv), str("mod", s.mod);
   num("W", s.W), num("Dv", s.Dv);
   num("B", s.B), num("S", s.S), num("L", s.L), num("H", s.H), num("Hkv", s.Hkv), num("D", s.D);
   num("block", s.block), num("causal", causal), num("P", s.P), num("cascade", cascade);
-  num("C", s.C), num("NP", s.NP), num("Q", s.Q), num("mla", mla), num("splits", s.splits);
+  num("C", s.C), num("NP", s.NP), num("Q", s.Q), num("mla", mla), num("splits", s.splits), num("inv", inv);
   s.causal = causal != 0;
+  s.inv = inv != 0;
+  if (s.inv && s.op != "decode") throw std::invalid_argument("inv=1: op=decode only");
   s.mla = mla != 0;
-  if (s.mla && s.op != "decode") throw std::invalid_argument("mla=1: op=decode only");
+  if (s.mla && (s.op != "decode" || (s.kv != "bf16" && s.kv != "fp8")))
+    throw std::invalid_argument("mla=1: op=decode with kv=bf16 or fp8 only");
   if (s.mla) s.Hkv = 1, s.D = 64, s.Dv = 512;
   s.cascade = cascade != 0;
   if (!kv.empty()) throw std::invalid_argument("unknown spec key: " + kv.begin()->first);
@@ -113,7 +119,8 @@ Spec parse_spec(const std::string& text) {
     throw std::invalid_argument("mixed_step: expected S > 0, C >= 0, NP >= 0");
   if (s.op == "shared_prefix" && (s.P < 0 || s.P % s.block != 0 || s.P >= s.L))
     throw std::invalid_argument("P: expected whole blocks shorter than L, got " + std::to_string(s.P));
-  if (s.kv != "bf16" && s.kv != "fp8") throw std::invalid_argument("kv: expected bf16 or fp8, got " + s.kv);
+  if (s.kv != "bf16" && s.kv != "fp8" && s.kv != "k8v8" && s.kv != "k8v16")
+    throw std::invalid_argument("kv: expected bf16, fp8, k8v8 or k8v16, got " + s.kv);
   static const char* const kMods[] = {"", "sinks", "alibi", "alibi_sqrt", "softcap", "chunk", "window"};
   if (std::find(std::begin(kMods), std::end(kMods), s.mod) == std::end(kMods))
     throw std::invalid_argument("mod: expected sinks, alibi, alibi_sqrt, softcap, chunk or window, got " + s.mod);
@@ -136,7 +143,7 @@ uint64_t splitmix64(uint64_t x) {
 }
 
 // Random codes with a bounded exponent: never zero, inf or NaN.
-// bf16: |x| in [2^-7, 2); fp8 e4m3: |x| in [2^-3, 2).
+// bf16: |x| in [2^-7, 2); fp8 e4m3: |x| in [2^-3, 2); int8: [-127, 127]; f32 (int8 scales): [0.5, 1.5) / 127.
 uint16_t random_bf16(uint64_t r) {
   const uint16_t sign = uint16_t(r & 0x8000u);
   const uint16_t exp = uint16_t(120 + ((r >> 8) & 7));
@@ -148,7 +155,7 @@ uint8_t random_e4m3(uint64_t r) {
   return uint8_t(sign | (exp << 3) | ((r >> 16) & 7));
 }
 
-// Fills `n` elements of a bf16 or fp8 device buffer through a host staging buffer.
+// Fills `n` elements of a bf16, fp8, int8 or f32 device buffer through a host staging buffer.
 void fill_random(void* dst, int64_t n, DType t, uint64_t seed) {
   const size_t esize = dtype_size(t);
   const int64_t chunk = int64_t(1) << 26;  // elements per staging round (<= 128 MB)
@@ -159,9 +166,14 @@ void fill_random(void* dst, int64_t n, DType t, uint64_t seed) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < m; ++i) {
       const uint64_t r = splitmix64(seed ^ uint64_t(base + i) * 0xD6E8FEB86659FD93ull);
-      if (esize == 2) {
+      if (esize == 4) {
+        const float v = (0.5f + float(r >> 40) * 0x1p-24f) / 127.0f;
+        std::memcpy(h + size_t(i) * 4, &v, 4);
+      } else if (esize == 2) {
         const uint16_t v = random_bf16(r);
         std::memcpy(h + size_t(i) * 2, &v, 2);
+      } else if (t == DType::i8) {
+        h[i] = uint8_t(int8_t(int64_t(r % 255) - 127));
       } else {
         h[i] = random_e4m3(r);
       }
@@ -239,8 +251,10 @@ size_t decode_set_bytes(const Spec& s) {
   if (s.mla)  // the latent cache, q + q_v and out
     return blocks * size_t(s.block) * 576 * (s.kv == "fp8" ? 1 : 2) + size_t(s.B * s.Q * s.H) * (64 + 2 * 512) * 2 +
            blocks * 4;
-  const size_t kv = blocks * size_t(s.block * s.Hkv * s.D) * (s.kv == "fp8" ? 1 : 2) * 2;
-  return kv + size_t(s.B * s.Q * s.H * s.D) * 4 + blocks * 4;
+  const bool int8 = s.kv == "k8v8" || s.kv == "k8v16";
+  const size_t k_elem = s.kv == "bf16" ? 2 : 1, v_elem = s.kv == "bf16" || s.kv == "k8v16" ? 2 : 1;
+  const size_t kv = blocks * size_t(s.block * s.Hkv) * (size_t(s.D) * (k_elem + v_elem) + (int8 ? 4 : 0));
+  return kv + size_t(s.B * s.Q * s.H) * (size_t(s.D) * 4 + (int8 ? 4 : 0)) + blocks * 4;
 }
 
 BenchCase make_prefill(const Spec& s, int nsets, Device dev) {
@@ -276,7 +290,9 @@ BenchCase make_prefill(const Spec& s, int nsets, Device dev) {
 BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
   BenchCase c;
   c.batched = true;
-  const DType kv_t = s.kv == "fp8" ? DType::f8e4m3 : DType::bf16;
+  const bool int8 = s.kv == "k8v8" || s.kv == "k8v16";
+  const DType kv_t = s.kv == "fp8" ? DType::f8e4m3 : int8 ? DType::i8 : DType::bf16;
+  const DType v_t = s.kv == "k8v16" ? DType::bf16 : kv_t, q_t = int8 ? DType::i8 : DType::bf16;
   const int64_t per_seq = (s.L + s.block - 1) / s.block;
   const int64_t pool = int64_t(nsets) * s.B * per_seq;
   const int64_t cache_elems = pool * s.block * s.Hkv * s.D;
@@ -288,9 +304,16 @@ BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
                                {s.block * 576, 576, 576, 1}, dev);
   } else {
     void* k = alloc_random(c, cache_elems, kv_t);
-    void* v = alloc_random(c, cache_elems, kv_t);
+    void* v = alloc_random(c, cache_elems, v_t);
     k_ref = TensorRef::contiguous(k, kv_t, {pool, s.block, s.Hkv, s.D}, dev);
-    v_ref = TensorRef::contiguous(v, kv_t, {pool, s.block, s.Hkv, s.D}, dev);
+    v_ref = TensorRef::contiguous(v, v_t, {pool, s.block, s.Hkv, s.D}, dev);
+  }
+  OptTensor k_scale_cache, v_scale;  // int8: the fork's [blocks, Hkv, block] and [Hkv, D]
+  if (int8) {
+    k_scale_cache = TensorRef::contiguous(alloc_random(c, pool * s.Hkv * s.block, DType::f32), DType::f32,
+                                          {pool, s.Hkv, s.block}, dev);
+    if (s.kv == "k8v8")
+      v_scale = TensorRef::contiguous(alloc_random(c, s.Hkv * s.D, DType::f32), DType::f32, {s.Hkv, s.D}, dev);
   }
 
   std::vector<int32_t> perm(static_cast<size_t>(pool));
@@ -300,8 +323,13 @@ BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
   upload_i32(lens, std::vector<int32_t>(size_t(s.B), int32_t(s.L)));
   for (int i = 0; i < nsets; ++i) {
     AttentionParams p;
-    p.q = TensorRef::contiguous(alloc_random(c, s.B * s.Q * s.H * s.D, DType::bf16), DType::bf16,
-                                {s.B, s.Q, s.H, s.D}, dev);
+    p.q = TensorRef::contiguous(alloc_random(c, s.B * s.Q * s.H * s.D, q_t), q_t, {s.B, s.Q, s.H, s.D}, dev);
+    if (int8) {
+      p.q_scale = TensorRef::contiguous(alloc_random(c, s.B * s.Q * s.H, DType::f32), DType::f32, {s.B, s.Q, s.H},
+                                        dev);
+      p.k_scale_cache = k_scale_cache;
+      p.v_scale = v_scale;
+    }
     p.out = TensorRef::contiguous(alloc(c, size_t(s.B * s.Q * s.H * s.Dv) * 2), DType::bf16, {s.B, s.Q, s.H, s.Dv},
                                   dev);
     if (s.mla)
@@ -309,6 +337,7 @@ BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
                                     {s.B, s.Q, s.H, s.Dv}, dev);
     p.causal = s.Q > 1;
     p.num_splits = int(s.splits);
+    p.batch_invariant = s.inv;
     p.k = k_ref;
     p.v = v_ref;
     void* table = alloc(c, size_t(s.B * per_seq) * 4);

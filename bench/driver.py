@@ -37,7 +37,8 @@ class Config:
     """One named configuration. prefill: varlen, q_len = kv_len = S per sequence; decode: one
     query per sequence over a paged cache of L tokens in blocks of `block`."""
     name: str
-    family: str          # prefill | paged_decode | small_pages | fp8_decode | mla_decode | shared_prefix | mixed_step
+    family: str          # prefill | paged_decode | small_pages | fp8_decode | int8_decode | verify | batch_invariant |
+                         # mla_decode | shared_prefix | mixed_step
     op: str              # prefill | decode | shared_prefix, mixed_step (one backend step)
     B: int
     H: int
@@ -46,7 +47,8 @@ class Config:
     S: int = 0
     L: int = 0
     block: int = 16
-    kv: str = "bf16"     # KV element type: bf16 | fp8 (e4m3)
+    kv: str = "bf16"     # KV element type: bf16 | fp8 (e4m3) | k8v8 | k8v16 (the vLLM int8 fork's: int8 q and K with
+                         # per-token scales, V int8 with per-channel scales or bf16)
     P: int = 0           # shared_prefix: tokens of L every request shares
     cascade: bool = True # shared_prefix: the builder may take the cascade path
     C: int = 0           # mixed_step: cached tokens of each chunked prefill (S new ones)
@@ -56,6 +58,9 @@ class Config:
     W: int = 0           # prefill: chunk size (mod chunk) or left window (mod window)
     Dv: int = 0          # prefill: V head size when it differs from D (MLA prefill 192/128)
     mla: bool = False    # decode: MLA absorbed decode (q 64 + q_v 512 over one latent cache [.., 576], Hkv 1)
+    Q: int = 1           # decode: query rows per sequence (speculative verify: > 1, causal)
+    inv: bool = False    # decode: batch-invariant mode (fixed-size splits)
+    base: str = ""       # verify / batch_invariant: the q_len-1 / default-mode row of the same shape
     plain: str = ""      # prefill_mods: the unmodified configuration of the same shape (vs_plain)
     peers: tuple = ()    # peers (besides flashserve) that run it
     quick: bool = False  # part of --quick
@@ -89,7 +94,10 @@ class Config:
 
     @property
     def kv_bytes(self) -> int:
-        """K and V bytes one call must read: 2·B·L·H_kv·D·elem (decode), 2·B·S·H_kv·D·2 (prefill)."""
+        """K and V bytes one call must read: 2·B·L·H_kv·D·elem (decode), 2·B·S·H_kv·D·2 (prefill);
+        int8: B·L·H_kv·(D·(1 + v elem) + 4) (the k scale per token and KV head)."""
+        if self.kv in ("k8v8", "k8v16"):
+            return self.B * self.L * self.Hkv * (self.D * (1 + (1 if self.kv == "k8v8" else 2)) + 4)
         elem = 1 if self.kv == "fp8" else 2
         if self.mla:  # the latent cache, read once: 576 channels per token
             return self.B * self.L * 576 * elem
@@ -118,7 +126,8 @@ class Config:
                     f" D={self.D} block={self.block}")
         if self.mla:
             return f"MLA B={self.B} L={self.L} H={self.H} D=64+512 block={self.block} kv={self.kv}"
-        return f"B={self.B} L={self.L} H={self.H}/{self.Hkv} D={self.D} block={self.block} kv={self.kv}"
+        extra = (f" q_len={self.Q}" if self.Q > 1 else "") + (" batch-invariant" if self.inv else "")
+        return f"B={self.B} L={self.L} H={self.H}/{self.Hkv} D={self.D} block={self.block} kv={self.kv}{extra}"
 
     def spec(self) -> str:
         """The attn_bench argument for this configuration."""
@@ -131,7 +140,8 @@ class Config:
             return f"{common},L={self.L},P={self.P},block={self.block},cascade={int(self.cascade)}"
         if self.op == "mixed_step":
             return f"{common},L={self.L},S={self.S},C={self.C},NP={self.NP},block={self.block}"
-        return f"{common},L={self.L},block={self.block},kv={self.kv}" + (",mla=1" if self.mla else "")
+        extra = (",mla=1" if self.mla else "") + (f",Q={self.Q}" if self.Q > 1 else "") + (",inv=1" if self.inv else "")
+        return f"{common},L={self.L},block={self.block},kv={self.kv}{extra}"
 
 
 def _k(n: int) -> str:
@@ -176,6 +186,23 @@ def all_configs() -> list[Config]:
     for b, l in decode_shapes:
         out.append(Config(name=f"decode_fp8_b{b}_l{_k(l)}_bs16", family="fp8_decode", B=b, L=l, block=16,
                           kv="fp8", quick=b == 64, **common))
+    # Speculative verify (q_len 2-8, causal) over the decode shapes' caches; vs_decode: the q_len-1
+    # row's time / this row's (the same KV bytes: issue 15 wants >= 0.9 at q_len 4). flashserve only.
+    for kv in ("bf16", "fp8"):
+        for q in (2, 4, 8):
+            pre = "decode_" if kv == "bf16" else f"decode_{kv}_"
+            out.append(Config(name=f"verify{'' if kv == 'bf16' else '_' + kv}_q{q}_b64_l4k_bs16", family="verify", B=64,
+                              L=4096, block=16, kv=kv, Q=q, base=f"{pre}b64_l4k_bs16", quick=q == 4, **common))
+    # Batch-invariant mode against the default split heuristic (vs_default: default time / this
+    # row's; issue 15 wants >= 0.9 at every shape). flashserve only.
+    for b, l in decode_shapes:
+        out.append(Config(name=f"decode_inv_b{b}_l{_k(l)}_bs16", family="batch_invariant", B=b, L=l, block=16,
+                          inv=True, base=f"decode_b{b}_l{_k(l)}_bs16", quick=b == 64, **common))
+    # int8 (the vLLM int8 fork's K8V8 / K8V16 decode; fs/best: bf16 time / int8 time). flashserve only.
+    for kv in ("k8v8", "k8v16"):
+        for b, l in ((64, 4096), (16, 8192)):
+            out.append(Config(name=f"decode_{kv}_b{b}_l{_k(l)}_bs16", family="int8_decode", B=b, L=l, block=16,
+                              kv=kv, quick=b == 64, **common))
     # MLA absorbed decode (DeepSeek-V2/V3): H = 16 is a memory stream (GB/s of latent cache), H = 128
     # compute (TFLOP/s: 2·H·L·(576 + 512) per sequence). flashserve only.
     # kv=fp8: an e4m3 latent cache (576 bytes per token; the _fp8_ rows pair with the bf16 ones).
@@ -299,10 +326,12 @@ def add_figures(rows: list[dict], configs: list[Config], header: dict) -> None:
             peer_times = [times[(c.name, p)] for p in c.peers if (c.name, p) in times]
             if peer_times:
                 r["vs_best_peer"] = min(peer_times) / r["time_ms"]
-            if c.kv == "fp8":
-                bf16 = c.name.replace("decode_fp8_", "decode_")
+            if c.family in ("fp8_decode", "int8_decode"):
+                bf16 = c.name.replace(f"decode_{c.kv}_", "decode_")
                 if (bf16, "flashserve") in times:
                     r["vs_bf16"] = times[(bf16, "flashserve")] / r["time_ms"]
+            if c.base and (c.base, "flashserve") in times:
+                r["vs_decode" if c.family == "verify" else "vs_default"] = times[(c.base, "flashserve")] / r["time_ms"]
             if c.plain and (c.plain, "flashserve") in times:
                 p = by_name.get(c.plain)
                 if p is not None:
@@ -337,7 +366,8 @@ def print_table(header: dict, configs: list[Config], rows: list[dict]) -> None:
     for c in configs:
         line = f"{c.name:36}" + "".join(f"{figure(cell.get((c.name, p))):>11}" for p in ALL_PEERS)
         fs = cell.get((c.name, "flashserve"), {})
-        ratio = fs.get("vs_best_peer", fs.get("vs_bf16", fs.get("vs_split", fs.get("vs_plain"))))
+        ratio = fs.get("vs_best_peer", fs.get("vs_bf16", fs.get("vs_split", fs.get("vs_plain", fs.get(
+            "vs_decode", fs.get("vs_default"))))))
         line += f"{ratio:9.2f}" if ratio is not None else f"{'-':>9}"
         frac = fs.get("frac_ceiling")
         line += f"{100 * frac:8.0f}%" if frac is not None else f"{'-':>9}"
@@ -355,7 +385,7 @@ def print_table(header: dict, configs: list[Config], rows: list[dict]) -> None:
     print("n/i: not implemented in flashserve; err: error in results.json; skip: time budget; n/a: infeasible "
           "formulation; n/s: the peer does not support it (fa4: no split-KV on SM90);\n!: flashserve output "
           "non-finite or all zeros;\nfs/best: best peer time / flashserve time "
-          "(fp8 rows: bf16 time / fp8 time; shared *_cascade rows: split-KV time / cascade time;\nprefill_mods rows "
+          "(fp8 / int8 rows: bf16 time / fp8 or int8 time; shared *_cascade rows: split-KV time / cascade time;\nprefill_mods rows "
           "without an ok peer row (alibi, alibi_sqrt, chunk; fa4 absent): TFLOP/s over the plain row's of the same shape);\nfs%ceil: of the "
           "GEMM (prefill) or copy (decode) ceiling")
 

@@ -5,9 +5,11 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -174,18 +176,30 @@ inline double out_ulp(double x, fs::DType t) {
 // kernels (prefill_mma, prefill_wgmma except for fp32 outputs; decode, whose q.k and p.v run on
 // mma.sync, except for fp32 outputs, where it adds the rounding residue in a second mma;
 // decode_mla, which serves 16-bit outputs only). The
-// type is q's for 16-bit K/V and f16 for fp8 K/V (p_round_eps).
+// type is q's for 16-bit K/V, f16 for fp8 K/V and int8 K8V8, V's for int8 K8V16 (p_round_eps).
 inline bool kernel_rounds_p(const std::string& kernel, const fstest::CaseConfig& c) {
-  if (kernel == "prefill_wgmma") return c.out_dtype != fs::DType::f32;  // fp32 out: P hi + lo
+  if (kernel == "prefill_wgmma" || kernel == "prefill_tma") return c.out_dtype != fs::DType::f32;  // fp32 out: P hi + lo
   if (kernel == "decode_mla") return true;  // 16-bit out only (the selection declines fp32 out)
   return kernel == "prefill_mma" || (kernel == "decode" && c.out_dtype != fs::DType::f32);
 }
 
 // The relative rounding of P by a kernel that rounds it (kernel_rounds_p): f16 operands for fp8
-// K/V (the decode kernel converts the cache to f16), else q's 16-bit type.
+// K/V and int8 K8V8 (the decode kernel converts the cache to f16), V's 16-bit type for int8
+// K8V16, else q's 16-bit type.
 inline double p_round_eps(const fstest::CaseConfig& c) {
-  if (fs::is_fp8(c.kv_dtype) || c.q_dtype == fs::DType::f16) return std::ldexp(1.0, -11);
+  if (c.quant == fstest::QuantMode::int8_k8v16)
+    return std::ldexp(1.0, c.v16_dtype == fs::DType::bf16 ? -8 : -11);
+  if (fs::is_fp8(c.kv_dtype) || c.quant == fstest::QuantMode::int8_k8v8 || c.q_dtype == fs::DType::f16)
+    return std::ldexp(1.0, -11);
   return c.q_dtype == fs::DType::bf16 ? std::ldexp(1.0, -8) : 0.0;
+}
+
+// Whether `kernel` computes the soft-cap's tanh with tanh.approx.f32 (relative error <= 2^-11,
+// PTX ISA; the CPU reference and the oracle use an accurate tanh): the tensor-core prefill
+// kernels (prefill_common.cuh: ScoreLog2). Their soft-capped rows are checked within that
+// error's bound (fstest::approx_tanh_logit_err, approx_tanh_out_err).
+inline bool kernel_approximates_tanh(const std::string& kernel) {
+  return kernel == "prefill_mma" || kernel == "prefill_wgmma" || kernel == "prefill_tma";
 }
 
 // GPU result (in ac.out / ac.lse) against the CPU reference's: the same -inf / NaN LSE rows;
@@ -194,8 +208,12 @@ inline double p_round_eps(const fstest::CaseConfig& c) {
 // `p_rounded`: the kernel rounds the softmax weights P to a 16-bit type before P·V (FlashAttention-2
 // style tensor-core kernels; p_round_eps); each weight then carries up to half an ulp of it, so the
 // output may move by up to eps(q) / 2 * max|v| from the fp32-weighted reference.
+// `approx_tanh`: the kernel's soft-cap uses tanh.approx (kernel_approximates_tanh); a soft-capped
+// row's logits then carry up to e = approx_tanh_logit_err each, which moves out by up to
+// approx_tanh_out_err(e) max|v| and lse by up to e.
 inline std::string compare_with_cpu(const fstest::AttentionCase& ac, const fstest::HostTensor& cpu_out,
-                                    const fstest::HostTensor& cpu_lse, bool p_rounded = false) {
+                                    const fstest::HostTensor& cpu_lse, bool p_rounded = false,
+                                    bool approx_tanh = false) {
   const fstest::CaseConfig& c = ac.cfg;
   const double p_eps = p_rounded ? p_round_eps(c) : 0.0;
   const fs::DType ot = c.out_dtype;
@@ -214,11 +232,13 @@ inline std::string compare_with_cpu(const fstest::AttentionCase& ac, const fstes
       for (int64_t t = 0; t < s.sk; ++t)
         for (int64_t d = 0; d < s.Dv; ++d) maxv = std::max(maxv, std::fabs(s.v[size_t((t * s.H_kv + g) * s.Dv + d)]));
       for (int64_t i = 0; i < s.sq; ++i) {
+        const double tanh_err = approx_tanh ? fstest::approx_tanh_logit_err(ac, b, h, i) : 0.0;
         const char* go = static_cast<const char*>(c.batched() ? ac.out.ref.at(b, i, h, 0) : ac.out.ref.at(row0 + i, h, 0));
         const char* co = static_cast<const char*>(c.batched() ? cpu_out.ref.at(b, i, h, 0) : cpu_out.ref.at(row0 + i, h, 0));
         for (int64_t d = 0; d < s.Dv; ++d) {
           const double x = fs::numeric::load_double(go + d * es, ot), y = fs::numeric::load_double(co + d * es, ot);
-          const double tol = out_ulp(std::max(std::fabs(x), std::fabs(y)), ot) + (1e-5 + p_eps) * maxv + 1e-5 * std::fabs(y);
+          const double tol = out_ulp(std::max(std::fabs(x), std::fabs(y)), ot) +
+                             (1e-5 + p_eps + fstest::approx_tanh_out_err(tanh_err)) * maxv + 1e-5 * std::fabs(y);
           if (std::isnan(x) != std::isnan(y) || std::fabs(x - y) > tol)
             report("out b=", b, " i=", i, " h=", h, " d=", d, ": gpu ", x, ", cpu ", y, ", tol ", tol);
         }
@@ -226,8 +246,8 @@ inline std::string compare_with_cpu(const fstest::AttentionCase& ac, const fstes
         const float x = *static_cast<const float*>(c.batched() ? ac.lse.ref.at(b, h, i) : ac.lse.ref.at(h, row0 + i));
         const float y = *static_cast<const float*>(c.batched() ? cpu_lse.ref.at(b, h, i) : cpu_lse.ref.at(h, row0 + i));
         const bool same_class = std::isnan(x) == std::isnan(y) && std::isinf(x) == std::isinf(y);
-        if (!same_class || (std::isinf(x) && x != y) ||
-            (std::isfinite(x) && std::fabs(double(x) - double(y)) > 1e-5 * std::max(1.0, std::fabs(double(y)))))
+        const double lse_tol = 1e-5 * std::max(1.0, std::fabs(double(y))) + tanh_err;
+        if (!same_class || (std::isinf(x) && x != y) || (std::isfinite(x) && std::fabs(double(x) - double(y)) > lse_tol))
           report("lse b=", b, " i=", i, " h=", h, ": gpu ", x, ", cpu ", y);
       }
     }
@@ -236,6 +256,76 @@ inline std::string compare_with_cpu(const fstest::AttentionCase& ac, const fstes
   std::ostringstream os;
   os << bad << " mismatches against the CPU reference (same plan); first ones:\n" << first.str();
   return os.str();
+}
+
+// The kernel attention_kernel_name picks for p on device 0, or "(threw: ...)".
+inline std::string served(const fs::AttentionParams& p, bool batched) {
+  try {
+    return fs::attention_kernel_name(p, batched, fs::kernels::cuda_device_props(0));
+  } catch (const std::exception& e) {
+    return std::string("(threw: ") + e.what() + ")";
+  }
+}
+
+struct Outcome {
+  std::string kernel;  // the kernel that served the GPU call
+  std::string error;   // "" when the GPU agrees with the oracle and the reference
+};
+
+// Plan (forced splits from the config), CPU reference under it, GPU run, both comparisons.
+// `gpu_params_edit` changes only the GPU call's params (after the plan is made).
+template <class Edit>
+Outcome run_and_compare(fstest::AttentionCase& ac, Edit gpu_params_edit) {
+  DeviceCase dc = mirror_case(ac);
+  const fs::Plan plan = plan_case(ac, dc.params);
+  const auto cpu = run_cpu(ac, plan);
+  gpu_params_edit(dc.params);
+  Outcome o;
+  o.kernel = served(dc.params, ac.cfg.batched());
+  const auto ws = device_alloc(plan.workspace.total_bytes);
+  fs::ExecContext ctx;
+  ctx.workspace = ws.get();
+  ctx.workspace_bytes = plan.workspace.total_bytes;
+  ctx.plan = &plan;
+  if (!(dc.params.max_seqlen_q == ac.params.max_seqlen_q)) ctx.plan = nullptr;  // its own (same) plan
+  try {
+    run_gpu(ac, dc, ctx);
+  } catch (const std::exception& e) {
+    o.error = std::string("the CUDA call threw: ") + e.what();
+    return o;
+  }
+  const bool approx_tanh = kernel_approximates_tanh(o.kernel);
+  o.error = fstest::check_case(ac, approx_tanh) +
+            compare_with_cpu(ac, cpu.first, cpu.second, kernel_rounds_p(o.kernel, ac.cfg), approx_tanh);
+  return o;
+}
+
+// Entry (1, col) of the case's block table replaced by `bad_id` (outside the cache), for col 1
+// (a block no row of sequence 1 sees: the case's window) and col 3 (one it sees): the GPU never
+// reads it, exactly sequence 1's rows are NaN when col 3 is bad, every other output matches the
+// CPU reference. The case (batched paged, 3 sequences, q_len 1) must select `kernel`.
+inline void expect_bad_block_nan_rows(fstest::AttentionCase& ac, const std::string& kernel, int bad_id, int splits) {
+  DeviceCase dc = mirror_case(ac);
+  const fs::Plan plan = plan_case(ac, dc.params);
+  const auto cpu = run_cpu(ac, plan);
+  ASSERT_EQ(served(dc.params, true), kernel);
+  const fstest::CaseConfig& c = ac.cfg;
+  for (int col : {1, 3}) {
+    int32_t* entry = static_cast<int32_t*>(ac.params.block_table->at(1, col));
+    const int32_t good_id = *entry;
+    *entry = bad_id;
+    dc.upload(ac);
+    run_gpu_planned(ac, dc, plan);
+    for (int64_t b = 0; b < 3; ++b)
+      for (int64_t h = 0; h < c.H; ++h)
+        for (int64_t d = 0; d < c.Dv; ++d) {
+          const float x = ac.out.get({b, 0, h, d}), y = cpu.first.get({b, 0, h, d});
+          const bool want_nan = b == 1 && col == 3;
+          if (want_nan) ASSERT_TRUE(std::isnan(x)) << "b=1 h=" << h << " d=" << d << " splits " << splits;
+          else ASSERT_NEAR(x, y, 1e-2 * (1.0 + std::fabs(y))) << "b=" << b << " h=" << h << " col " << col;
+        }
+    *entry = good_id;
+  }
 }
 
 }  // namespace fsgpu

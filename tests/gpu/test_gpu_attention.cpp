@@ -61,10 +61,11 @@ std::string run_and_check(fstest::AttentionCase& ac, bool own_plan = false, std:
   } catch (const std::exception& e) {
     return plan_summary(plan) + "\nthe CUDA call threw: " + e.what();
   }
-  std::string err = fstest::check_case(ac);
   const std::string kernel = fs::attention_kernel_name(dc.params, ac.cfg.batched(), fs::kernels::cuda_device_props(0));
   if (served) *served = kernel;
-  err += fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(kernel, ac.cfg));
+  const bool approx_tanh = fsgpu::kernel_approximates_tanh(kernel);
+  std::string err = fstest::check_case(ac, approx_tanh);
+  err += fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(kernel, ac.cfg), approx_tanh);
   return err.empty() ? err : plan_summary(plan) + "\n" + err;
 }
 
@@ -83,7 +84,7 @@ TEST(GpuAttentionFuzz, MatchesOracleAndReference) {
   const char* count = std::getenv("FLASHSERVE_FUZZ_CASES");  // reduced runs (sanitizers)
   if (count) last = first + std::max(1, std::atoi(count));
   int ran = 0, failed = 0, split_cases = 0;
-  std::map<std::string, int> served;  // cases per serving kernel (fp8 caches apart): the coverage
+  std::map<std::string, int> served;  // cases per serving kernel (fp8 / int8 caches apart): the coverage
   for (int i = first; i < last && failed < kMaxReported; ++i) {
     auto rng = fstest::make_rng(kSalt + uint64_t(i) * 0x9e3779b97f4a7c15ull);
     const CaseConfig cfg = fstest::random_case_config(rng);
@@ -91,7 +92,11 @@ TEST(GpuAttentionFuzz, MatchesOracleAndReference) {
     std::string kernel;
     const std::string err = run_and_check(ac, i % 7 == 3, &kernel);
     ++ran;
-    ++served[kernel.empty() ? "(none)" : kernel + (fs::is_fp8(cfg.kv_dtype) ? "/fp8-kv" : "")];
+    ++served[kernel.empty() ? "(none)"
+             : kernel + (fs::is_fp8(cfg.kv_dtype)                            ? "/fp8-kv"
+                         : cfg.quant == fstest::QuantMode::int8_k8v8  ? "/int8-k8v8"
+                         : cfg.quant == fstest::QuantMode::int8_k8v16 ? "/int8-k8v16"
+                                                                       : "")];
     split_cases += cfg.num_splits > 1;
     if (err.empty()) continue;
     ++failed;
@@ -429,7 +434,9 @@ TEST(GpuAttentionEdge, ContextParallelMatchesReference) {
         ctx.workspace_bytes = plan.workspace.total_bytes;
         fsgpu::run_gpu(ac, dc, ctx);
         const std::string kernel = fs::attention_kernel_name(dc.params, c.batched(), fs::kernels::cuda_device_props(0));
-        EXPECT_EQ(fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(kernel, c)), "")
+        EXPECT_EQ(fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(kernel, c),
+                                          fsgpu::kernel_approximates_tanh(kernel)),
+                  "")
             << "world " << world << " rank " << rank << " interleave " << il << " variant " << variant << "\n"
             << fstest::describe(c);
       }

@@ -2,7 +2,7 @@
 // attention_kernel_name == "decode"), against the fp64 oracle and the CPU reference under the
 // same plan: batches up to 64, KV up to 8k, block sizes 1/16/256, NHD/HND, GQA 1..16, q_len x
 // group up to 16, fp8 KV (e4m3/e5m2 on the tensor cores, bf16/f16/fp8 q, per-tensor and per-head
-// descales), sinks, soft-cap, window, ALiBi, splits 1..16, LSE; bad block indices
+// descales), int8 K8V8 / K8V16 (int8 q with q_scale, s8 mma, k_scale_cache, v_scale), sinks, soft-cap, window, ALiBi, splits 1..16, LSE; bad block indices
 // give NaN rows; a varlen max_seqlen_q below the truth still computes every row.
 // Configurations not instantiated in this build (FLASHSERVE_DEV_CONFIGS) are skipped, named.
 #include <gtest/gtest.h>
@@ -16,6 +16,8 @@
 
 #include "gpu_attention_case.hpp"
 #include "kernels/attention/decode_config.hpp"
+#include "kernels/attention/select.hpp"
+#include "problem/attention.hpp"
 
 using flashserve::DType;
 using fstest::CaseConfig;
@@ -42,44 +44,19 @@ CaseConfig decode_config(int64_t B, int64_t max_k, int64_t group, std::mt19937_6
   return c;
 }
 
-std::string served(const fs::AttentionParams& p, bool batched) {
-  try {
-    return fs::attention_kernel_name(p, batched, fs::kernels::cuda_device_props(0));
-  } catch (const std::exception& e) {
-    return std::string("(threw: ") + e.what() + ")";
-  }
+// V's storage dtype of a configuration (K8V16: v16_dtype).
+DType v_dtype(const CaseConfig& c) {
+  if (c.quant == fstest::QuantMode::int8_k8v16) return c.v16_dtype;
+  return c.quant == fstest::QuantMode::none ? c.q_dtype : c.kv_dtype;
 }
 
-struct Outcome {
-  std::string kernel;  // the kernel that served the GPU call
-  std::string error;   // "" when the GPU agrees with the oracle and the reference
-};
-
-// Plan (forced splits from the config), CPU reference under it, GPU run, both comparisons.
-// `gpu_params_edit` changes only the GPU call's params (after the plan is made).
-template <class Edit>
-Outcome run_decode(fstest::AttentionCase& ac, Edit gpu_params_edit) {
-  fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
-  const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
-  const auto cpu = fsgpu::run_cpu(ac, plan);
-  gpu_params_edit(dc.params);
-  Outcome o;
-  o.kernel = served(dc.params, ac.cfg.batched());
-  const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
-  fs::ExecContext ctx;
-  ctx.workspace = ws.get();
-  ctx.workspace_bytes = plan.workspace.total_bytes;
-  ctx.plan = &plan;
-  if (!(dc.params.max_seqlen_q == ac.params.max_seqlen_q)) ctx.plan = nullptr;  // its own (same) plan
-  try {
-    fsgpu::run_gpu(ac, dc, ctx);
-  } catch (const std::exception& e) {
-    o.error = std::string("the CUDA call threw: ") + e.what();
-    return o;
-  }
-  o.error = fstest::check_case(ac) +
-            fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(o.kernel, ac.cfg));
-  return o;
+// An int8 configuration of decode_config (the vLLM int8 fork's formats): q and K int8 with
+// per-(token, head) scales, V int8 with per-(KV head, channel) scales (K8V8) or `v16` (K8V16).
+void make_int8(CaseConfig& c, bool k8v8, DType v16, DType out) {
+  c.quant = k8v8 ? fstest::QuantMode::int8_k8v8 : fstest::QuantMode::int8_k8v16;
+  c.q_dtype = c.kv_dtype = DType::i8;
+  c.v16_dtype = v16;
+  c.out_dtype = out;
 }
 
 // Builds and checks one case that must select the decode kernel. Returns false when the
@@ -87,8 +64,8 @@ Outcome run_decode(fstest::AttentionCase& ac, Edit gpu_params_edit) {
 bool expect_decode(const CaseConfig& c, uint64_t salt) {
   auto rng = fstest::make_rng(salt);
   fstest::AttentionCase ac = fstest::build_case(c, rng);
-  const Outcome o = run_decode(ac, [](fs::AttentionParams&) {});
-  if (!fs::kernels::decode_config_built(c.kv_dtype, c.D)) return false;
+  const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams&) {});
+  if (!fs::kernels::decode_config_built(c.kv_dtype, c.D, v_dtype(c))) return false;
   EXPECT_EQ(o.kernel, "decode") << fstest::describe(c);
   EXPECT_EQ(o.error, "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
   return true;
@@ -228,22 +205,104 @@ TEST(GpuDecode, Fp8KvTensorCores) {
   if (skipped) GTEST_SKIP() << skipped << " (KV dtype, D) configurations not instantiated in this build";
 }
 
+// int8 caches on the tensor cores (decode_mma.cuh): K8V8 (V int8 with v_scale [H_kv, D]) and
+// K8V16 (V f16/bf16), int8 q with q_scale (the fork's decode); q.k on the s8 mma with the keys'
+// scales copied per tile; block sizes 1/16/64; q_len 1-4 with GQA groups 1/4/8 (q_len x group <=
+// 16); splits 1 and forced 2..4; short contexts (K8V8's 16-key tiles) and long ones (32-key
+// tiles); f16/bf16 out; NHD and HND; sinks and soft-cap now and then. Out and LSE are poisoned
+// before the GPU run (run_gpu).
+TEST(GpuDecode, Int8TensorCores) {
+  auto rng = fstest::make_rng(10);
+  int i = 0, skipped = 0;
+  for (int fmt = 0; fmt < 3; ++fmt)  // K8V8, K8V16 bf16, K8V16 f16
+    for (int64_t bs : {1, 16, 64})
+      for (int64_t group : {1, 4, 8})
+        for (int64_t q_len : {1, 2, 4}) {
+          if (q_len * group > 16) continue;
+          CaseConfig c = decode_config(5, i % 4 == 3 ? 60 : 700, group, rng);
+          make_int8(c, fmt == 0, fmt == 2 ? DType::f16 : DType::bf16, i % 2 ? DType::f16 : DType::bf16);
+          c.block_size = bs;
+          c.q_lens.assign(c.k_lens.size(), q_len);
+          for (int64_t& k : c.k_lens) k = std::max(k, q_len);
+          c.causal = q_len > 1;
+          c.num_splits = i % 3 == 0 ? 1 : 1 + i % 4;
+          c.layout = i % 5 == 2 ? fs::KvLayout::hnd : fs::KvLayout::nhd;
+          c.sinks = i % 6 == 1;
+          c.softcap = i % 9 == 4 ? 20.0f : 0.0f;
+          skipped += !expect_decode(c, 1100 + uint64_t(i++));
+        }
+  // every split count of a long context, both formats
+  for (int splits : {1, 2, 7}) {
+    for (int fmt = 0; fmt < 2; ++fmt) {
+      CaseConfig c = decode_config(8, 4096, 8, rng);
+      make_int8(c, fmt == 0, DType::bf16, DType::bf16);
+      c.k_lens[0] = 4096;
+      c.num_splits = splits;
+      skipped += !expect_decode(c, 1200 + uint64_t(splits * 2 + fmt));
+    }
+  }
+  if (skipped) GTEST_SKIP() << skipped << " (K, V, D) configurations not instantiated in this build";
+}
+
+// The selection on int8 problems: picked (16 rows per pass) for K8V8 and K8V16 of a built (K, V,
+// D); declined, with the reason, otherwise.
+TEST(GpuDecode, Int8Selection) {
+  auto rng = fstest::make_rng(11);
+  auto why = [&](const CaseConfig& c, fs::kernels::AttnKernelChoice& choice) {
+    auto crng = fstest::make_rng(12);
+    fstest::AttentionCase ac = fstest::build_case(c, crng);
+    const fs::detail::AttnProblem pr = fs::detail::validate_attention(ac.params, c.batched());
+    return fs::kernels::try_decode(pr, fs::DeviceProps::h200(), choice);
+  };
+  for (int fmt = 0; fmt < 2; ++fmt)
+    for (int64_t group : {1, 8}) {
+      CaseConfig c = decode_config(3, 100, group, rng);
+      make_int8(c, fmt == 0, DType::bf16, DType::bf16);
+      fs::kernels::AttnKernelChoice choice;
+      EXPECT_EQ(why(c, choice), "") << fstest::describe(c);
+      EXPECT_EQ(choice.kernel, fs::kernels::AttnKernelId::decode);
+      EXPECT_EQ(choice.rows_per_cta, 16);
+      EXPECT_LE(2 * (choice.smem_bytes + 1024), size_t(228 * 1024)) << "two CTAs per SM";
+    }
+  auto declines = [&](auto edit, const std::string& reason) {
+    CaseConfig c = decode_config(3, 100, 4, rng);
+    make_int8(c, true, DType::bf16, DType::bf16);
+    edit(c);
+    fs::kernels::AttnKernelChoice choice;
+    const std::string got = why(c, choice);
+    EXPECT_NE(got.find(reason), std::string::npos) << "got \"" << got << "\", expected it to name \"" << reason << "\"";
+    EXPECT_FALSE(choice.supported());
+  };
+  declines([](CaseConfig& c) { c.D = c.Dv = 96; }, "instantiated");  // no int8 D=96 in any build
+  declines(
+      [](CaseConfig& c) {
+        c.q_lens.assign(c.k_lens.size(), 8);
+        for (int64_t& k : c.k_lens) k = std::max<int64_t>(k, 8);
+      },
+      "q_len x group");
+  declines([](CaseConfig& c) { c.kv_pad = 3; }, "16 bytes");
+}
+
 // The fuzz generator's configurations moved into the decode kernel's scope: a built (KV dtype,
-// D) (fp8 with bf16/f16 q, or fp8 q with q_descale), q_len x group <= 16, no q_v; every layout,
+// D) (fp8 with bf16/f16 q, or fp8 q with q_descale; int8 K8V8 / K8V16 with int8 q), q_len x group <= 16, no q_v; every layout,
 // stride, mode, modifier, split and length the generator draws, against the oracle and the
 // reference. Prints how many cases the decode kernel served (alignment pads and understated
 // bounds send some to the generic kernel, which is checked the same way).
 TEST(GpuDecode, Fuzz) {
   constexpr int kCases = 400;
   constexpr size_t kBuilt = std::size(fs::kernels::kDecodeConfigs);
-  int ran = 0, failed = 0, served_decode = 0, served_fp8 = 0;
+  int ran = 0, failed = 0, served_decode = 0, served_fp8 = 0, served_int8 = 0;
   for (int i = 0; i < kCases && failed < 5; ++i) {
     auto rng = fstest::make_rng(1000 + uint64_t(i));
     CaseConfig c = fstest::random_case_config(rng);
     const fs::kernels::DecodeConfig built = fs::kernels::kDecodeConfigs[size_t(i) % kBuilt];
     c.has_qv = false;
     c.D = c.Dv = built.d;
-    if (fs::is_fp8(built.kv)) {
+    if (built.kv == DType::i8) {  // the int8 fork's formats: int8 q with q_scale
+      make_int8(c, built.v == DType::i8, built.v == DType::i8 ? DType::bf16 : built.v,
+                i % 2 ? DType::f16 : DType::bf16);
+      if (built.v != DType::i8) c.kv_interleaved = false;  // K and V rows of different widths
+    } else if (fs::is_fp8(built.kv)) {
       const bool fp8_q = i % 3 == 0;
       c.quant = fp8_q ? fstest::QuantMode::fp8_qkv : fstest::QuantMode::fp8_kv;
       c.kv_dtype = built.kv;
@@ -259,17 +318,18 @@ TEST(GpuDecode, Fuzz) {
     if (c.batched()) c.q_lens.assign(c.q_lens.size(), c.q_lens.empty() ? 1 : c.q_lens[0]);
     auto crng = fstest::make_rng(2000 + uint64_t(i));
     fstest::AttentionCase ac = fstest::build_case(c, crng);
-    const Outcome o = run_decode(ac, [](fs::AttentionParams&) {});
+    const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams&) {});
     ++ran;
     served_decode += o.kernel == "decode";
     served_fp8 += o.kernel == "decode" && fs::is_fp8(c.kv_dtype);
+    served_int8 += o.kernel == "decode" && c.kv_dtype == DType::i8;
     if (o.error.empty()) continue;
     ++failed;
     ADD_FAILURE() << "decode fuzz case " << i << " (served by " << o.kernel << ")\n  " << fstest::describe(c) << "\n"
                   << o.error << "(seed " << fstest::test_seed() << ")";
   }
-  std::printf("[decode fuzz] %d cases, %d served by decode (%d with fp8 K/V), %d failed\n", ran, served_decode,
-              served_fp8, failed);
+  std::printf("[decode fuzz] %d cases, %d served by decode (%d with fp8 K/V, %d with int8 K), %d failed\n", ran,
+              served_decode, served_fp8, served_int8, failed);
   if (failed == 0) EXPECT_GE(served_decode, ran / 4) << "the fuzz should mostly reach the decode kernel";
 }
 
@@ -283,7 +343,7 @@ TEST(GpuDecode, UnderstatedMaxSeqlenQ) {
   c.causal = true;
   c.num_splits = 1;
   fstest::AttentionCase ac = fstest::build_case(c, rng);
-  const Outcome o = run_decode(ac, [](fs::AttentionParams& p) { p.max_seqlen_q = 1; });
+  const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams& p) { p.max_seqlen_q = 1; });
   EXPECT_EQ(o.kernel, "decode");
   EXPECT_EQ(o.error, "") << fstest::describe(c);
 }
@@ -299,25 +359,6 @@ TEST(GpuDecode, BadBlockIndexGivesNanRows) {
       c.window = {20, 0};  // the last row of sequence 1 sees keys 49..69, not block 1 (16..31)
       c.num_splits = splits;
       fstest::AttentionCase ac = fstest::build_case(c, rng);
-      fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
-      const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
-      const auto cpu = fsgpu::run_cpu(ac, plan);
-      ASSERT_EQ(served(dc.params, true), "decode");
-      for (int col : {1, 3}) {  // sequence 1: block 1 is not visible, block 3 (48..63) is
-        int32_t* entry = static_cast<int32_t*>(ac.params.block_table->at(1, col));
-        const int32_t good_id = *entry;
-        *entry = bad_id;
-        dc.upload(ac);
-        fsgpu::run_gpu_planned(ac, dc, plan);
-        for (int64_t b = 0; b < 3; ++b)
-          for (int64_t h = 0; h < c.H; ++h)
-            for (int64_t d = 0; d < c.Dv; ++d) {
-              const float x = ac.out.get({b, 0, h, d}), y = cpu.first.get({b, 0, h, d});
-              const bool want_nan = b == 1 && col == 3;
-              if (want_nan) ASSERT_TRUE(std::isnan(x)) << "b=1 h=" << h << " d=" << d << " splits " << splits;
-              else ASSERT_NEAR(x, y, 1e-2 * (1.0 + std::fabs(y))) << "b=" << b << " h=" << h << " col " << col;
-            }
-        *entry = good_id;
-      }
+      fsgpu::expect_bad_block_nan_rows(ac, "decode", bad_id, splits);
     }
 }

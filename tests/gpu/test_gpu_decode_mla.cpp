@@ -50,50 +50,12 @@ CaseConfig mla_config(int64_t B, int64_t max_k, int64_t H, int64_t q_len, std::m
   return c;
 }
 
-std::string served(const fs::AttentionParams& p, bool batched) {
-  try {
-    return fs::attention_kernel_name(p, batched, fs::kernels::cuda_device_props(0));
-  } catch (const std::exception& e) {
-    return std::string("(threw: ") + e.what() + ")";
-  }
-}
-
-struct Outcome {
-  std::string kernel;
-  std::string error;
-};
-
-template <class Edit>
-Outcome run_mla(fstest::AttentionCase& ac, Edit gpu_params_edit) {
-  fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
-  const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
-  const auto cpu = fsgpu::run_cpu(ac, plan);
-  gpu_params_edit(dc.params);
-  Outcome o;
-  o.kernel = served(dc.params, ac.cfg.batched());
-  const auto ws = fsgpu::device_alloc(plan.workspace.total_bytes);
-  fs::ExecContext ctx;
-  ctx.workspace = ws.get();
-  ctx.workspace_bytes = plan.workspace.total_bytes;
-  ctx.plan = &plan;
-  if (!(dc.params.max_seqlen_q == ac.params.max_seqlen_q)) ctx.plan = nullptr;
-  try {
-    fsgpu::run_gpu(ac, dc, ctx);
-  } catch (const std::exception& e) {
-    o.error = std::string("the CUDA call threw: ") + e.what();
-    return o;
-  }
-  o.error = fstest::check_case(ac) +
-            fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(o.kernel, ac.cfg));
-  return o;
-}
-
 // Builds and checks one case that must select decode_mla; false when the dtype is not built.
 bool expect_mla(const CaseConfig& c, uint64_t salt) {
   if (!fs::kernels::mla_config_built(c.q_dtype, c.kv_dtype)) return false;
   auto rng = fstest::make_rng(salt);
   fstest::AttentionCase ac = fstest::build_case(c, rng);
-  const Outcome o = run_mla(ac, [](fs::AttentionParams&) {});
+  const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams&) {});
   EXPECT_EQ(o.kernel, "decode_mla") << fstest::describe(c);
   EXPECT_EQ(o.error, "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
   return true;
@@ -298,7 +260,7 @@ TEST(GpuDecodeMla, UnderstatedMaxSeqlenQ) {
   c.causal = true;
   c.num_splits = 1;
   fstest::AttentionCase ac = fstest::build_case(c, rng);
-  const Outcome o = run_mla(ac, [](fs::AttentionParams& p) { p.max_seqlen_q = 1; });
+  const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams& p) { p.max_seqlen_q = 1; });
   EXPECT_EQ(o.kernel, "decode_mla");
   EXPECT_EQ(o.error, "") << fstest::describe(c);
 }
@@ -314,26 +276,7 @@ TEST(GpuDecodeMla, BadBlockIndexGivesNanRows) {
       c.window = {20, 0};  // sequence 1 sees keys 49..69, not block 1 (16..31)
       c.num_splits = splits;
       fstest::AttentionCase ac = fstest::build_case(c, rng);
-      fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
-      const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
-      const auto cpu = fsgpu::run_cpu(ac, plan);
-      ASSERT_EQ(served(dc.params, true), "decode_mla");
-      for (int col : {1, 3}) {
-        int32_t* entry = static_cast<int32_t*>(ac.params.block_table->at(1, col));
-        const int32_t good_id = *entry;
-        *entry = bad_id;
-        dc.upload(ac);
-        fsgpu::run_gpu_planned(ac, dc, plan);
-        for (int64_t b = 0; b < 3; ++b)
-          for (int64_t h = 0; h < c.H; ++h)
-            for (int64_t d = 0; d < c.Dv; ++d) {
-              const float x = ac.out.get({b, 0, h, d}), y = cpu.first.get({b, 0, h, d});
-              const bool want_nan = b == 1 && col == 3;
-              if (want_nan) ASSERT_TRUE(std::isnan(x)) << "b=1 h=" << h << " d=" << d << " splits " << splits;
-              else ASSERT_NEAR(x, y, 1e-2 * (1.0 + std::fabs(y))) << "b=" << b << " h=" << h << " col " << col;
-            }
-        *entry = good_id;
-      }
+      fsgpu::expect_bad_block_nan_rows(ac, "decode_mla", bad_id, splits);
     }
 }
 
@@ -425,7 +368,7 @@ TEST(GpuDecodeMla, Fuzz) {
       for (int64_t& k : c.k_lens) k = std::min<int64_t>(k, 300);  // the CPU reference's time
     auto crng = fstest::make_rng(4000 + uint64_t(i));
     fstest::AttentionCase ac = fstest::build_case(c, crng);
-    const Outcome o = run_mla(ac, [](fs::AttentionParams&) {});
+    const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams&) {});
     ++ran;
     served_mla += o.kernel == "decode_mla";
     if (o.error.empty()) continue;

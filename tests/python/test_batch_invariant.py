@@ -100,3 +100,43 @@ def test_cuda_decode_is_bitwise_the_same_in_every_batch():
                                              block_table=table[i:i + 1, :cols].contiguous(), causal=True,
                                              batch_invariant=True)
             assert torch.equal(one[0], full[i]), f"sq={sq} sequence {i} (len {lens[i].item()})"
+
+
+@pytest.mark.parametrize("how", ["inference_mode", "compile", "cuda_graph"])
+def test_keyword_under_inference_mode_compile_and_graphs(rng, how):
+    """batch_invariant=True through the torch path (the custom ops): eager, torch.inference_mode,
+    torch.compile(fullgraph=True) and (CUDA) graph capture give the same bits."""
+    torch = pytest.importorskip("torch")
+    from helpers_torch import DEVICES, capture  # noqa: E402 (torch present)
+    if how == "cuda_graph" and "cuda" not in DEVICES:
+        pytest.skip("CUDA-graph capture needs CUDA")
+    for device in DEVICES:
+        if how == "cuda_graph" and device != "cuda":
+            continue
+        g = torch.Generator(device="cpu").manual_seed(int(rng.integers(1 << 31)))
+        dt = torch.bfloat16 if device == "cuda" else torch.float32
+        b, hk, h, d, bs, blocks = 3, 2, 4, 64, 16, 160
+        k_cache = torch.randn(b * blocks, bs, hk, d, generator=g).to(device, dt)
+        v_cache = torch.randn(b * blocks, bs, hk, d, generator=g).to(device, dt)
+        table = torch.randperm(b * blocks, generator=g)[: b * blocks].view(b, blocks).to(device, torch.int32)
+        lens = torch.tensor([2500, 37, 1800], dtype=torch.int32, device=device)
+        q = torch.randn(b, 2, h, d, generator=g).to(device, dt)
+
+        def step(out):
+            return fs.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table,
+                                              causal=True, out=out, batch_invariant=True)
+
+        eager = step(torch.full_like(q, float("nan")))
+        out = torch.full_like(q, float("nan"))
+        if how == "inference_mode":
+            with torch.inference_mode():
+                step(out)
+        elif how == "compile":
+            torch._dynamo.reset()
+            torch.compile(step, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")(out)
+        else:
+            graph = capture(lambda: step(out))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+        assert torch.equal(out, eager), f"{how} on {device}"

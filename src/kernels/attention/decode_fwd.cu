@@ -12,43 +12,47 @@ namespace flashserve::kernels {
 
 namespace {
 
-template <size_t I, int kRows, int kTile = decode_tile_keys(kv_bytes(kDecodeConfigs[I].kv))>
+template <size_t I>
+constexpr DecodeKv kFmt = decode_kv(kDecodeConfigs[I].kv, kDecodeConfigs[I].v);
+
+template <size_t I, int kRows, int kTile = decode_tile_keys(kFmt<I>)>
 void launch_rows(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeConfig c = kDecodeConfigs[I];
-  constexpr size_t smem = decode_smem_bytes(kv_bytes(c.kv), c.d, kRows, kTile);
-  constexpr auto kernel = &decode::decode_fwd<c.kv, c.d, kRows, kTile>;
+  constexpr size_t smem = decode_smem_bytes(kFmt<I>, c.d, kRows, kTile);
+  constexpr auto kernel = &decode::decode_fwd<c.kv, c.v, c.d, kRows, kTile>;
   ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);  // 2 CTAs per SM need ~228 KB
   const dim3 grid(unsigned(p.batch), unsigned(p.num_kv_heads), unsigned(p.num_splits));
   kernel<<<grid, 32 * decode_warps(c.d), smem, stream>>>(p);
   FS_CUDA_CHECK_LAUNCH();
 }
 
-// The row-count instantiation the selection sized (AttnParams::rows_per_cta; decode_rows_for):
-// 16 on the tensor-core path; 4, 8 or the capacity on the CUDA-core path.
+// The instantiation of configuration I: 16 rows per pass (kDecodeRows); 8-bit K and V (fp8,
+// K8V8) in 32-key tiles, 16-key ones on short splits.
 template <size_t I>
 void launch_config(const AttnParams& p, cudaStream_t stream) {
-  constexpr int kVb = kv_bytes(kDecodeConfigs[I].kv);
-  constexpr int kCap = decode_row_capacity(kVb, kDecodeConfigs[I].d);
-  if constexpr (kVb == 1 && decode_uses_mma(kVb)) {  // fp8: 32-key tiles, 16 on short splits
+  constexpr DecodeKv kVb = kFmt<I>;
+  if constexpr (decode_tile_keys(kVb) > kDecodeTileKeys) {
     // Batch-invariant (fixed-size splits): the tile from the split size alone, never the batch's span.
     const int64_t span = p.split_size > 0 ? p.split_size : p.paged ? p.max_blocks * p.kv_dim1 : p.kv_dim1;
     if (decode_launch_tile(kVb, kDecodeConfigs[I].d, span, p.split_size > 0 ? 1 : p.num_splits) == kDecodeTileKeys)
-      launch_rows<I, 16, kDecodeTileKeys>(p, stream);
+      launch_rows<I, kDecodeRows, kDecodeTileKeys>(p, stream);
     else
-      launch_rows<I, 16>(p, stream);
-  } else if constexpr (decode_uses_mma(kVb)) launch_rows<I, 16>(p, stream);
-  else if (p.rows_per_cta <= 4) launch_rows<I, 4>(p, stream);
-  else if (p.rows_per_cta <= 8) launch_rows<I, 8>(p, stream);
-  else launch_rows<I, kCap>(p, stream);
+      launch_rows<I, kDecodeRows>(p, stream);
+  } else {
+    launch_rows<I, kDecodeRows>(p, stream);
+  }
 }
 
 }  // namespace
 
 void launch_decode_attention(const AttnParams& p, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  if (!dispatch_built<kDecodeConfigs>([&](const DecodeConfig& c) { return c.kv == p.k.dtype && c.d == p.head_dim; },
+  if (!dispatch_built<kDecodeConfigs>([&](const DecodeConfig& c) {
+                                        return c.kv == p.k.dtype && c.v == p.v.dtype && c.d == p.head_dim;
+                                      },
                                       [&]<size_t I>() { launch_config<I>(p, s); }))
-    throw RuntimeError(detail::cat("decode attention: no instantiation for KV ", dtype_name(p.k.dtype), " and D ",
+    throw RuntimeError(detail::cat("decode attention: no instantiation for K ", dtype_name(p.k.dtype), ", V ",
+                                   dtype_name(p.v.dtype), " and D ",
                                    p.head_dim));
 }
 

@@ -1,46 +1,27 @@
 // The decode kernel: few query rows per KV head (decode, short speculative verify), KV streamed
 // once per KV head, the generic kernel's modifiers (masks.cuh, softmax.cuh, epilogue.cuh).
-// q.k and p.v run on the tensor cores (decode_mma.cuh), for 16-bit K/V and, as f16 operands
-// converted in registers, for fp8 K/V. The CUDA-core scheme below (fp32 math) served fp8 K/V
-// until then (1.2 TB/s at B=64 L=4k, 1.5x bf16's time); it stays in the source behind
-// decode_uses_mma() (instantiated for no dtype now), and its v3/v4 figures are from when it
-// served bf16 too.
+// q.k and p.v run on the tensor cores (decode_mma.cuh): 16-bit K/V in q's type, fp8 K/V as f16
+// operands converted in registers, int8 K8V8 / K8V16 with q.k on the s8 mma (decode_config.hpp
+// says how each is exact). The fp32 CUDA-core path that served fp8 before (1.2 TB/s at B=64
+// L=4k, 1.5x bf16's time; its v3/v4 instruction counts are in the history of this file) is gone.
 //
 // CTA = (sequence b, KV head g, split); grid (B, H_kv, num_splits). Its packed rows are the
-// sequence's q_len x group (query row, head) pairs of KV head g, taken kRows (4, 8 or 16: one
-// instantiation each) at a time (one pass over the split's KV per row group). Warps split the
-// keys: warp w owns tiles w, w + W, ... of 16 keys and streams them through its own
+// sequence's q_len x group (query row, head) pairs of KV head g, taken 16 at a time (the mma's
+// M; one pass over the split's KV per row group). Warps split the keys: warp w owns tiles w,
+// w + W, ... (16 keys; 32 for 8-bit K and V) and streams them through its own
 // decode_stages()-deep cp.async ring (16-byte copies, no CTA barrier in the main loop; each
 // tile's block-table entries are read one tile ahead into registers, so the dependent table
-// load never stalls a copy issue):
-//   q.k:  per four rows, lane l reads 16-byte K chunk l % C (C chunks per row) of keys
-//         (l / C) * C/2 + i from shared memory and the q chunk once per tile (no per-key q
-//         reads); a halving butterfly over the C lanes leaves each lane 2 scores (key, rows);
-//   softmax: online, fp32, on those (key, row-pair) scores: 4-level max/sum shuffles for two
-//         rows at once, one xor-1 shuffle gives every lane all four rows' states; p [rows, 16]
-//         to shared memory;
-//   p.v:  lane l accumulates channels [l * D/32, (l+1) * D/32) of every row over all 16 keys
-//         (straight-line; p read four keys per 16-byte load).
-// The W warp states merge at the end (shared memory), then out (or the split partial) and LSE.
+// load never stalls a copy issue); per tile a warp runs q.k, the online softmax and p.v on its
+// 16 rows (decode_mma.cuh). The W warp states merge at the end (shared memory), then out (or
+// the split partial) and LSE.
 //
 // Arithmetic (H200, paged bf16, B=64, L=4096, H=32, H_kv=8, D=128, block 16): KV bytes =
 // 64 * 4096 * 8 * 128 * 2 (K, V) * 2 B = 1.07 GB, q/out < 1 MB; ~4.3 TB/s copy ceiling = 33 GB/s
-// per SM, so ~1 us of latency needs ~33 KB in flight per SM and 4 KB of keys consumed per SM
-// every ~120 ns. Per 8 KB tile (4 rows, SASS of one main-loop iteration incl. the copy issue):
-//   v3: ~2300 dynamic instructions (q.k loop 4 x 116 with 72 q LDS.128, p.v loop 8 x 74 with
-//       64 scalar p LDS, 36 SHFL, branchy row loops); measured 1614 GB/s at B=64 L=4k.
-//   v4 (this shape): ~1880, straight-line (556 FFMA, 196 bf16 unpack, 50 SHFL, 34 LDS.128);
-//       predicted 1.9-2.2 TB/s if IPC holds or rises (two FMA chains per dot, no loop-carried
-//       LDS). The FFMA floor with fp32 math is 512 per tile (+128 unpacks): beyond ~2.5 TB/s
-//       needs the tensor cores (mma q.k and p.v: ~16 MMAs per tile instead of 512 FFMA).
-// The v1 shape (32-key tiles, 16-row shared memory, 224 KB: 1 CTA = 4 warps per SM) left one warp per scheduler, every stall exposed
-// (~1 TB/s measured). Now 4 or 8 rows take ~107-110 KB: 2 CTAs = 8 warps per SM (2 per
-// scheduler), 8 x 2 tiles x 8 KB = 128 KB in flight per SM. With 16 rows (group 16, or
-// q_len 4 x group 4) shared memory is ~118 KB: 1 CTA per SM, and the FMA issue rate binds.
-// A warp's tile is a long dependent chain (table load, copies, q.k, shuffle reductions, p.v),
-// so throughput scales with resident warps: the planner splits decode shapes until
-// (B x H_kv x splits) fills 2 CTAs per SM for ~2 waves, splits of >= 1024 keys (plan.cpp,
-// stream_splits), e.g. B=16, L=8k: 4 splits of 2048 keys (512 CTAs) instead of 128 CTAs.
+// per SM, so ~1 us of latency needs ~33 KB in flight per SM. Two CTAs (8 warps) per SM, each
+// warp with 2 tiles of 8 KB in flight: 128 KB per SM. A warp's tile is a dependent chain
+// (table load, copies, mma, shuffles), so throughput scales with resident warps: the planner
+// splits decode shapes until (B x H_kv x splits) fills 2 CTAs per SM for ~2 waves, splits of
+// >= 1024 keys (plan.cpp, stream_splits), e.g. B=16, L=8k: 4 splits of 2048 keys (512 CTAs).
 #pragma once
 
 #include <cstdint>
@@ -60,27 +41,6 @@ constexpr int kTile = kDecodeTileKeys;
 constexpr int32_t kTokenSkip = 2;  // TokenLoc.state: not loaded (outside every row's keys); zeros
 
 
-// ---- N stored fp8 K/V elements in shared memory as float (one vector load of N bytes; the
-// CUDA-core path serves fp8 caches only)
-template <int kBytes> struct VecOf;
-template <> struct VecOf<2> { using type = uint16_t; };
-template <> struct VecOf<4> { using type = uint32_t; };
-template <> struct VecOf<8> { using type = uint2; };
-template <> struct VecOf<16> { using type = uint4; };
-
-template <DType kKv, int N>
-FS_DEV void smem_to_float(const unsigned char* src, float (&out)[N]) {
-  static_assert(!decode_uses_mma(kv_bytes(kKv)), "16-bit K/V take the tensor-core path (decode_mma.cuh)");
-  constexpr int kB = N * kv_bytes(kKv);
-  union {
-    typename VecOf<kB>::type v;
-    uint8_t b[kB];
-  } u;
-  u.v = *reinterpret_cast<const typename VecOf<kB>::type*>(src);
-#pragma unroll
-  for (int i = 0; i < N; ++i) out[i] = fp8_to_float(u.b[i], kKv == DType::f8e4m3 ? __NV_E4M3 : __NV_E5M2);
-}
-
 // One packed row of the CTA's current row group (shared by all warps).
 struct RowMeta {
   int64_t pos;      // aligned global position i + sk_global - sq
@@ -88,53 +48,74 @@ struct RowMeta {
   float slope;      // ALiBi
   int32_t active;
   float qk_scale;   // fp8 K/V: what the f16 q.k products are multiplied by (k_descale x q_descale /
-                    // the row's power-of-two q scale); 1 otherwise
+                    // the row's power-of-two q scale); int8: the row's q_scale; 1 otherwise
 };
 static_assert(sizeof(RowMeta) == kDecodeRowMetaBytes, "decode_config.hpp sizes shared memory with it");
-static_assert(sizeof(TokenLoc) * kTile == decode_loc_bytes(2) && 2 * decode_loc_bytes(2) == decode_loc_bytes(1),
+
+// Union of the visible keys of rows [0, nrows) (meta in shared memory; empty rows skipped):
+// the keys a row group streams, the same in every thread.
+FS_DEV KeyRange rows_key_union(const RowMeta* meta, int nrows, const KvRange& range) {
+  KeyRange u{range.end, range.begin};
+  for (int j = 0; j < nrows; ++j) {
+    const RowMeta& m = meta[j];
+    if (m.lo >= m.hi) continue;
+    u.lo = imin(u.lo, m.lo);
+    u.hi = imax(u.hi, m.hi);
+  }
+  return u;
+}
+static_assert(sizeof(TokenLoc) * kTile == decode_loc_bytes(kDecodeBf16) &&
+                  2 * decode_loc_bytes(kDecodeBf16) == decode_loc_bytes(kDecodeFp8),
               "decode_config.hpp sizes shared memory with it");
 
-template <DType kKv, int kD, int kR, int kT = decode_tile_keys(kv_bytes(kKv))>
+template <DType kKv, DType kV, int kD, int kR, int kT = decode_tile_keys(decode_kv(kKv, kV))>
 struct Shape {
+  static constexpr DType kKDtype = kKv;  // K storage
+  static constexpr DType kVDtype = kV;   // V storage
+  static constexpr DecodeKv kFmt = decode_kv(kKv, kV);
   static constexpr int kDim = kD;
   static constexpr int kWarps = decode_warps(kD);
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = kR;
-  static constexpr int kVb = kv_bytes(kKv);
-  static constexpr int kChunks = kD * kVb / kDecodeChunk;  // 16-byte chunks per K/V row
-  static constexpr int kElems = kDecodeChunk / kVb;       // K elements per chunk
+  static constexpr int kKb = kFmt.kb;    // bytes per K element
+  static constexpr int kVb = kFmt.vb;    // bytes per V element
+  static constexpr bool kInt8 = kFmt.int8;  // int8 q and K (s8 mma, per-key scales in the stage)
+  static constexpr int kChunks = kD * kKb / kDecodeChunk;  // 16-byte chunks per K row
+  static constexpr int kVChunks = kD * kVb / kDecodeChunk;  // 16-byte chunks per V row
+  static constexpr int kElems = kDecodeChunk / kKb;       // K elements per chunk
   static constexpr int kChan = kD / 32;                   // output channels per lane
-  static constexpr int kKStride = int(decode_k_stride(kVb, kD));  // +16 B: lanes hit distinct banks
-  static constexpr int kVStride = int(decode_v_stride(kVb, kD));
-  static constexpr int kKeysPerLane = kChunks / 2;  // q.k: keys per lane (kChunks lanes per key)
-  static constexpr bool kMma = decode_uses_mma(kVb);  // tensor-core q.k and p.v (decode_mma.cuh)
-  static constexpr int kQStride = int(decode_q_stride(kVb, kD));  // bytes per q row in shared memory
-  static constexpr int kStages = decode_stages(kVb);  // cp.async ring depth per warp
+  static constexpr int kKStride = int(decode_k_stride(kFmt, kD));  // +16 B: lanes hit distinct banks
+  static constexpr int kVStride = int(decode_v_stride(kFmt, kD));
+  static constexpr int kQStride = int(decode_q_stride(kFmt, kD));  // bytes per q row in shared memory
+  static constexpr int kStages = decode_stages(kFmt);  // cp.async ring depth per warp
   static constexpr int kTile = kT;  // keys per warp tile
-  static constexpr size_t kStageBytes = decode_stage_bytes(kVb, kD, kT);
-  static constexpr size_t kWarpBytes = decode_warp_bytes(kVb, kD, kR, kT);
-  static_assert(kWarpBytes <= decode_warp_bytes(kVb, kD, kR), "within the launch's shared memory");
-  static_assert(kMma || kT == decode_tile_keys(kVb), "the CUDA-core path runs its one tile size");
+  static constexpr size_t kStageBytes = decode_stage_bytes(kFmt, kD, kT);
+  static constexpr size_t kKScaleOffset = decode_kscale_offset(kFmt, kD, kT);  // int8: k scales in a stage
+  static constexpr size_t kWarpBytes = decode_warp_bytes(kFmt, kD, kT);
+  static_assert(kWarpBytes <= decode_warp_bytes(kFmt, kD), "within the launch's shared memory");
   static_assert(kChunks >= 2 && kChunks <= 32 && 32 % kChunks == 0, "a warp copies whole rows");
-  static_assert(kMma || kKeysPerLane * (32 / kChunks) == kTile, "q.k: a warp pass covers the tile");
-  static_assert(kTile % (32 / kChunks) == 0, "a tile is whole copy steps");
+  static_assert(kVChunks >= 2 && kVChunks <= 32 && 32 % kVChunks == 0, "a warp copies whole rows");
+  static_assert(kTile % (32 / kChunks) == 0 && kTile % (32 / kVChunks) == 0, "a tile is whole copy steps");
   static_assert(kChan >= 2, "channels per lane");
-  static_assert(kR % 4 == 0 && kR <= decode_row_capacity(kVb, kD), "rows in fours, within the register budget");
-  static_assert(!kMma || kR == 16, "the tensor-core path takes 16 rows (the mma's M) per pass");
-  static_assert(decode_merge_fits(kVb, kD, kR), "the merge area fits in the warps' area");
+  static_assert(kR == 16, "the tensor cores take 16 rows (the mma's M) per pass");
+  static_assert(decode_merge_fits(kFmt, kD, kR), "the merge area fits in the warps' area");
+  static_assert(kKScaleOffset % 16 == 0, "int8 k scales: 16-byte aligned in the stage");
 };
 
 // A warp's view of its stage `s`: K [kTile, kKStride] bytes, V [kTile, kVStride], the bad-key mask
-// (bit k: key k lies outside the cache; issue_tile).
+// (bit k: key k lies outside the cache; issue_tile), int8 K: the keys' scales [kTile] f32 (0 for
+// keys not loaded).
 template <class S>
 struct Stage {
   unsigned char* k;
   unsigned char* v;
   uint32_t* bad;
+  float* kscale;
   FS_DEV Stage(unsigned char* warp_base, int s) {
     k = warp_base + size_t(s) * S::kStageBytes;
     v = k + S::kTile * S::kKStride;
     bad = reinterpret_cast<uint32_t*>(v + S::kTile * S::kVStride);
+    kscale = reinterpret_cast<float*>(k + S::kKScaleOffset);
   }
 };
 

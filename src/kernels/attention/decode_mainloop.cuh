@@ -82,32 +82,52 @@ FS_DEV void stage_rows_fp8(const AttnParams& p, const DecodeSeq& s, int64_t g, i
   }
 }
 
-// Fills meta [kRows] and q [kRows, kD] (f32, or q's 16-bit type on the tensor-core path, f16 for
-// fp8 K/V; rows kQStride bytes apart; zeros for inactive rows) of the row group; the union of the
+// int8 q and K: the row group's int8 q in the channel order of decode_mma.cuh (int8_q_column),
+// one warp per row; the row's q_scale is its qk_scale (the k scales are applied per key).
+template <class S>
+FS_DEV void stage_rows_int8(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows,
+                            unsigned char* q, RowMeta* meta) {
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  for (int j = warp; j < S::kRows; j += S::kWarps) {
+    int8_t* row = reinterpret_cast<int8_t*>(q + j * S::kQStride);
+#pragma unroll
+    for (int k = 0; k < S::kChan; ++k) {
+      const int d = lane + 32 * k;
+      row[int8_q_column<S>(d)] = int8_t(q_elem(p, s, g, g0, nrows, j, d));  // exact: an int8 value (0 past nrows)
+    }
+    if (lane == 0) {
+      RowMeta m = row_meta(p, s, g, g0, nrows, j);
+      if (j < nrows) {
+        const PackedIdx pi = packed_idx(p, g, g0, j);
+        const int64_t q_row = s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
+        const StridedRef& qs = p.q_scale;
+        m.qk_scale =
+            static_cast<const float*>(qs.data)[s.rows.qb * qs.stride[0] + q_row * qs.stride[1] + pi.h * qs.stride[2]];
+      }
+      meta[j] = m;
+    }
+  }
+}
+
+// Fills meta [kRows] and q [kRows, kD] (q's 16-bit type, f16 for fp8 K/V, int8 for int8 K;
+// rows kQStride bytes apart; zeros for inactive rows) of the row group; the union of the
 // active rows' keys is returned (the same in every thread). Ends synchronized.
 template <class S>
 FS_DEV KeyRange setup_rows(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows,
                            unsigned char* q, RowMeta* meta) {
-  if constexpr (S::kMma && S::kVb == 1) {
+  if constexpr (S::kInt8) {
+    stage_rows_int8<S>(p, s, g, g0, nrows, q, meta);
+  } else if constexpr (S::kKb == 1) {
     stage_rows_fp8<S>(p, s, g, g0, nrows, q, meta);
   } else {
     if (int(threadIdx.x) < S::kRows) meta[threadIdx.x] = row_meta(p, s, g, g0, nrows, int(threadIdx.x));
     for (int idx = int(threadIdx.x); idx < S::kRows * S::kDim; idx += S::kThreads) {
       const int j = idx / S::kDim, d = idx % S::kDim;
-      const float x = q_elem(p, s, g, g0, nrows, j, d);
-      if constexpr (S::kMma) store_from_float(q + j * S::kQStride, d, p.q.dtype, x);  // exact: q's own type
-      else reinterpret_cast<float*>(q + j * S::kQStride)[d] = x;
+      store_from_float(q + j * S::kQStride, d, p.q.dtype, q_elem(p, s, g, g0, nrows, j, d));  // exact: q's own type
     }
   }
   __syncthreads();
-  KeyRange u{s.range.end, s.range.begin};
-  for (int j = 0; j < nrows; ++j) {
-    const RowMeta& m = meta[j];
-    if (m.lo >= m.hi) continue;
-    u.lo = imin(u.lo, m.lo);
-    u.hi = imax(u.hi, m.hi);
-  }
-  return u;
+  return rows_key_union(meta, nrows, s.range);
 }
 
 // Where key t0 + lane % 16 of a tile lives, before its offsets: the block-table entry (paged)
@@ -150,8 +170,8 @@ FS_DEV TileKey tile_key(const AttnParams& p, const SeqKv& kv, int64_t t0, int64_
   return k;
 }
 
-// The token's K/V element offsets (as load.cuh's locate_token; the decode kernel serves no int8
-// scales, so k_scale stays unused): keys outside the cache are bad, never read.
+// The token's K/V element offsets (as load.cuh's locate_token; k_scale stays unused: int8 k
+// scales are copied by issue_tile from the key's d0/d1): keys outside the cache are bad, never read.
 FS_DEV TokenLoc tile_loc(const AttnParams& p, const SeqKv& kv, const TileKey& k) {
   TokenLoc L{0, 0, 0.0f, k.state};
   if (k.state != kTokenValid) return L;
@@ -175,225 +195,51 @@ FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st,
   const uint32_t bad = __ballot_sync(kFullMask, lane < S::kTile && L.state == kTokenBad);
   if (lane == 0) *st.bad = bad;
   if (lane < S::kTile) loc[lane] = L;
+  if constexpr (S::kInt8) {  // the keys' scales, 4-byte copies (zeros for keys not loaded)
+    if (lane < S::kTile) {
+      const StridedRef& ks = p.k_scale_cache;
+      const bool ok = L.state == kTokenValid;
+      const int64_t off = ok ? key.d0 * ks.stride[0] + key.d1 * ks.stride[1] + kv.g * ks.stride[2] : 0;
+      cp_async_4(smem_u32(st.kscale + lane), static_cast<const float*>(ks.data) + off, ok);
+    }
+  }
   __syncwarp();
   const char* kg = static_cast<const char*>(p.k.data);
   const char* vg = static_cast<const char*>(p.v.data);
-  constexpr int kRowsPerStep = 32 / S::kChunks;
-  const int c = lane % S::kChunks;
-  // fp8 K: chunk c of row r lands at c ^ (r & 1) (decode_config.hpp); r & 1 is the same for all
+  // 8-bit K: chunk c of row r lands at c ^ (r & 1) (decode_config.hpp); r & 1 is the same for all
   // of the lane's rows (an even number of rows per copy step).
-  static_assert(S::kVb != 1 || kRowsPerStep % 2 == 0, "fp8 K swizzle: one row parity per lane");
-  const int ck = S::kVb == 1 ? c ^ ((lane / S::kChunks) & 1) : c;
-  const uint32_t dk = smem_u32(st.k + ck * kDecodeChunk), dv = smem_u32(st.v + c * kDecodeChunk);
+  constexpr int kRowsPerStep = 32 / S::kChunks, kVRowsPerStep = 32 / S::kVChunks;
+  static_assert(S::kKb != 1 || kRowsPerStep % 2 == 0, "8-bit K swizzle: one row parity per lane");
+  const int c = lane % S::kChunks;
+  const int ck = S::kKb == 1 ? c ^ ((lane / S::kChunks) & 1) : c;
+  const uint32_t dk = smem_u32(st.k + ck * kDecodeChunk);
+  if constexpr (S::kChunks == S::kVChunks) {  // K and V rows of one width: one pass
+    const uint32_t dv = smem_u32(st.v + c * kDecodeChunk);
 #pragma unroll
-  for (int i = 0; i < S::kTile / kRowsPerStep; ++i) {
-    const int r = lane / S::kChunks + i * kRowsPerStep;
-    const TokenLoc R = loc[r];  // offsets 0 unless valid: an in-bounds address, nothing read
-    const bool ok = R.state == kTokenValid;  // else 16 zero bytes
-    cp_async_16(dk + r * S::kKStride, kg + R.k_off * S::kVb + c * kDecodeChunk, ok);
-    cp_async_16(dv + r * S::kVStride, vg + R.v_off * S::kVb + c * kDecodeChunk, ok);
+    for (int i = 0; i < S::kTile / kRowsPerStep; ++i) {
+      const int r = lane / S::kChunks + i * kRowsPerStep;
+      const TokenLoc R = loc[r];  // offsets 0 unless valid: an in-bounds address, nothing read
+      const bool ok = R.state == kTokenValid;  // else 16 zero bytes
+      cp_async_16(dk + r * S::kKStride, kg + R.k_off * S::kKb + c * kDecodeChunk, ok);
+      cp_async_16(dv + r * S::kVStride, vg + R.v_off * S::kVb + c * kDecodeChunk, ok);
+    }
+  } else {  // K8V16: K rows half V's width
+#pragma unroll
+    for (int i = 0; i < S::kTile / kRowsPerStep; ++i) {
+      const int r = lane / S::kChunks + i * kRowsPerStep;
+      const TokenLoc R = loc[r];
+      cp_async_16(dk + r * S::kKStride, kg + R.k_off * S::kKb + c * kDecodeChunk, R.state == kTokenValid);
+    }
+    const int cv = lane % S::kVChunks;
+    const uint32_t dv = smem_u32(st.v + cv * kDecodeChunk);
+#pragma unroll
+    for (int i = 0; i < S::kTile / kVRowsPerStep; ++i) {
+      const int r = lane / S::kVChunks + i * kVRowsPerStep;
+      const TokenLoc R = loc[r];
+      cp_async_16(dv + r * S::kVStride, vg + R.v_off * S::kVb + cv * kDecodeChunk, R.state == kTokenValid);
+    }
   }
   __syncwarp();  // loc is rewritten by the next issue
-}
-
-// Per-warp running state of the row group: online softmax and output channels
-// [lane * kChan, (lane + 1) * kChan) of every row.
-template <class S>
-struct WarpAcc {
-  RowState st[S::kRows];
-  float acc[S::kRows][S::kChan];
-  FS_DEV WarpAcc() {
-#pragma unroll
-    for (int j = 0; j < S::kRows; ++j)
-#pragma unroll
-      for (int k = 0; k < S::kChan; ++k) acc[j][k] = 0.0f;
-  }
-  // The warp's state into the merge area: mo [kWarps, kRows, kD], ms [kWarps, kRows, 2].
-  FS_DEV void spill(float* mo, float* ms, int warp, int nrows, int lane) const {
-#pragma unroll
-    for (int j = 0; j < S::kRows; ++j) {
-      if (j >= nrows) break;
-#pragma unroll
-      for (int k = 0; k < S::kChan; ++k) mo[(warp * S::kRows + j) * S::kDim + lane * S::kChan + k] = acc[j][k];
-      if (lane == 0) {
-        ms[(warp * S::kRows + j) * 2] = st[j].m;
-        ms[(warp * S::kRows + j) * 2 + 1] = st[j].l;
-      }
-    }
-  }
-};
-
-// q.k of rows [j4, j4 + 4) over the tile, K consumed with 16-byte shared-memory reads and no q
-// re-reads per key: lane l owns chunk c = l % C (C = S::kChunks 16-byte chunks per K row) of
-// the kKeysPerLane keys s * KL + i (slot s = l / C, KL = C / 2) and sums that chunk's products
-// for each (key, row): 4 * KL = 2C partials. A halving butterfly over the slot's C lanes (each
-// level sends one half, keeps the other) leaves each lane 2 complete scores: key s * KL + c / 2,
-// rows j4 + 2 * (c % 2) + {0, 1} (KeySlot).
-struct KeySlot {
-  int key;  // key within the tile
-  int r0;   // first of the lane's two rows within the four (0 or 2)
-};
-template <class S>
-FS_DEV KeySlot key_slot(int lane) {
-  const int c = lane % S::kChunks;
-  return {lane / S::kChunks * S::kKeysPerLane + c / 2, 2 * (c % 2)};
-}
-
-// One butterfly level over lane bit M of the first N partials: the lane keeps the upper half
-// (bit set) or the lower, adding its partner's copy of it; then the next bit down.
-template <int M, int N, int K>
-FS_DEV void halve_reduce(float (&part)[K], int lane) {
-  const bool upper = (lane & M) != 0;
-#pragma unroll
-  for (int v = 0; v < N / 2; ++v) {
-    const float lo = part[v], hi = part[v + N / 2];
-    const float recv = __shfl_xor_sync(kFullMask, upper ? lo : hi, M);
-    part[v] = (upper ? hi : lo) + recv;
-  }
-  if constexpr (M > 1) halve_reduce<M / 2, N / 2>(part, lane);
-}
-
-template <DType kKv, class S>
-FS_DEV void tile_dots4(const Stage<S>& st, const float* q, int j4, int lane, float (&sc)[2]) {
-  constexpr int C = S::kChunks, KL = S::kKeysPerLane, E = S::kElems;
-  const int c = lane % C, s = lane / C;
-  float qr[4][E];
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const float4* qj = reinterpret_cast<const float4*>(q + (j4 + r) * S::kDim + c * E);
-#pragma unroll
-    for (int e = 0; e < E / 4; ++e) {
-      const float4 q4 = qj[e];
-      qr[r][4 * e] = q4.x;
-      qr[r][4 * e + 1] = q4.y;
-      qr[r][4 * e + 2] = q4.z;
-      qr[r][4 * e + 3] = q4.w;
-    }
-  }
-  float part[4 * KL];  // [key i][row r]
-#pragma unroll
-  for (int i = 0; i < KL; ++i) {
-    float kf[E];
-    smem_to_float<kKv, E>(st.k + (s * KL + i) * S::kKStride + c * kDecodeChunk, kf);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      float a0 = 0.0f, a1 = 0.0f;  // two chains: half the dependent FMA latency
-#pragma unroll
-      for (int e = 0; e < E; e += 2) {
-        a0 = fmaf(qr[r][e], kf[e], a0);
-        a1 = fmaf(qr[r][e + 1], kf[e + 1], a1);
-      }
-      part[i * 4 + r] = a0 + a1;
-    }
-  }
-  halve_reduce<C / 2, 2 * C>(part, lane);
-  sc[0] = part[0];
-  sc[1] = part[1];
-}
-
-// Max and sum over the tile's 16 keys of the lane's two rows: the lanes of one row pair share
-// lane parity (C is even), so the reduction runs over lane bits 1-4.
-FS_DEV void pair_max_nan(float (&x)[2]) {
-#pragma unroll
-  for (int o = 2; o < 32; o <<= 1)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) x[e] = nan_max(x[e], __shfl_xor_sync(kFullMask, x[e], o));
-}
-FS_DEV void pair_sum(float (&x)[2]) {
-#pragma unroll
-  for (int o = 2; o < 32; o <<= 1)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) x[e] += __shfl_xor_sync(kFullMask, x[e], o);
-}
-// The four rows' values from the lane's pair (rows r0, r0 + 1) and its xor-1 partner's.
-FS_DEV void gather_four(const float (&mine)[2], int r0, float (&four)[4]) {
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const float other = __shfl_xor_sync(kFullMask, mine[e], 1);
-    four[e] = r0 == 0 ? mine[e] : other;
-    four[2 + e] = r0 == 0 ? other : mine[e];
-  }
-}
-
-// Online softmax of rows [j4, j4 + 4) over the tile from the lanes' (key, row-pair) scores
-// (tile_dots4); p into pbuf [kRows, 16]. Every lane keeps all four rows' states. A row that
-// sees none of the tile's keys scores -inf everywhere: its state and accumulator stay as they are.
-template <class S>
-FS_DEV void tile_softmax4(const AttnParams& p, const RowMeta* meta, float* pbuf, int j4, int64_t t0, KeySlot ks,
-                          bool bad, float k_desc, const float (&sc)[2], WarpAcc<S>& w) {
-  const ScoreTransform score = make_score_transform(p);
-  const int64_t key = t0 + ks.key;
-  float x[2], mx[2], pe[2];
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const RowMeta& m = meta[j4 + ks.r0 + e];
-    const bool vis = key >= m.lo && key < m.hi;
-    x[e] = !vis ? kNegInf : bad ? nan_value() : score(sc[e] * k_desc, m.pos, key, m.slope);
-    mx[e] = x[e];
-  }
-  pair_max_nan(mx);
-  float m4[4], new_m[4], alpha[4];
-  gather_four(mx, ks.r0, m4);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (!w.st[j4 + i].rescale(m4[i], new_m[i], alpha[i])) new_m[i] = kNegInf;
-  }
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const float nm = ks.r0 == 0 ? new_m[e] : new_m[2 + e];
-    pe[e] = nm != kNegInf && x[e] != kNegInf ? expf(x[e] - nm) : 0.0f;
-    pbuf[(j4 + ks.r0 + e) * kTile + ks.key] = pe[e];
-  }
-  pair_sum(pe);
-  float sum4[4];
-  gather_four(pe, ks.r0, sum4);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if (new_m[i] == kNegInf) continue;
-    w.st[j4 + i].update(new_m[i], alpha[i], sum4[i]);
-    if (alpha[i] != 1.0f) {
-#pragma unroll
-      for (int k = 0; k < S::kChan; ++k) w.acc[j4 + i][k] *= alpha[i];
-    }
-  }
-}
-
-// One tile of the warp: scores and online softmax per four rows (p into pbuf [kRows, 16]),
-// then p.v over all 16 keys (keys outside the stream are zero rows with p = 0), p read four
-// keys per 16-byte load.
-template <DType kKv, class S>
-FS_DEV void consume_tile(const AttnParams& p, const Stage<S>& st, const float* q, const RowMeta* meta, float* pbuf,
-                         int nrows, int64_t t0, float k_desc, int lane, WarpAcc<S>& w) {
-  const KeySlot ks = key_slot<S>(lane);
-  const bool bad = (*st.bad >> ks.key) & 1u;
-#pragma unroll
-  for (int j4 = 0; j4 < S::kRows; j4 += 4) {
-    if (j4 >= nrows) break;
-    float sc[2];
-    tile_dots4<kKv, S>(st, q, j4, lane, sc);
-    tile_softmax4<S>(p, meta, pbuf, j4, t0, ks, bad, k_desc, sc, w);
-  }
-  __syncwarp();
-  const unsigned char* vcol = st.v + lane * S::kChan * S::kVb;
-#pragma unroll
-  for (int t4 = 0; t4 < kTile; t4 += 4) {
-    float vf[4][S::kChan];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) smem_to_float<kKv, S::kChan>(vcol + (t4 + u) * S::kVStride, vf[u]);
-#pragma unroll
-    for (int j = 0; j < S::kRows; ++j) {
-      if (j >= ((nrows + 3) & ~3)) break;
-      const float4 p4 = *reinterpret_cast<const float4*>(pbuf + j * kTile + t4);
-#pragma unroll
-      for (int k = 0; k < S::kChan; ++k) {
-        float a = w.acc[j][k];
-        a = fmaf(p4.x, vf[0][k], a);
-        a = fmaf(p4.y, vf[1][k], a);
-        a = fmaf(p4.z, vf[2][k], a);
-        w.acc[j][k] = fmaf(p4.w, vf[3][k], a);
-      }
-    }
-  }
 }
 
 // The warp's tiles w, w + W, ... of keys [u.lo, u.hi) (tiles aligned to the split's start, as
@@ -429,7 +275,7 @@ FS_DEV void stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* 
     __syncwarp();
     consume(Stage<S>(warp_base, consume_stage), tile_start(k));
     consume_stage = consume_stage + 1 == S::kStages ? 0 : consume_stage + 1;
-    __syncwarp();  // the stage (and pbuf) are free for the next issue
+    __syncwarp();  // the stage is free for the next issue
   }
   cp_async_wait<0>();
 }
@@ -464,6 +310,10 @@ FS_DEV void merge_and_store(const AttnParams& p, const DecodeSeq& s, int64_t g, 
     const int64_t r = s.rows.row_begin + pi.i, q_row = s.rows.q_row(r, p.batched);
     float lse = st.lse();
     const float scale = st.empty() ? 0.0f : s.kv.v_desc / st.l;
+    if constexpr (S::kInt8 && S::kVb == 1) {  // K8V8: v's per-channel scale factors out of the sum over keys
+#pragma unroll
+      for (int k = 0; k < S::kChan; ++k) o[k] *= load_f32_2d(p.v_scale, g, lane * S::kChan + k, 1.0f);
+    }
     if (s.splits > 1) {  // fixed-size splits: a sequence of one split is written directly
       const int64_t at = partial_index(p, split, r, pi.h);
 #pragma unroll
@@ -478,38 +328,27 @@ FS_DEV void merge_and_store(const AttnParams& p, const DecodeSeq& s, int64_t g, 
   }
 }
 
-// One row group: the CUDA-core path (fp8 K/V; decode_mainloop.cuh) or the tensor-core path
-// (16-bit K/V; decode_mma.cuh), then the cross-warp merge.
+// One row group on the tensor cores (decode_mma.cuh: 16-bit, fp8 and int8 K/V), then the
+// cross-warp merge.
 template <DType kKv, class S>
 FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows, int split,
                           unsigned char* q, RowMeta* meta, unsigned char* warps_base) {
   const int lane = int(threadIdx.x) % 32;
   unsigned char* warp_base = warps_base + size_t(threadIdx.x / 32) * S::kWarpBytes;
   const KeyRange u = setup_rows<S>(p, s, g, g0, nrows, q, meta);
-  if constexpr (S::kMma) {
-    MmaWarp<kKv, S> w(q, meta, lane);
-    if (u.lo < u.hi)
-      stream_keys<S>(p, s, warp_base, u, [&](const Stage<S>& st, int64_t t0) { w.consume(p, st, t0, lane); });
-    merge_and_store<S>(p, s, g, g0, nrows, split, warps_base, w);
-  } else {
-    WarpAcc<S> w;
-    const float* qf = reinterpret_cast<const float*>(q);
-    float* pbuf = reinterpret_cast<float*>(warp_base + S::kStages * S::kStageBytes + decode_loc_bytes(S::kVb, S::kTile));
-    if (u.lo < u.hi)
-      stream_keys<S>(p, s, warp_base, u, [&](const Stage<S>& st, int64_t t0) {
-        consume_tile<kKv, S>(p, st, qf, meta, pbuf, nrows, t0, s.kv.k_desc, lane, w);
-      });
-    merge_and_store<S>(p, s, g, g0, nrows, split, warps_base, w);
-  }
+  MmaWarp<kKv, S> w(q, meta, lane);
+  if (u.lo < u.hi)
+    stream_keys<S>(p, s, warp_base, u, [&](const Stage<S>& st, int64_t t0) { w.consume(p, st, t0, lane); });
+  merge_and_store<S>(p, s, g, g0, nrows, split, warps_base, w);
 }
 
 // Two CTAs per SM by shared memory for the tensor-core path and kRows <= 8 (decode_config.hpp),
 // so at most 255 registers.
 // kTile: keys per warp tile (decode_tile_keys; fp8 also 16 for short splits, decode_fwd.cu).
-template <DType kKv, int kD, int kRows, int kTile = decode_tile_keys(kv_bytes(kKv))>
-__global__ void __launch_bounds__(32 * decode_warps(kD), decode_uses_mma(kv_bytes(kKv)) || kRows <= 8 ? 2 : 1)
+template <DType kKv, DType kV, int kD, int kRows, int kTile = decode_tile_keys(decode_kv(kKv, kV))>
+__global__ void __launch_bounds__(32 * decode_warps(kD), 2)
     decode_fwd(const __grid_constant__ AttnParams p) {
-  using S = Shape<kKv, kD, kRows, kTile>;
+  using S = Shape<kKv, kV, kD, kRows, kTile>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* q = smem_raw;                                                   // [kRows, kQStride]
   RowMeta* meta = reinterpret_cast<RowMeta*>(q + S::kRows * S::kQStride);       // [kRows]

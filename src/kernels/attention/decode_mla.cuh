@@ -488,13 +488,7 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
   issue_q<S>(p, s, g0, nrows, q);
   if constexpr (S::kFp8) cp_async_commit();  // q alone: converted (convert_q_fp8) once it lands
   __syncthreads();
-  KeyRange u{s.range.end, s.range.begin};
-  for (int j = 0; j < nrows; ++j) {
-    const RowMeta& m = meta[j];
-    if (m.lo >= m.hi) continue;
-    u.lo = imin(u.lo, m.lo);
-    u.hi = imax(u.hi, m.hi);
-  }
+  const KeyRange u = decode::rows_key_union(meta, nrows, s.range);
   const int row = tid / S::kTpr, part = tid % S::kTpr;
   RowRegs rr;
   rr.pos = meta[row].pos;

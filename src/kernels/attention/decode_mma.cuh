@@ -1,4 +1,4 @@
-// The decode kernel's tensor-core path (16-bit and fp8 K/V; included by decode_mainloop.cuh): one warp's
+// The decode kernel's tensor-core path (16-bit, fp8 and int8 K/V; included by decode_mainloop.cuh): one warp's
 // q.k, online softmax and p.v over a 16-key tile with mma.sync m16n8k16, for the 16 packed rows
 // of the row group (the mma's M; rows past nrows are zero queries that see no key).
 //
@@ -52,6 +52,19 @@
 // Next: the scalar work per tile (table reads and 64-bit offsets of issue_tile, the softmax over
 // 16 MMA rows of which decode uses 4-8: a transposed q.k, keys as M and rows as N = 8, would
 // halve the MMAs and the softmax lanes' work).
+//
+// int8 (the vLLM int8 fork's K8V8 / K8V16: q and K int8 with per-(token, head) scales; V int8
+// with per-(KV head, channel) scales, or 16-bit): q.k on mma.sync m16n8k32 s8 with s32
+// accumulators (exact: |sum| <= 128^2 D), over the fp8 scheme's K layout (lane t reads the
+// contiguous bytes [t D/4, (t+1) D/4) of its key rows, unpadded and swizzled as fp8's; q staged
+// as int8 in the matching order, int8_q_column; D/32 mma per 8 keys instead of D/16); the s32
+// dot times the key's k scale (copied per tile into the stage with 4-byte cp.async, 0 for keys
+// not loaded), then times the row's q scale (RowMeta::qk_scale) with the softmax scale. K8V8:
+// V as the fp8 scheme's V with int8 -> f16 conversions (bytes biased by 128 once per word, then
+// placed into 1024's mantissa: one PRMT and one HSUB2 per two values, exact), the per-channel v_scale applied to O at the end
+// (merge_and_store: it factors out of the sum over keys); 32-key tiles (8 KB at D=128). K8V16:
+// V 16-bit by ldmatrix.trans as the 16-bit path, 16-key tiles (6 KB) in a 4-deep ring (32-key
+// tiles would not leave two CTAs per SM).
 #pragma once
 
 namespace flashserve::kernels::decode {
@@ -62,6 +75,26 @@ FS_DEV int fp8_q_column(int d) {
   constexpr int kLaneBytes = S::kDim / 4;  // K bytes per lane per key row
   const int t = d / kLaneBytes, r = d % kLaneBytes, ks = r / 4, i = r % 4;
   return 16 * ks + 2 * t + (i < 2 ? i : i + 6);
+}
+
+// int8 q and K: the q column (byte within the row) of physical channel d: lane t's B fragments of
+// all k-steps (32 channels each) are the contiguous bytes [t D/4, (t+1) D/4) of its key rows
+// (word 2 ks + h of them is k index 16 h + 4t + {0..3} of k-step ks).
+template <class S>
+FS_DEV int int8_q_column(int d) {
+  constexpr int kLaneBytes = S::kDim / 4;
+  const int t = d / kLaneBytes, r = d % kLaneBytes, j = r / 4, i = r % 4;
+  return 32 * (j / 2) + 16 * (j % 2) + 4 * t + i;
+}
+
+// Two int8 values biased by 128 (x ^ 0x80 per byte; low 16 bits, low byte first) as an f16x2
+// register (low half first), exact: the biased bytes become the low mantissa bytes of 1024
+// (0x64xx), then 1152 is taken off.
+FS_DEV uint32_t i8x2_biased_to_f16x2(uint32_t two) {
+  uint32_t h, d;
+  asm("prmt.b32 %0, %1, %2, 0x4140;\n" : "=r"(h) : "r"(two), "r"(0x64646464u));
+  asm("sub.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(h), "r"(0x64806480u));
+  return d;
 }
 
 // Two fp8 values (low byte first) as an f16x2 register (low half first), exact.
@@ -95,9 +128,13 @@ FS_DEV void load_words(const unsigned char* src, uint32_t (&w)[kBytes / 4]) {
 
 template <DType kKv, class S>
 struct MmaWarp {
-  static constexpr bool kFp8 = kv_bytes(kKv) == 1;
-  using T = std::conditional_t<kKv == DType::bf16, __nv_bfloat16, __half>;  // fp8: f16 operands
-  static constexpr int kKSteps = S::kDim / 16;  // q.k k-steps of 16 channels
+  static constexpr bool kInt8 = S::kInt8;                 // int8 q and K: s8 mma, per-key scales
+  static constexpr bool kFp8 = S::kKb == 1 && !kInt8;     // fp8 K and V
+  static constexpr bool kScaled = S::kKb == 1;            // scores times the row's qk_scale
+  static constexpr bool kV8 = S::kVb == 1;                // 8-bit V (fp8, int8): f16 operands in registers
+  // p.v operands (and q.k's for 16-bit K/V): V's 16-bit type, f16 for 8-bit V
+  using T = std::conditional_t<S::kVDtype == DType::bf16, __nv_bfloat16, __half>;
+  static constexpr int kKSteps = S::kDim / (kInt8 ? 32 : 16);  // q.k k-steps of 16 channels (int8: 32)
   static constexpr int kNTiles = S::kDim / 8;   // p.v output tiles of 8 channels
   static constexpr bool kQInRegs = S::kDim <= 128;
   static constexpr int kTile = S::kTile;        // keys per tile: 16 (16-bit K/V) or 32 (fp8)
@@ -108,7 +145,7 @@ struct MmaWarp {
   float m[2], l[2];                        // rows g, g + 8: running max, lane-partial sum
   int64_t pos[2], lo[2], hi[2];
   float slope[2];
-  float qk_scale[2];  // fp8: the rows' score factors
+  float qk_scale[2];  // fp8, int8: the rows' score factors
   bool rows_on[2];    // some lane's row g + 8r sees a key of the split (warp-uniform)
   uint32_t q_smem;
 
@@ -142,33 +179,66 @@ struct MmaWarp {
     ldmatrix_x4(a, q_smem + uint32_t(row * S::kQStride + col * 2));
   }
 
+  // Q's A fragment of k-step ks, from the registers (kQInRegs) or shared memory.
+  FS_DEV void q_fragment(int ks, int lane, uint32_t (&a)[4]) const {
+    if constexpr (kQInRegs) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a[i] = qf[ks][i];
+    } else {
+      load_q(ks, lane, a);
+    }
+  }
+
+  // 8-bit K (fp8, int8): the lane's D / 4 bytes of key row g + 8n (lane / 4 = g), chunks
+  // c0.. of the row (c0 = (lane % 4) x D / 64), chunk c stored at c ^ (row & 1) (unpadded
+  // rows, decode_config.hpp), as D / 16 words.
+  static constexpr int k8BitLaneWords = S::kDim / 16;
+  FS_DEV static void k_words_8bit(const Stage<S>& st, int n, int lane, uint32_t (&w)[k8BitLaneWords]) {
+    constexpr int kLaneBytes = S::kDim / 4;
+    const int c0 = (lane % 4) * (kLaneBytes / 16), swz = (lane / 4) & 1;  // first chunk; row parity
+    const unsigned char* kr = st.k + (lane / 4) * S::kKStride;
+#pragma unroll
+    for (int j = 0; j < kLaneBytes / 16; ++j) {  // chunk c0 + j, stored at (c0 + j) ^ swz
+      const uint4 v = *reinterpret_cast<const uint4*>(kr + 8 * n * S::kKStride + 16 * ((c0 + j) ^ swz));
+      w[4 * j] = v.x, w[4 * j + 1] = v.y, w[4 * j + 2] = v.z, w[4 * j + 3] = v.w;
+    }
+  }
+
   // s[n][.] = scores of keys 8n + 2t, 8n + 2t + 1 (rows g: [0..1], g + 8: [2..3]).
   FS_DEV void scores(const Stage<S>& st, int lane, float (&s)[kSTiles][4]) const {
 #pragma unroll
     for (int n = 0; n < kSTiles; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
-    if constexpr (kFp8) {
-      constexpr int kLaneBytes = S::kDim / 4;  // 4 per k-step
-      const int c0 = (lane % 4) * (kLaneBytes / 16), swz = (lane / 4) & 1;  // first chunk; row parity
-      const unsigned char* kr = st.k + (lane / 4) * S::kKStride;
+    if constexpr (kInt8) {
 #pragma unroll
       for (int n = 0; n < kSTiles; ++n) {  // keys g + 8n
-        uint32_t w[kLaneBytes / 4];      // word ks: k-step ks
-#pragma unroll
-        for (int j = 0; j < kLaneBytes / 16; ++j) {  // chunk c0 + j, stored at (c0 + j) ^ swz
-          const uint4 v = *reinterpret_cast<const uint4*>(kr + 8 * n * S::kKStride + 16 * ((c0 + j) ^ swz));
-          w[4 * j] = v.x, w[4 * j + 1] = v.y, w[4 * j + 2] = v.z, w[4 * j + 3] = v.w;
-        }
+        uint32_t w[k8BitLaneWords];          // words 2 ks, 2 ks + 1: k-step ks (of 32 channels)
+        k_words_8bit(st, n, lane, w);
+        int acc[4] = {0, 0, 0, 0};
 #pragma unroll
         for (int ks = 0; ks < kKSteps; ++ks) {
           uint32_t a[4];
-          if constexpr (kQInRegs) {
+          q_fragment(ks, lane, a);
+          mma_16832_s8(acc, a, w[2 * ks], w[2 * ks + 1]);
+        }
+        // keys 8n + 2t, 8n + 2t + 1: their scales (exact s32 dots, one rounding per factor)
+        const float2 ksc = *reinterpret_cast<const float2*>(st.kscale + 8 * n + 2 * (lane % 4));
+        s[n][0] = float(acc[0]) * ksc.x;
+        s[n][1] = float(acc[1]) * ksc.y;
+        s[n][2] = float(acc[2]) * ksc.x;
+        s[n][3] = float(acc[3]) * ksc.y;
+      }
+      return;
+    } else if constexpr (kFp8) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) a[i] = qf[ks][i];
-          } else {
-            load_q(ks, lane, a);
-          }
+      for (int n = 0; n < kSTiles; ++n) {  // keys g + 8n
+        uint32_t w[k8BitLaneWords];          // word ks: k-step ks (of 16 channels)
+        k_words_8bit(st, n, lane, w);
+#pragma unroll
+        for (int ks = 0; ks < kKSteps; ++ks) {
+          uint32_t a[4];
+          q_fragment(ks, lane, a);
           mma_16816<T>(s[n], a, fp8x2_to_f16x2<kKv>(w[ks]), fp8x2_to_f16x2<kKv>(w[ks] >> 16));
         }
       }
@@ -210,7 +280,7 @@ struct MmaWarp {
       float mx = kNegInf;
       const bool act = lo[r] < hi[r];
       if (__all_sync(kFullMask, plain && (!act || (lo[r] <= t0 && t0 + kTile <= hi[r])))) {
-        const float c = kFp8 ? score.scale * qk_scale[r] : score.scale;
+        const float c = kScaled ? score.scale * qk_scale[r] : score.scale;
 #pragma unroll
         for (int n = 0; n < kSTiles; ++n)
 #pragma unroll
@@ -229,7 +299,7 @@ struct MmaWarp {
             float& x = s[n][2 * r + e];
             x = k < vlo || k >= vhi   ? kNegInf
                 : (bad >> k) & 1u     ? nan_value()
-                                        : score(kFp8 ? x * qk_scale[r] : x, pos[r], t0 + k, slope[r]);
+                                        : score(kScaled ? x * qk_scale[r] : x, pos[r], t0 + k, slope[r]);
             mx = nan_max(mx, x);
           }
       }
@@ -273,7 +343,7 @@ struct MmaWarp {
       uint32_t a[4], r[4];
       p_fragment<T, kTile>(pr, kk, a);
       if (split_p) p_residue<T, kTile>(pr, kk, a, r);
-      if constexpr (kFp8) {
+      if constexpr (kV8) {
         constexpr int kLaneBytes = S::kDim / 8;  // one byte per n-tile
         uint32_t w[4][kLaneBytes / 4];           // keys 16 kk + (2t, 2t+1, 2t+8, 2t+9)
         const unsigned char* vr = st.v + (16 * kk + 2 * (lane % 4)) * S::kVStride + (lane / 4) * kLaneBytes;
@@ -281,6 +351,12 @@ struct MmaWarp {
         load_words<kLaneBytes>(vr + S::kVStride, w[1]);
         load_words<kLaneBytes>(vr + 8 * S::kVStride, w[2]);
         load_words<kLaneBytes>(vr + 9 * S::kVStride, w[3]);
+        if constexpr (kInt8) {  // bias by 128 once per word (i8x2_biased_to_f16x2)
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < kLaneBytes / 4; ++c) w[r][c] ^= 0x80808080u;
+        }
 #pragma unroll
         for (int c = 0; c < kLaneBytes / 4; ++c)  // n-tiles 4c .. 4c + 3
 #pragma unroll
@@ -290,7 +366,7 @@ struct MmaWarp {
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int n = 4 * c + 2 * h + e;
-              const uint32_t b0 = fp8x2_to_f16x2<kKv>(lo >> (16 * e)), b1 = fp8x2_to_f16x2<kKv>(hi >> (16 * e));
+              const uint32_t b0 = v8x2_to_f16x2(lo >> (16 * e)), b1 = v8x2_to_f16x2(hi >> (16 * e));
               mma_16816<T>(o[n], a, b0, b1);
               if (split_p) mma_16816<T>(o[n], r, b0, b1);
             }
@@ -313,6 +389,12 @@ struct MmaWarp {
     }
   }
 
+  // Two 8-bit V values (low 16 bits; int8: biased by 128) as f16x2, exact.
+  static FS_DEV uint32_t v8x2_to_f16x2(uint32_t two) {
+    if constexpr (kInt8) return i8x2_biased_to_f16x2(two);
+    else return fp8x2_to_f16x2<S::kVDtype>(two);
+  }
+
   FS_DEV void consume(const AttnParams& p, const Stage<S>& st, int64_t t0, int lane) {
     const uint32_t bad = *st.bad;
     float s[kSTiles][4];
@@ -329,7 +411,7 @@ struct MmaWarp {
       l[r] += __shfl_xor_sync(kFullMask, l[r], 2);
       const int j = lane / 4 + 8 * r;
       if (j >= nrows) continue;
-      if constexpr (kFp8) {  // column c of n-tile n is channel c D/8 + n
+      if constexpr (kV8) {  // column c of n-tile n is channel c D/8 + n
         float* row = mo + (warp * S::kRows + j) * S::kDim + 2 * (lane % 4) * kNTiles;
 #pragma unroll
         for (int n = 0; n < kNTiles; ++n) {

@@ -23,9 +23,17 @@ bool chunk_aligned(const TensorRef& t) {
 
 std::string dtype_reason(const detail::AttnProblem& pr) {
   const DType qt = pr.q.dtype, kt = pr.k.dtype;
-  if (!is_half(qt) && !is_fp8(qt)) return detail::cat("q float16/bfloat16 or fp8, got ", dtype_name(qt));
   if (pr.q_v) return "no q_v";
-  if (pr.k_scale_cache || pr.v_scale || pr.q_scale) return "no int8 scales";
+  if (qt == DType::i8) {  // the int8 fork's K8V8 / K8V16 (validated: q_scale, k_scale_cache, v_scale)
+    if (kt != DType::i8) return detail::cat("int8 q with an int8 k, got ", dtype_name(kt));
+    if (!pr.q_scale || !pr.k_scale_cache) return "int8 q and k with q_scale and k_scale_cache";
+    if (pr.v.dtype == DType::i8 ? !pr.v_scale : !is_half(pr.v.dtype) || pr.v_scale)
+      return detail::cat("int8 v with v_scale (K8V8) or 16-bit v without (K8V16), got ", dtype_name(pr.v.dtype));
+    if (pr.q_descale || pr.k_descale || pr.v_descale) return "no descales with int8 operands";
+    return {};
+  }
+  if (!is_half(qt) && !is_fp8(qt)) return detail::cat("q float16/bfloat16, fp8 or int8, got ", dtype_name(qt));
+  if (pr.k_scale_cache || pr.v_scale || pr.q_scale) return "int8 scales only with an int8 q";
   if (pr.v.dtype != kt) return detail::cat("k and v of one dtype, got ", dtype_name(kt), "/", dtype_name(pr.v.dtype));
   if (is_fp8(qt)) {  // fp8 q (q_descale): f16 operands against an fp8 cache
     if (!is_fp8(kt)) return detail::cat("fp8 q with an fp8 cache, got k/v ", dtype_name(kt));
@@ -48,9 +56,9 @@ std::string try_decode(const detail::AttnProblem& pr, const DeviceProps& dev, At
   if (dev.cc_major < 8)
     return detail::cat("decode kernel: compute capability >= 8.0, got ", dev.cc_major, ".", dev.cc_minor);
   if (std::string why = dtype_reason(pr); !why.empty()) return "decode kernel: " + why;
-  if (pr.head_dim != pr.head_dim_v || !decode_config_built(pr.k.dtype, pr.head_dim))
-    return detail::cat("decode kernel: D == Dv with (", dtype_name(pr.k.dtype), ", D) instantiated, got D=",
-                       pr.head_dim, " Dv=", pr.head_dim_v);
+  if (pr.head_dim != pr.head_dim_v || !decode_config_built(pr.k.dtype, pr.head_dim, pr.v.dtype))
+    return detail::cat("decode kernel: D == Dv with (k ", dtype_name(pr.k.dtype), ", v ", dtype_name(pr.v.dtype),
+                       ", D) instantiated, got D=", pr.head_dim, " Dv=", pr.head_dim_v);
   const int64_t rows = packed_rows_bound(pr);
   // Batch-invariant decode-class calls (query length <= kBatchInvariantDecodeMaxQ) take the
   // decode kernel whatever the group (it loops over row groups): the kernel of a row must not
@@ -61,10 +69,12 @@ std::string try_decode(const detail::AttnProblem& pr, const DeviceProps& dev, At
     return detail::cat("decode kernel: q_len x group <= ", kDecodeMaxRows, ", got ", rows);
   if (!chunk_aligned(pr.k) || !chunk_aligned(pr.v))
     return "decode kernel: k/v base and strides multiples of 16 bytes";
+  if (pr.k_scale_cache && reinterpret_cast<uintptr_t>(pr.k_scale_cache->data) % 4 != 0)
+    return "decode kernel: k_scale_cache 4-byte aligned";  // 4-byte cp.async per key
   if (pr.batch > INT_MAX || pr.num_kv_heads > 65535)
     return detail::cat("decode kernel: B <= ", INT_MAX, " and H_kv <= 65535, got ", pr.batch, "/", pr.num_kv_heads);
-  const int kvb = kv_bytes(pr.k.dtype);
-  const int rows_per_cta = decode_rows_for(kvb, int(pr.head_dim), rows);
+  const DecodeKv kvb = decode_kv(pr.k.dtype, pr.v.dtype);
+  const int rows_per_cta = kDecodeRows;
   const size_t smem = decode_smem_bytes(kvb, int(pr.head_dim), rows_per_cta);
   if (smem > max_smem_per_block(dev))
     return detail::cat("decode kernel: ", smem, " bytes of shared memory per block, the device allows ",

@@ -21,6 +21,10 @@ void launch_prefill_attention(const AttnParams& p, const AttnKernelChoice& choic
 // Writes out/lse directly when p.num_splits == 1, else the partials.
 void launch_prefill_wgmma(const AttnParams& p, const AttnKernelChoice& choice, void* stream);
 
+// prefill_tma.cu: the sm_90a warp-specialized prefill kernel (TMA producer, ping-pong
+// consumers) for (p.q.dtype, D, Dv) in kPrefillTmaConfigs, contiguous K/V. As prefill_wgmma.
+void launch_prefill_tma(const AttnParams& p, const AttnKernelChoice& choice, void* stream);
+
 // decode_fwd.cu: the decode kernel for (p.k.dtype, p.head_dim) (decode_config.hpp). Writes
 // out/lse directly when p.num_splits == 1, else the partials.
 void launch_decode_attention(const AttnParams& p, void* stream);

@@ -197,35 +197,51 @@ FS_DEV void load_kv(const AttnParams& p, const SeqKv& kv, int64_t n0, int64_t kv
   }
 }
 
-// c tanh(x) for the soft-cap with one MUFU op (ex2) where tanhf takes two (ex2, rcp) and a
-// polynomial branch: tanh|x| = (1 - e) / (1 + e), e = exp(-2|x|) in (0, 1] (no overflow; NaN
-// stays NaN), the reciprocal of 1 + e in [1, 2] by Newton from the minimax line 24/17 - 8/17 y
-// (relative error 1/17, then 3e-3, 1e-5, fp32) on the FMA pipe. Off by at most 1.6x tanhf's
-// error (CPU sweep over x, c = 30 log2(e): 9e-6 vs 7e-6 on the score in log2 units).
-FS_DEV float softcap_tanh(float x, float c) {
-  const float e = fast_exp2(fabsf(x) * (-2.0f * kLog2e));
-  const float y = 1.0f + e;
-  float r = fmaf(-8.0f / 17.0f, y, 24.0f / 17.0f);
-#pragma unroll
-  for (int i = 0; i < 3; ++i) r = fmaf(r, fmaf(-y, r, 1.0f), r);
-  return copysignf(fmaf(-e, c, c) * r, x);
+// tanh on the MUFU pipe (MUFU.TANH, sm_75+; what FlashAttention's soft-cap uses): one op where
+// tanhf takes two (ex2, rcp) and a polynomial branch. PTX ISA: relative error at most 2^-11 over
+// the whole range, subnormals pass through, +-inf -> +-1, NaN stays NaN.
+FS_DEV float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
-// Scores in log2 units: dot * scale * log2(e), or softcap * tanh(dot * scale / softcap) * log2(e).
-// With a positive scale and no soft-cap, s stays the raw dot (the tile max commutes with the
-// scale) and `exp_mul` folds the scale into the exponent's FFMA; otherwise the tile is mapped
-// to log2 units first and exp_mul = 1. m holds the running max in s's units.
+FS_DEV float sqrt_approx(float x) {
+  float y;
+  asm("sqrt.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The units of a score tile s before the online softmax, chosen so that a plain or soft-capped
+// score costs as little as possible: `exp_mul` turns s into log2 units inside the exponent's FFMA,
+// exp2(s exp_mul - m exp_mul), and m holds the running max in s's units (the max commutes with a
+// positive multiplier):
+//   scale > 0, no soft-cap:   s = dot                            exp_mul = scale log2(e)
+//   soft-cap (any scale):     s = tanh(dot scale / softcap)      exp_mul = softcap log2(e)
+//   scale <= 0 or NaN, no cap: s = dot scale log2(e)             exp_mul = 1
+// so a soft-capped score costs one FMUL and one MUFU.TANH more than a plain one (the last case,
+// whose max would not commute with the scale, is mapped to log2 units first: `prescale`). `unit`
+// is one unit of s in natural-log units, what the ALiBi bias (added after the cap, SPEC.md §2) is
+// divided by.
 struct ScoreLog2 {
   float exp_mul = 1.0f;
-  bool prescale = false;
+  float unit = 1.0f;
+  float mul = 1.0f;  // prescaled: s = dot mul, or tanh(dot mul) with the soft-cap
+  bool prescale = false, softcap = false;
   FS_DEV explicit ScoreLog2(const AttnParams& p) {
-    prescale = p.softcap > 0.0f || !(p.softmax_scale > 0.0f);
-    exp_mul = prescale ? 1.0f : p.softmax_scale * kLog2e;
-  }
-  // s in log2 units (the prescale branch; reads the scale from the parameters).
-  static FS_DEV float log2_units(const AttnParams& p, float dot) {
-    if (p.softcap > 0.0f) return softcap_tanh(dot * (p.softmax_scale / p.softcap), p.softcap * kLog2e);
-    return dot * (p.softmax_scale * kLog2e);
+    softcap = p.softcap > 0.0f;
+    prescale = softcap || !(p.softmax_scale > 0.0f);
+    if (softcap) {
+      mul = p.softmax_scale / p.softcap;
+      unit = p.softcap;
+      exp_mul = p.softcap * kLog2e;
+    } else if (prescale) {
+      mul = p.softmax_scale * kLog2e;
+      unit = kLn2;
+    } else {
+      unit = p.softmax_scale;
+      exp_mul = p.softmax_scale * kLog2e;
+    }
   }
 };
 
@@ -238,12 +254,6 @@ struct NoBias {
   FS_DEV void operator()(float (&)[kN / 8][4], float) const {}
 };
 
-FS_DEV float sqrt_approx(float x) {
-  float y;
-  asm("sqrt.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // ALiBi (SPEC.md §2 step 3): s -= slope_h |i' - j| (slopes [H] or [B, H]), or slope_h
 // sqrt(|i' - j|) with alibi_sqrt (a uniform whole-tile branch). The thread's distance at
 // element (nt, e) is d0 + 8 (e >> 1) - 8 nt - (e & 1), d0 = i' of its row g minus the key of its
@@ -251,11 +261,11 @@ FS_DEV float sqrt_approx(float x) {
 // one FFMA per score; row g + 8 at column block nt has row g's distance at nt - 1, so the sqrt
 // variant takes kN / 4 + 2 square roots (MUFU) for the thread's kN / 2 scores.
 struct AlibiBias {
-  float mul = 0.0f;  // -slope in s's units: x log2(e) when prescaled, / scale when not
+  float mul = 0.0f;  // -slope in s's units (ScoreLog2::unit)
   bool sqrt_dist = false;
   FS_DEV AlibiBias(const AttnParams& p, int64_t b, int64_t h, const ScoreLog2& score) {
     const float slope = load_f32_2d(p.alibi, b, h, 0.0f);
-    mul = score.prescale ? -slope * kLog2e : -slope / p.softmax_scale;
+    mul = -slope / score.unit;
     sqrt_dist = p.alibi_sqrt;
   }
   template <int kN>
@@ -298,14 +308,19 @@ FS_DEV ScoreBias<kAlibi> make_score_bias(const AttnParams& p, int64_t b, int64_t
 // before this tile's P V is added. Soft-cap and masking are whole-tile branches, so the plain
 // tile is straight-line code.
 template <int kN, class Bias = NoBias>
-FS_DEV void softmax_scores(const AttnParams& p, float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
+FS_DEV void softmax_scores(float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
                            float (&alpha)[2], const ScoreLog2& score, const int (&lo)[2], const int (&hi)[2],
                            bool masked, int t, const Bias& bias = {}, float bias_d0 = 0.0f) {
-  if (score.prescale) {
+  if (score.softcap) {
 #pragma unroll
     for (int nt = 0; nt < kN / 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = ScoreLog2::log2_units(p, s[nt][e]);
+      for (int e = 0; e < 4; ++e) s[nt][e] = tanh_approx(s[nt][e] * score.mul);
+  } else if (score.prescale) {
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] *= score.mul;
   }
   bias.template operator()<kN>(s, bias_d0);
   if (masked) {

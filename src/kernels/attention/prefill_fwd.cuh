@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kThreads, kPrefillCtasPerSm) prefill_fwd(const
       if (masked) wk.tile_rows(mb, off, warp, lane, lo, hi);
       float alpha[2];
       const float d0 = kAlibi ? float(bias_d0<Mma80>(ck, warp, mb, lane) - off) : 0.0f;
-      softmax_scores<kN>(p, s[mb], m[mb], l[mb], alpha, score, lo, hi, masked, lane & 3, bias, d0);
+      softmax_scores<kN>(s[mb], m[mb], l[mb], alpha, score, lo, hi, masked, lane & 3, bias, d0);
       rescale_o<kD>(o[mb], alpha);
     }
     pv_tile<T, kD>(s, sm.v(j), la, o);

@@ -106,6 +106,29 @@ FS_DEV void issue_pv(const uint32_t (&pa)[kN / 16][4], const uint32_t (&lo)[kLo]
   wgmma_commit();
 }
 
+// The softmax of tile j on one warpgroup's S (completed), masked where some row of the
+// warpgroup sees only part of it; alpha receives the rescale of O (both wgmma kernels).
+template <class S, int kN, class Bias>
+FS_DEV void softmax_tile(const AttnParams& p, const WarpKeys<S>& wk, const ScoreLog2& score, const Bias& bias,
+                         int64_t d0, int j, int warp, int lane, float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
+                         float (&alpha)[2]) {
+  const int off = j * kN;
+  const bool masked = wk.masks(off);
+  int lo[2] = {0, 0}, hi[2] = {kN, kN};
+  if (masked) wk.tile_rows(0, off, warp, lane, lo, hi);
+  softmax_scores<kN>(s, m, l, alpha, score, lo, hi, masked, lane & 3, bias, float(d0 - off));
+}
+
+// P = S rounded to T as wgmma A fragments, plus the rounding residues when kF32Out.
+template <class T, int kN, bool kF32Out, int kLo>
+FS_DEV void pack_p(const float (&s)[kN / 8][4], uint32_t (&pa)[kN / 16][4], uint32_t (&pl)[kLo][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kN / 16; ++kk) {
+    p_fragment<T, kN>(s, kk, pa[kk]);
+    if constexpr (kF32Out) p_residue<T, kN>(s, kk, pa[kk], pl[kk]);
+  }
+}
+
 // The pipeline barrier of tile j: this thread's copies and stores (K and V j, Q) complete and
 // visible to wgmma (the async proxy), then every thread's.
 FS_DEV void tile_barrier() {
@@ -170,21 +193,10 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_c
       load_kv<S, KvL, T, kD, kDv>(p, kv, ck.n_begin + int64_t(j + 1) * kN, ck.end, sm.k(j + 1), sm.v(vs_next));
     cp_async_commit();
   };
-  // The softmax of tile j on s (completed), masked where some row of the warpgroup sees only part.
   const auto softmax_tile = [&](int j, float (&alpha)[2]) {
-    const int off = j * kN;
-    const bool masked = wk.masks(off);
-    int lo[2] = {0, 0}, hi[2] = {kN, kN};
-    if (masked) wk.tile_rows(0, off, warp, lane, lo, hi);
-    softmax_scores<kN>(p, s, m[0], l[0], alpha, score, lo, hi, masked, lane & 3, bias, float(d0 - off));
+    prefill::softmax_tile<S, kN>(p, wk, score, bias, d0, j, warp, lane, s, m[0], l[0], alpha);
   };
-  const auto pack_p = [&] {
-#pragma unroll
-    for (int kk = 0; kk < kN / 16; ++kk) {
-      p_fragment<T, kN>(s, kk, pa[kk]);
-      if constexpr (kF32Out) p_residue<T, kN>(s, kk, pa[kk], pl[kk]);
-    }
-  };
+  const auto pack_p = [&] { prefill::pack_p<T, kN, kF32Out>(s, pa, pl); };
   if (ck.tiles > 0) {
     float alpha[2];
     int vs = 0;  // V stage of tile j - 1 in the loop, of the last tile after it

@@ -129,6 +129,38 @@ std::string try_prefill_wgmma(const detail::AttnProblem& pr, const DeviceProps& 
                       pr, c);
 }
 
+// Whether TMA can map an operand: tma_dim_ok for every dim (tma_map.cu asks the same of the
+// kernel's normalized view; alignment is prefill_scope's).
+bool tma_sizes_ok(const TensorRef& t) {
+  const int64_t es = int64_t(dtype_size(t.dtype));
+  for (int d = 0; d + 1 < t.ndim; ++d)
+    if (!tma_dim_ok(t.size(d), t.stride[size_t(d)], es)) return false;
+  const int64_t channels = t.ndim > 0 ? t.size(t.ndim - 1) : 0;  // contiguous (prefill_scope)
+  return channels >= 1 && channels < (int64_t(1) << 31);
+}
+
+// The sm_90a warp-specialized prefill kernel (prefill_tma.cuh): prefill_wgmma's scope for
+// contiguous K/V whose operands TMA can map ((D, Dv) in kPrefillTmaConfigs; 16-byte strides).
+std::string try_prefill_tma(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
+  const char* what = "prefill_tma kernel: ";
+  if (kernel_disabled(AttnKernelId::prefill_tma)) return detail::cat(what, "disabled by FLASHSERVE_DISABLE_KERNELS");
+  if (!FLASHSERVE_SM90A) return detail::cat(what, "a build with sm_90a code (FLASHSERVE_CUDA_ARCHS)");
+  if (dev.cc_major != 9 || dev.cc_minor != 0)
+    return detail::cat(what, "compute capability 9.0, got ", dev.cc_major, ".", dev.cc_minor);
+  if (pr.paged) return detail::cat(what, "contiguous K/V (paged caches: prefill_wgmma)");
+  std::string why = prefill_scope(pr, what, true);
+  if (!why.empty()) return why;
+  if (pr.alibi_slopes && pr.out.dtype == DType::f32) return detail::cat(what, "no ALiBi with fp32 out");
+  if (!prefill_tma_config_built(pr.q.dtype, pr.head_dim, pr.head_dim_v))
+    return detail::cat(what, "D/Dv in the built configurations, got ", pr.head_dim, "/", pr.head_dim_v);
+  const int64_t rows_k = pr.k.size(1), n_tiles = rows_k + 4 * 128;
+  if (pr.q.size(1) >= INT_MAX - 128 || n_tiles >= INT_MAX || pr.k.size(0) >= INT_MAX || pr.q.size(0) >= INT_MAX)
+    return detail::cat(what, "TMA coordinates in int32");
+  if (!tma_sizes_ok(pr.q) || !tma_sizes_ok(pr.k) || !tma_sizes_ok(pr.v))
+    return detail::cat(what, "q, k, v TMA can map (non-empty dims, strides below 2^40 bytes)");
+  return take_prefill(AttnKernelId::prefill_tma, prefill_tma_smem_bytes(pr.head_dim, pr.head_dim_v), dev, what, pr, c);
+}
+
 // The sm80+ mma.sync prefill kernel (prefill_fwd.cuh): the prefill scope, D == Dv in kPrefillConfigs.
 std::string try_prefill_mma(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
   const char* what = "prefill_mma kernel: ";
@@ -151,7 +183,8 @@ bool kernel_disabled(AttnKernelId kernel) {
     const char* env = std::getenv("FLASHSERVE_DISABLE_KERNELS");
     const std::string list = "," + std::string(env ? env : "") + ",";
     uint32_t m = 0;
-    for (AttnKernelId id : {AttnKernelId::prefill_mma, AttnKernelId::prefill_wgmma, AttnKernelId::decode_mla})  // the ones it can take out
+    for (AttnKernelId id : {AttnKernelId::prefill_mma, AttnKernelId::prefill_wgmma, AttnKernelId::decode_mla,
+                            AttnKernelId::prefill_tma})  // the ones it can take out
       if (list.find(std::string(",") + kernel_name(id) + ",") != std::string::npos) m |= 1u << unsigned(id);
     return m;
   }();
@@ -177,14 +210,16 @@ AttnKernelChoice select_attention_kernel(const detail::AttnProblem& pr, const De
   if (c.supported()) return c;
   const std::string why_decode = try_decode(pr, dev, c);  // decode_select.cu
   if (c.supported()) return c;
+  const std::string why_tma = try_prefill_tma(pr, dev, c);
+  if (c.supported()) return c;
   const std::string why_wgmma = try_prefill_wgmma(pr, dev, c);
   if (c.supported()) return c;
   const std::string why_prefill = try_prefill_mma(pr, dev, c);
   if (c.supported()) return c;
   std::string why = try_generic(pr, dev, c);
   if (c.supported()) return c;
-  c.why_not = "attention on CUDA: no kernel for this problem (" + why_mla + "; " + why_decode + "; " + why_wgmma + "; " + why_prefill +
-              "; " + why + ")";
+  c.why_not = "attention on CUDA: no kernel for this problem (" + why_mla + "; " + why_decode + "; " + why_tma + "; " +
+              why_wgmma + "; " + why_prefill + "; " + why + ")";
   return c;
 }
 
@@ -194,6 +229,7 @@ const char* kernel_name(AttnKernelId id) {
     case AttnKernelId::generic: return "generic";
     case AttnKernelId::prefill_mma: return "prefill_mma";
     case AttnKernelId::prefill_wgmma: return "prefill_wgmma";
+    case AttnKernelId::prefill_tma: return "prefill_tma";
     case AttnKernelId::decode: return "decode";
     case AttnKernelId::decode_mla: return "decode_mla";
   }

@@ -3,12 +3,12 @@
 // "is it supported" and "what runs" never disagree. Plain C++ (no CUDA headers).
 //
 // Candidates are tried in order: fast paths first (decode_mla: MLA absorbed decode with q_v;
-// decode; prefill_wgmma: the sm_90a
-// tensor-core prefill; prefill_mma: the sm80+ one), each returning its own reason when it
-// does not apply; the generic kernel stays the fallback for every validated problem.
-// FLASHSERVE_DISABLE_KERNELS (comma-separated names of the tensor-core prefill kernels and
-// decode_mla, e.g. "prefill_wgmma") takes them out of the selection, to test or compare the portable paths
-// on a Hopper GPU.
+// decode; prefill_tma: the sm_90a warp-specialized prefill, contiguous K/V; prefill_wgmma: the
+// sm_90a prefill for paged caches and what TMA cannot map; prefill_mma: the sm80+ one), each
+// returning its own reason when it does not apply; the generic kernel stays the fallback for
+// every validated problem. FLASHSERVE_DISABLE_KERNELS (comma-separated names of the
+// tensor-core prefill kernels and decode_mla, e.g. "prefill_tma,prefill_wgmma") takes them out
+// of the selection, to test or compare the portable paths on a Hopper GPU.
 #pragma once
 
 #include <cstddef>
@@ -22,7 +22,7 @@
 
 namespace flashserve::kernels {
 
-enum class AttnKernelId : uint8_t { none, generic, prefill_mma, prefill_wgmma, decode, decode_mla };
+enum class AttnKernelId : uint8_t { none, generic, prefill_mma, prefill_wgmma, decode, decode_mla, prefill_tma };
 
 // ---- the generic kernel's fixed shape (generic_fwd.cuh)
 inline constexpr int kGenericWarps = 4;
@@ -107,10 +107,12 @@ constexpr int wgmma_tile_keys(int64_t d, int64_t dv) { return d <= 128 && dv <= 
 constexpr int wgmma_tile_width(int64_t d) { return int((d + 63) / 64 * 64); }
 
 // D 64/128/256 (the benchmark's), 96 and 192 (D = Dv), and MLA prefill's 192/128; the dev set
-// (three instantiations each, ~3 s of nvcc apiece) leaves out 96, 192 and f16.
+// (three instantiations each, ~3 s of nvcc apiece) is the bf16 half: every head size, no f16.
+// Contiguous caches go to prefill_tma; this kernel serves the paged ones of every head size.
 #if FLASHSERVE_DEV_CONFIGS
-inline constexpr PrefillConfig kPrefillWgmmaConfigs[] = {
-    {DType::bf16, 64}, {DType::bf16, 128}, {DType::bf16, 256}, {DType::bf16, 192, 128}};
+inline constexpr PrefillConfig kPrefillWgmmaConfigs[] = {{DType::bf16, 64},  {DType::bf16, 96},
+                                                         {DType::bf16, 128}, {DType::bf16, 192},
+                                                         {DType::bf16, 256}, {DType::bf16, 192, 128}};
 #else
 inline constexpr PrefillConfig kPrefillWgmmaConfigs[] = {
     {DType::bf16, 64}, {DType::bf16, 96}, {DType::bf16, 128}, {DType::bf16, 192}, {DType::bf16, 256},
@@ -133,6 +135,47 @@ constexpr bool prefill_wgmma_config_built(DType t, int64_t d, int64_t dv) {
 constexpr size_t prefill_wgmma_smem_bytes(int64_t d, int64_t dv) {
   const int64_t n = wgmma_tile_keys(d, dv), wd = wgmma_tile_width(d), wdv = wgmma_tile_width(dv);
   return 1024 + size_t(kWgmmaRowsPerCta * wd + 2 * n * wd + 3 * n * wdv) * 2 + size_t(kWgmmaRowsPerCta) * 8;
+}
+
+// ---- the warp-specialized prefill kernel (prefill_tma.cuh): sm_90a, contiguous K/V, TMA
+// loads in 64-channel boxes (D = 96: the second box's channels past 96 load as zeros into the
+// tile's padding, tma_map.cuh), 384 threads (a producer warpgroup), the wgmma kernel's tiles
+// with two K and two V stages. The same head sizes as prefill_wgmma (dev set: bf16 only).
+#if FLASHSERVE_DEV_CONFIGS
+inline constexpr PrefillConfig kPrefillTmaConfigs[] = {{DType::bf16, 64},  {DType::bf16, 96},
+                                                       {DType::bf16, 128}, {DType::bf16, 192},
+                                                       {DType::bf16, 256}, {DType::bf16, 192, 128}};
+#else
+inline constexpr PrefillConfig kPrefillTmaConfigs[] = {
+    {DType::bf16, 64}, {DType::bf16, 96}, {DType::bf16, 128}, {DType::bf16, 192}, {DType::bf16, 256},
+    {DType::bf16, 192, 128},
+    {DType::f16, 64},  {DType::f16, 96},  {DType::f16, 128},  {DType::f16, 192},  {DType::f16, 256},
+    {DType::f16, 192, 128}};
+#endif
+
+// Whether TMA can map a dim of n elements, stride_elems apart, of elem_bytes each: 1 <= n <
+// 2^31 and, for n > 1, a positive stride below 2^40 bytes that is a multiple of 16 bytes. The
+// selection (select.cu) and the tensor maps (tma_map.cu) both ask it.
+constexpr bool tma_dim_ok(int64_t n, int64_t stride_elems, int64_t elem_bytes) {
+  if (n < 1 || n >= (int64_t(1) << 31)) return false;
+  const int64_t bytes = stride_elems * elem_bytes;
+  return n == 1 || (stride_elems > 0 && bytes < (int64_t(1) << 40) && bytes % 16 == 0);
+}
+
+constexpr bool prefill_tma_config_built(DType t, int64_t d, int64_t dv) {
+  if (!FLASHSERVE_SM90A) return false;
+  for (const PrefillConfig& c : kPrefillTmaConfigs)
+    if (c.dtype == t && c.head_dim == d && c.dv() == dv) return true;
+  return false;
+}
+
+// Its dynamic shared memory: 1 KB of alignment slack, Q [128, D] + K [2, N, D] + V [2, N, Dv]
+// 16-bit (D and Dv padded to whole 64-channel blocks), the rows' key ranges (int2 [128]) and 9
+// mbarriers (prefill_tma.cuh: TmaSmem). 162 KB at D = 96 and 128, 194 KB at 256, 146 KB at 192,
+// 130 KB at 192/128, 82 KB at 64.
+constexpr size_t prefill_tma_smem_bytes(int64_t d, int64_t dv) {
+  const int64_t n = wgmma_tile_keys(d, dv), wd = wgmma_tile_width(d), wdv = wgmma_tile_width(dv);
+  return 1024 + size_t(kWgmmaRowsPerCta * wd + 2 * n * wd + 2 * n * wdv) * 2 + size_t(kWgmmaRowsPerCta) * 8 + 9 * 8;
 }
 
 struct AttnKernelChoice {

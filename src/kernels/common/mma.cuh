@@ -1,5 +1,6 @@
 // Warp-level tensor-core primitives of the prefill and decode kernels (sm80+ PTX): cp.async copies into
-// shared memory, ldmatrix, mma.sync m16n8k16 (f16/bf16 operands, fp32 accumulators), packing
+// shared memory, ldmatrix, mma.sync m16n8k16 (f16/bf16 operands, fp32 accumulators) and m16n8k32
+// (int8 operands, int32 accumulators), packing
 // of fp32 pairs into 16-bit operand registers, and exp2.
 //
 // Fragment layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4):
@@ -25,6 +26,11 @@ FS_DEV uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shar
 FS_DEV void cp_async_16(uint32_t dst, const void* src, bool valid) {
   const int n = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+// 4 bytes global -> shared (both 4-byte aligned); `valid` false writes 4 zero bytes and reads nothing.
+FS_DEV void cp_async_4(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
 }
 FS_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int kPending>
@@ -60,6 +66,18 @@ FS_DEV void mma_16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+}
+
+// c += a * b on int8 operands, int32 accumulators (exact): mma.sync m16n8k32. Fragments (g = lane
+// / 4, t = lane % 4; 4 bytes per register): A a0 (row g, k 4t..4t+3), a1 (row g+8, k 4t..), a2
+// (row g, k 16+4t..), a3 (row g+8, k 16+4t..); B b0 (k 4t..4t+3, col g), b1 (k 16+4t.., col g);
+// C as m16n8k16's.
+FS_DEV void mma_16832_s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // (lo, hi) rounded to nearest even, lo in the low half (the lower column index).

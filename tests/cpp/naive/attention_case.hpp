@@ -6,6 +6,7 @@
 // configurations, attention_check.cpp compares with the oracle.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -118,9 +119,22 @@ AttentionCase build_case(const CaseConfig& c, std::mt19937_64& rng);
 // Poisons out and lse, then calls varlen_attention or kvcache_attention.
 void run_case(AttentionCase& ac);
 
+// The bound on the logit error (natural-log units) of row (i, head h) of sequence b when the
+// soft-cap's tanh is computed with a relative error of at most 2^-11 (PTX tanh.approx.f32, the
+// tensor-core prefill kernels): 2^-11 max |softcap tanh(scale q.k / softcap)| over the
+// sequence's keys (the ALiBi bias, added after the cap, is exact). 0 without a soft-cap.
+double approx_tanh_logit_err(const AttentionCase& ac, int64_t b, int64_t h, int64_t i);
+
+// The output error those logit errors (each within e) allow: every weight p_j moves by a factor
+// within [exp(-2e), exp(2e)] after normalization, so sum |p'_j - p_j| <= expm1(2e) and
+// |out' - out| <= expm1(2e) max|v|; the lse moves by at most e.
+inline double approx_tanh_out_err(double e) { return std::expm1(2.0 * e); }
+
 // Compares the result with the oracle. Empty when it agrees; otherwise a description of the
 // first mismatches. Checks: no NaN anywhere in out, lse -inf rows agree, rows with no visible
-// key exactly 0, out padding untouched, values within tolerance.
-std::string check_case(const AttentionCase& ac);
+// key exactly 0, out padding untouched, values within tolerance. `approx_tanh`: the result was
+// computed with tanh.approx for the soft-cap; the tolerances of soft-capped rows widen by its
+// error bound (approx_tanh_logit_err, approx_tanh_out_err).
+std::string check_case(const AttentionCase& ac, bool approx_tanh = false);
 
 }  // namespace fstest
