@@ -4,8 +4,10 @@
 // the CPU reference run under the same plan (relative error ||out - ref|| / ||ref|| < 1e-2: P
 // is rounded to the operand dtype before the PV product). Every case first checks which kernel the selection picks: bf16 D = 128 (built in
 // every configuration) must get "prefill_wgmma" on a 9.0 device of an sm_90a build, else
-// "prefill_mma"; ctest also runs this binary with FLASHSERVE_DISABLE_KERNELS=prefill_wgmma
-// (prefix mma80.), so the portable kernel is tested on Hopper too. f16, D = 64 and D = 256 may
+// "prefill_mma" (prefill_tma, hopper_kernel, for contiguous K/V and paged caches of its block
+// sizes); ctest also runs this binary with FLASHSERVE_DISABLE_KERNELS=prefill_wgmma,prefill_tma
+// (prefix mma80.), so the portable kernel is tested on Hopper too, and with prefill_tma taken
+// out (prefix wgmma.), so prefill_wgmma keeps serving every case there. f16, D = 64 and D = 256 may
 // be served by the generic kernel in dev builds; D = 96, 192 and 192/128 must get prefill_tma
 // (contiguous K/V, paged caches of block sizes 16 x 2^k: prefill_tma_block_size_ok) or
 // prefill_wgmma (other block sizes) on Hopper in every build (generic elsewhere).
