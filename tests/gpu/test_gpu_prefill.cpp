@@ -9,7 +9,7 @@
 // (prefix mma80.), so the portable kernel is tested on Hopper too, and with prefill_tma taken
 // out (prefix wgmma.), so prefill_wgmma keeps serving every case there. f16, D = 64 and D = 256 may
 // be served by the generic kernel in dev builds; D = 96, 192 and 192/128 must get prefill_tma
-// (contiguous K/V, paged caches of block sizes 16 x 2^k: prefill_tma_block_size_ok) or
+// (contiguous K/V, paged caches of the block sizes prefill_tma_block_size_ok takes) or
 // prefill_wgmma (other block sizes) on Hopper in every build (generic elsewhere).
 // Varlen batches with uneven lengths, causal / non-causal, GQA 1..8, paged caches of any block
 // size, splits, the score modifiers (window, soft-cap, sinks, ALiBi linear and sqrt, chunked
@@ -186,6 +186,20 @@ std::string tma_if_hopper(const CaseConfig& c) {
 }
 
 }  // namespace
+
+// The paged block sizes prefill_tma takes (whole 16-row page segments of its 128- or 64-key
+// tile) and its K/V box rows; the rest (1, 80, ...) stays on prefill_wgmma. Host arithmetic.
+TEST(GpuPrefill, PrefillTmaBlockSizeRule) {
+  using fs::kernels::prefill_tma_block_size_ok;
+  for (int64_t bs : {16, 32, 64, 128, 256, 384, 1024}) EXPECT_TRUE(prefill_tma_block_size_ok(128, 128, bs)) << bs;
+  for (int64_t bs : {1, 8, 24, 48, 80, 96, 160, 200}) EXPECT_FALSE(prefill_tma_block_size_ok(128, 128, bs)) << bs;
+  for (int64_t bs : {16, 32, 64, 128, 256}) EXPECT_TRUE(prefill_tma_block_size_ok(192, 128, bs)) << bs;
+  for (int64_t bs : {1, 48, 80, 96}) EXPECT_FALSE(prefill_tma_block_size_ok(256, 256, bs)) << bs;
+  EXPECT_EQ(fs::kernels::prefill_tma_box_rows(128, true, 16), 16);
+  EXPECT_EQ(fs::kernels::prefill_tma_box_rows(128, true, 256), 128);
+  EXPECT_EQ(fs::kernels::prefill_tma_box_rows(64, true, 128), 64);
+  EXPECT_EQ(fs::kernels::prefill_tma_box_rows(128, false, 16), 128);  // contiguous: dim 1 is rows_k
+}
 
 // Paged caches on prefill_tma (one TMA box per page segment of a key tile, at the page's block
 // id): block sizes 16, 64, 128 and 256 (pages smaller than, equal to and larger than the
