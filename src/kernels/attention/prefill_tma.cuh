@@ -9,8 +9,8 @@
 // page segment (min(kN, P) rows), at the page's block id.
 //
 // CTA: 384 threads = consumer warpgroups 0, 1 (threads 0-255: rows 64 wg .. 64 wg + 63, the
-// TileShape and epilogue of prefill_wgmma) + the producer warpgroup 2 (one warp works, 24
-// registers; the consumers take 240 with setmaxnreg). The CTA schedule (prefill_common.cuh:
+// TileShape and epilogue of prefill_wgmma) + the producer warpgroup 2 (one warp works, 40
+// registers; the consumers take 232 with setmaxnreg). The CTA schedule (prefill_common.cuh:
 // 128 query rows of one sequence x head x split) and the epilogue (store_rows, through the
 // warp's own Q rows) are prefill_wgmma's.
 //
