@@ -12,7 +12,9 @@
 //
 // prefill: varlen_attention, q/k/v [B*S, H(kv), D] bf16 (v and out Dv with Dv=), cu_seqlens every
 //          S tokens; mod= one score modifier: sinks, alibi, alibi_sqrt, softcap (30), chunk or
-//          window (size W; window (W, 0) causal, (W, W) not).
+//          window (size W; window (W, 0) causal, (W, W) not). paged=1: k/v in paged NHD caches
+//          [blocks, block, Hkv, D(v)] (vLLM's flash_attn_varlen_func with a block table), each
+//          sequence's ceil(S / block) blocks shuffled over the pool of every input set.
 // decode:  kvcache_attention, q [B, Q, H, D] bf16 (Q = 1 unless given; Q > 1 is a causal
 //          verify step), paged NHD caches [blocks, block, Hkv, D] (kv = bf16 or fp8 e4m3,
 //          descales absent; or the vLLM int8 fork's formats, q int8 [B, Q, H, D] with q_scale f32
@@ -78,6 +80,7 @@ struct Spec {
   int64_t Dv = 0;        // prefill: V head size (0: D; MLA prefill 192/128)
   bool mla = false;      // decode: MLA absorbed decode over a latent cache (D 64 + Dv 512, Hkv 1)
   int64_t splits = 0;    // decode: AttentionParams::num_splits (0: the planner's heuristic)
+  bool paged = false;    // prefill: k/v in a paged cache of `block`-token blocks
   bool inv = false;      // decode: batch-invariant mode (AttentionParams::batch_invariant)
 };
 
@@ -97,12 +100,15 @@ Spec parse_spec(const std::string& text) {
   auto str = [&](const char* key, std::string& dst) {
     if (auto it = kv.find(key); it != kv.end()) dst = it->second, kv.erase(it);
   };
-  int64_t causal = 0, cascade = 1, mla = 0, inv = 0;
+  int64_t causal = 0, cascade = 1, mla = 0, inv = 0, paged = 0;
   str("name", s.name), str("op", s.op), str("kv", s.kv), str("mod", s.mod);
   num("W", s.W), num("Dv", s.Dv);
   num("B", s.B), num("S", s.S), num("L", s.L), num("H", s.H), num("Hkv", s.Hkv), num("D", s.D);
   num("block", s.block), num("causal", causal), num("P", s.P), num("cascade", cascade);
   num("C", s.C), num("NP", s.NP), num("Q", s.Q), num("mla", mla), num("splits", s.splits), num("inv", inv);
+  num("paged", paged);
+  s.paged = paged != 0;
+  if (s.paged && s.op != "prefill") throw std::invalid_argument("paged=1: op=prefill only (decode is always paged)");
   s.causal = causal != 0;
   s.inv = inv != 0;
   if (s.inv && s.op != "decode") throw std::invalid_argument("inv=1: op=decode only");
@@ -257,7 +263,29 @@ size_t decode_set_bytes(const Spec& s) {
   return kv + size_t(s.B * s.Q * s.H) * (size_t(s.D) * 4 + (int8 ? 4 : 0)) + blocks * 4;
 }
 
-BenchCase make_prefill(const Spec& s, int nsets, Device dev) {
+// paged=1: k and v of every input set in one pool of blocks (NHD), each set's block table
+// [B, ceil(S / block)] a slice of a shuffled permutation of the pool.
+void set_paged_kv(const Spec& s, int nsets, Device dev, uint64_t seed, BenchCase& c) {
+  const int64_t per_seq = (s.S + s.block - 1) / s.block, pool = int64_t(nsets) * s.B * per_seq;
+  const TensorRef k = TensorRef::contiguous(alloc_random(c, pool * s.block * s.Hkv * s.D, DType::bf16), DType::bf16,
+                                            {pool, s.block, s.Hkv, s.D}, dev);
+  const TensorRef v = TensorRef::contiguous(alloc_random(c, pool * s.block * s.Hkv * s.Dv, DType::bf16), DType::bf16,
+                                            {pool, s.block, s.Hkv, s.Dv}, dev);
+  std::vector<int32_t> perm(static_cast<size_t>(pool));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937_64(seed));
+  for (int i = 0; i < nsets; ++i) {
+    AttentionParams& p = c.sets[size_t(i)];
+    p.k = k;
+    p.v = v;
+    void* table = alloc(c, size_t(s.B * per_seq) * 4);
+    const auto first = perm.begin() + int64_t(i) * s.B * per_seq;
+    upload_i32(table, std::vector<int32_t>(first, first + s.B * per_seq));
+    p.block_table = TensorRef::contiguous(table, DType::i32, {s.B, per_seq}, dev);
+  }
+}
+
+BenchCase make_prefill(const Spec& s, int nsets, Device dev, uint64_t seed) {
   BenchCase c;
   const int64_t tokens = s.B * s.S;
   std::vector<int32_t> cu(static_cast<size_t>(s.B + 1));
@@ -272,8 +300,10 @@ BenchCase make_prefill(const Spec& s, int nsets, Device dev) {
                                    {tokens, heads, d}, dev);
     };
     p.q = random_bf16_tensor(s.H, s.D);
-    p.k = random_bf16_tensor(s.Hkv, s.D);
-    p.v = random_bf16_tensor(s.Hkv, s.Dv);
+    if (!s.paged) {
+      p.k = random_bf16_tensor(s.Hkv, s.D);
+      p.v = random_bf16_tensor(s.Hkv, s.Dv);
+    }
     p.out = TensorRef::contiguous(alloc(c, size_t(tokens * s.H * s.Dv) * 2), DType::bf16, {tokens, s.H, s.Dv}, dev);
     p.cu_seqlens_q = cu_ref;
     p.cu_seqlens_k = cu_ref;
@@ -283,6 +313,7 @@ BenchCase make_prefill(const Spec& s, int nsets, Device dev) {
     set_modifier(s, c, p, dev);
     c.sets.push_back(p);
   }
+  if (s.paged) set_paged_kv(s, nsets, dev, seed, c);
   c.out0 = c.sets[0].out;
   return c;
 }
@@ -501,7 +532,7 @@ void run_attention(const Spec& s, const Options& o, const cudaDeviceProp& prop, 
   if (set_bytes * size_t(nsets) > budget)
     throw std::invalid_argument(detail::cat("inputs of ", set_bytes >> 20, " MiB do not fit in ", budget >> 20, " MiB"));
   const uint64_t seed = splitmix64(o.seed ^ std::hash<std::string>{}(s.name));
-  BenchCase c = decode ? make_decode(s, nsets, dev, seed) : make_prefill(s, nsets, dev);
+  BenchCase c = decode ? make_decode(s, nsets, dev, seed) : make_prefill(s, nsets, dev, seed);
   row.sets = nsets;
   const Plan plan = c.batched ? plan_kvcache_attention(c.sets[0], props) : plan_varlen_attention(c.sets[0], props);
   row.kernel = served_by(c.sets[0], c.batched, props);

@@ -4,10 +4,13 @@
 // the CPU reference run under the same plan (relative error ||out - ref|| / ||ref|| < 1e-2: P
 // is rounded to the operand dtype before the PV product). Every case first checks which kernel the selection picks: bf16 D = 128 (built in
 // every configuration) must get "prefill_wgmma" on a 9.0 device of an sm_90a build, else
-// "prefill_mma"; ctest also runs this binary with FLASHSERVE_DISABLE_KERNELS=prefill_wgmma
-// (prefix mma80.), so the portable kernel is tested on Hopper too. f16, D = 64 and D = 256 may
+// "prefill_mma" (prefill_tma, hopper_kernel, for contiguous K/V and paged caches of its block
+// sizes); ctest also runs this binary with FLASHSERVE_DISABLE_KERNELS=prefill_wgmma,prefill_tma
+// (prefix mma80.), so the portable kernel is tested on Hopper too, and with prefill_tma taken
+// out (prefix wgmma.), so prefill_wgmma keeps serving every case there. f16, D = 64 and D = 256 may
 // be served by the generic kernel in dev builds; D = 96, 192 and 192/128 must get prefill_tma
-// (contiguous K/V) or prefill_wgmma (paged) on Hopper in every build (generic elsewhere).
+// (contiguous K/V, paged caches of the block sizes prefill_tma_block_size_ok takes) or
+// prefill_wgmma (other block sizes) on Hopper in every build (generic elsewhere).
 // Varlen batches with uneven lengths, causal / non-causal, GQA 1..8, paged caches of any block
 // size, splits, the score modifiers (window, soft-cap, sinks, ALiBi linear and sqrt, chunked
 // local attention), context parallelism, fully masked rows and zero-length sequences; problems
@@ -61,10 +64,16 @@ std::string expected_prefill_kernel() {
   return hopper && !wgmma_off ? "prefill_wgmma" : "prefill_mma";
 }
 
-// The Hopper kernel of a case the wgmma family serves: prefill_tma for contiguous K/V where
+// Whether prefill_tma serves the case's K/V: contiguous, or paged with a block size it takes
+// (a multiple of 16 dividing its key tile or divided by it: 16, 32, 64, 128, 256; not 1 or 80).
+bool tma_kv(const CaseConfig& c) {
+  return !c.paged() || fs::kernels::prefill_tma_block_size_ok(c.D, c.Dv ? c.Dv : c.D, c.block_size);
+}
+
+// The Hopper kernel of a case the wgmma family serves: prefill_tma for its K/V (tma_kv) where
 // built (and not disabled), prefill_wgmma otherwise.
 std::string hopper_kernel(const CaseConfig& c) {
-  const bool tma = !c.paged() && fs::kernels::prefill_tma_config_built(c.q_dtype, c.D, c.Dv ? c.Dv : c.D) &&
+  const bool tma = tma_kv(c) && fs::kernels::prefill_tma_config_built(c.q_dtype, c.D, c.Dv ? c.Dv : c.D) &&
                    !fs::kernels::kernel_disabled(fs::kernels::AttnKernelId::prefill_tma);
   return tma ? "prefill_tma" : "prefill_wgmma";
 }
@@ -90,11 +99,13 @@ double relative_error(const fstest::AttentionCase& ac, const fstest::HostTensor&
 }
 
 // Runs the case on the CPU (reference, GPU plan) and the GPU; returns "" when the GPU agrees
-// with the oracle and the reference. `kernel` receives the selected kernel's name.
-std::string run_and_check(fstest::AttentionCase& ac, std::string& kernel) {
+// with the oracle and the reference. `kernel` receives the selected kernel's name; a positive
+// `split_granularity` replaces the plan's (both runs use the plan).
+std::string run_and_check(fstest::AttentionCase& ac, std::string& kernel, int split_granularity = 0) {
   fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
   kernel = selected_kernel(ac, dc.params);
-  const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
+  fs::Plan plan = fsgpu::plan_case(ac, dc.params);
+  if (split_granularity > 0) plan.split_granularity = split_granularity;
   const auto cpu = fsgpu::run_cpu(ac, plan);
   fsgpu::run_gpu_planned(ac, dc, plan);
   std::string err = fstest::check_case(ac, fsgpu::kernel_approximates_tanh(kernel));
@@ -117,14 +128,15 @@ void expect_prefill_matches(const CaseConfig& c, uint64_t salt) {
 }
 
 // The kernel that must serve a bf16 case of D = 96, 192 or 192/128 (built for both Hopper kernels
-// in every configuration): on a 9.0 device of an sm_90a build prefill_tma for contiguous K/V,
-// prefill_wgmma for paged caches (and for contiguous ones with prefill_tma disabled); else, or
-// with the kernel disabled, the generic kernel (no prefill_mma instantiation of these sizes).
+// in every configuration): on a 9.0 device of an sm_90a build prefill_tma for contiguous K/V and
+// paged caches of its block sizes (tma_kv), prefill_wgmma for other paged caches (and for any
+// with prefill_tma disabled); else, or with the kernel disabled, the generic kernel (no
+// prefill_mma instantiation of these sizes).
 std::string head_dims_kernel(const CaseConfig& c) {
   using fs::kernels::AttnKernelId;
   const fs::DeviceProps dev = fs::kernels::cuda_device_props(0);
   if (!(FLASHSERVE_SM90A && dev.cc_major == 9 && dev.cc_minor == 0)) return "generic";
-  if (!c.paged() && !fs::kernels::kernel_disabled(AttnKernelId::prefill_tma)) return "prefill_tma";
+  if (tma_kv(c) && !fs::kernels::kernel_disabled(AttnKernelId::prefill_tma)) return "prefill_tma";
   return fs::kernels::kernel_disabled(AttnKernelId::prefill_wgmma) ? "generic" : "prefill_wgmma";
 }
 
@@ -144,6 +156,8 @@ TEST(GpuPrefill, VarlenUnevenLengthsCausalAndGqa) {
   expect_prefill_matches(c, 2);
 }
 
+// Block sizes 1 and 80 stay on prefill_wgmma, 16 and 64 (and 32) go to prefill_tma on Hopper
+// (expect_prefill_matches checks the kernel through hopper_kernel).
 TEST(GpuPrefill, PagedAnyBlockSize) {
   for (int64_t bs : {1, 16, 64, 80})
     for (fs::KvLayout layout : {fs::KvLayout::nhd, fs::KvLayout::hnd}) {
@@ -158,6 +172,119 @@ TEST(GpuPrefill, PagedAnyBlockSize) {
   c.block_size = 32;
   c.causal = true;
   expect_prefill_matches(c, 4);
+}
+
+namespace {
+
+// "prefill_tma" when the selection must pick it for a bf16 case of its scope on device 0 (a 9.0
+// device of an sm_90a build, the kernel not disabled), else "" (the mma80. run, other devices:
+// whichever kernel serves it, checked for correctness only).
+std::string tma_if_hopper(const CaseConfig& c) {
+  const fs::DeviceProps dev = fs::kernels::cuda_device_props(0);
+  const bool hopper = FLASHSERVE_SM90A && dev.cc_major == 9 && dev.cc_minor == 0;
+  return hopper && hopper_kernel(c) == "prefill_tma" ? "prefill_tma" : "";
+}
+
+}  // namespace
+
+// The paged block sizes prefill_tma takes (whole 16-row page segments of its 128- or 64-key
+// tile) and its K/V box rows; the rest (1, 80, ...) stays on prefill_wgmma. Host arithmetic.
+TEST(GpuPrefill, PrefillTmaBlockSizeRule) {
+  using fs::kernels::prefill_tma_block_size_ok;
+  for (int64_t bs : {16, 32, 64, 128, 256, 384, 1024}) EXPECT_TRUE(prefill_tma_block_size_ok(128, 128, bs)) << bs;
+  for (int64_t bs : {1, 8, 24, 48, 80, 96, 160, 200}) EXPECT_FALSE(prefill_tma_block_size_ok(128, 128, bs)) << bs;
+  for (int64_t bs : {16, 32, 64, 128, 256}) EXPECT_TRUE(prefill_tma_block_size_ok(192, 128, bs)) << bs;
+  for (int64_t bs : {1, 48, 80, 96}) EXPECT_FALSE(prefill_tma_block_size_ok(256, 256, bs)) << bs;
+  EXPECT_EQ(fs::kernels::prefill_tma_box_rows(128, true, 16), 16);
+  EXPECT_EQ(fs::kernels::prefill_tma_box_rows(128, true, 256), 128);
+  EXPECT_EQ(fs::kernels::prefill_tma_box_rows(64, true, 128), 64);
+  EXPECT_EQ(fs::kernels::prefill_tma_box_rows(128, false, 16), 128);  // contiguous: dim 1 is rows_k
+}
+
+// Paged caches on prefill_tma (one TMA box per page segment of a key tile, at the page's block
+// id): block sizes 16, 64, 128 and 256 (pages smaller than, equal to and larger than the
+// 128-key tile; at D = 256 and 192/128 the tile is 64 keys), NHD and HND, random block ids,
+// uneven varlen lengths with tails the producer copies (700, 300, 40 keys; a 17-key and a 1-row
+// sequence), causal and not, splits (the GPU plan's 128-key granularity: tiles start pages) and
+// a split granularity of 48 keys (tile starts off the pages: those tiles take the cp.async
+// path), head sizes 64, 128, 256 and 192/128. Each must be served by prefill_tma on Hopper.
+TEST(GpuPrefill, PagedBlockSizesOnPrefillTma) {
+  struct Heads { int64_t D, Dv; };
+  int variant = 0;
+  for (Heads hd : {Heads{128, 128}, Heads{64, 64}, Heads{256, 256}, Heads{192, 128}})
+    for (int64_t bs : {16, 64, 128, 256})
+      for (fs::KvLayout layout : {fs::KvLayout::nhd, fs::KvLayout::hnd}) {
+        if (hd.D != 128 && layout == fs::KvLayout::hnd && bs != 64) continue;  // HND: every block size at D = 128
+        CaseConfig c = prefill_config(KvMode::varlen_paged, {300, 17, 129, 1}, {700, 17, 300, 40}, 4, 2);
+        c.D = hd.D, c.Dv = hd.Dv;
+        c.block_size = bs;
+        c.layout = layout;
+        c.random_block_ids = true;
+        c.causal = variant % 2 == 0;
+        c.num_splits = variant % 3 == 1 ? 3 : 1;
+        const int granularity = variant % 6 == 4 ? 48 : 0;  // with 3 splits
+        ++variant;
+        auto rng = fstest::make_rng(70 + uint64_t(variant));
+        fstest::AttentionCase ac = fstest::build_case(c, rng);
+        std::string kernel;
+        EXPECT_EQ(run_and_check(ac, kernel, granularity), "")
+            << fstest::describe(c) << "granularity " << granularity << "\n(seed " << fstest::test_seed() << ")";
+        const std::string want = tma_if_hopper(c);
+        if (!want.empty()) {
+          EXPECT_EQ(kernel, want) << fstest::describe(c);
+        }
+      }
+}
+
+// A block id outside the cache (-1, 2^20) in sequence 1's table, at column `col` of a causal
+// varlen paged case with q_lens == k_lens: the kernel never reads it (TMA would zero-fill it:
+// the producer copies that tile with cp.async, NaN keys), exactly the rows of sequence 1 that
+// see its keys (positions >= col x P) are NaN, every other output matches the CPU reference
+// run on the good table; with and without splits, block sizes 16 (7 pages per 128-key tile
+// besides the bad one), 64 and 256 (a page holding two tiles).
+TEST(GpuPrefill, PagedBadBlockIdGivesNanRowsOnPrefillTma) {
+  for (int64_t bs : {16, 64, 256})
+    for (int splits : {1, 3})
+      for (int32_t bad_id : {-1, 1 << 20}) {
+        CaseConfig c = prefill_config(KvMode::varlen_paged, {200, 700, 90}, {200, 700, 90}, 4, 2);
+        c.causal = true;
+        c.block_size = bs;
+        c.random_block_ids = true;
+        c.num_splits = splits;
+        const int col = bs == 256 ? 1 : 3;  // keys 48.., 192.., 256..: inside sequence 1's tiles
+        auto rng = fstest::make_rng(90 + uint64_t(bs));
+        fstest::AttentionCase ac = fstest::build_case(c, rng);
+        fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
+        const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
+        const auto cpu = fsgpu::run_cpu(ac, plan);
+        const std::string want = tma_if_hopper(c);
+        if (!want.empty()) {
+          ASSERT_EQ(fsgpu::served(dc.params, false), want);
+        }
+        int32_t* entry = static_cast<int32_t*>(ac.params.block_table->at(1, col));
+        const int32_t good_id = *entry;
+        *entry = bad_id;
+        dc.upload(ac);
+        fsgpu::run_gpu_planned(ac, dc, plan);
+        *entry = good_id;
+        int64_t nan_rows = 0;
+        for (int64_t b = 0; b < c.batch(); ++b)
+          for (int64_t i = 0; i < c.q_lens[size_t(b)]; ++i)
+            for (int64_t h = 0; h < c.H; ++h)
+              for (int64_t d = 0; d < c.Dv; ++d) {
+                const int64_t r = ac.q_row0[size_t(b)] + i;
+                const float x = ac.out.get({r, h, d}), y = cpu.first.get({r, h, d});
+                const bool want_nan = b == 1 && i >= col * bs;
+                nan_rows += want_nan && d == 0;
+                if (want_nan) {
+                  ASSERT_TRUE(std::isnan(x)) << "bs " << bs << " splits " << splits << " i=" << i << " h=" << h;
+                } else {
+                  ASSERT_NEAR(x, y, 1e-2 * (1.0 + std::fabs(y)))
+                      << "bs " << bs << " splits " << splits << " b=" << b << " i=" << i << " h=" << h << " d=" << d;
+                }
+              }
+        EXPECT_GT(nan_rows, 0);
+      }
 }
 
 TEST(GpuPrefill, SplitsWindowSoftcapAndOutputDtypes) {
@@ -197,8 +324,8 @@ TEST(GpuPrefill, HeadDims64To256AndF16) {
     }
 }
 
-// D = 96 and 192 (D == Dv) and MLA prefill's D = 192, Dv = 128, bf16, on prefill_tma (contiguous)
-// and prefill_wgmma (paged) on Hopper, the generic kernel elsewhere. Uneven varlen lengths
+// D = 96 and 192 (D == Dv) and MLA prefill's D = 192, Dv = 128, bf16, on prefill_tma (contiguous,
+// and the paged variants' blocks of 16 and 64) on Hopper, the generic kernel elsewhere. Uneven varlen lengths
 // with tail tiles (333 keys: 2 whole 128-key tiles or 5 of 64, then a tail the producer copies;
 // a 1-row sequence), GQA 4. Variants: causal new tokens; paged with splits and sinks;
 // non-causal context chunks with LSE into fp32 out (merged later); ALiBi (sqrt at D = 96) with

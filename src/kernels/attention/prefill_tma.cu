@@ -13,12 +13,14 @@ namespace {
 
 template <int kD, int kDv>
 prefill::TmaAttnParams tma_params(const AttnParams& p) {
-  constexpr int kN = wgmma_tile_keys(kD, kDv);
+  // K/V boxes: a tile of kN keys, or one page of a paged cache with fewer keys (the kernel
+  // loads a tile as its page segments); paged, dim 0 is the block id and dim 1 the row in it.
+  const int box = prefill_tma_box_rows(wgmma_tile_keys(kD, kDv), p.paged, p.kv_dim1);
   prefill::TmaAttnParams tp;
   tp.p = p;
   tp.q = make_tma_map(p.q, p.q_batches, p.q_rows, p.num_heads, kD, kWgmmaRowsPerCta, "q");
-  tp.k = make_tma_map(p.k, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kD, kN, "k");
-  tp.v = make_tma_map(p.v, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kDv, kN, "v");
+  tp.k = make_tma_map(p.k, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kD, box, "k");
+  tp.v = make_tma_map(p.v, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kDv, box, "v");
   return tp;
 }
 

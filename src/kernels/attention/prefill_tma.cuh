@@ -3,20 +3,23 @@
 // pipelines, while two consumer warpgroups run prefill_wgmma's mainloop (S = Q K^T and O += P V
 // on wgmma, the softmax of tile j overlapping P V of tile j - 1) in ping-pong: named barriers
 // hand the tensor cores from one warpgroup to the other, so one warpgroup's softmax runs while
-// the other's GEMMs do. Serves prefill_wgmma's scope for contiguous K/V (select.cu:
-// try_prefill_tma); paged caches stay on prefill_wgmma.
+// the other's GEMMs do. Serves prefill_wgmma's scope for contiguous K/V and paged caches whose
+// block size P is a multiple of 16 that divides the kN-key tile or is divided by it (select.cu:
+// try_prefill_tma; other block sizes stay on prefill_wgmma): a paged tile is one TMA box per
+// page segment (min(kN, P) rows), at the page's block id.
 //
 // CTA: 384 threads = consumer warpgroups 0, 1 (threads 0-255: rows 64 wg .. 64 wg + 63, the
-// TileShape and epilogue of prefill_wgmma) + the producer warpgroup 2 (one warp works, 24
-// registers; the consumers take 240 with setmaxnreg). The CTA schedule (prefill_common.cuh:
+// TileShape and epilogue of prefill_wgmma) + the producer warpgroup 2 (one warp works, 40
+// registers; the consumers take 232 with setmaxnreg). The CTA schedule (prefill_common.cuh:
 // 128 query rows of one sequence x head x split) and the epilogue (store_rows, through the
 // warp's own Q rows) are prefill_wgmma's.
 //
 // Pipelines (mbarriers, 2 stages each): K full / empty, V full / empty, and Q full. A full
 // barrier completes on the producer's arrival plus the TMA bytes; an empty one on one arrival
 // per consumer warp after its wgmma reading the stage completed. A tile whose keys leave the
-// sequence or the cache (the last of a CTA, or bad metadata) is copied by the producer warp with
-// cp.async instead (keys outside the cache NaN, values zero; tokens past the sequence zero), as
+// sequence or the cache (the last of a CTA, or bad metadata: a block id outside the cache, which
+// TMA would zero-fill) or, paged, does not start a page segment is copied by the producer warp
+// with cp.async instead (keys outside the cache NaN, values zero; tokens past the sequence zero), as
 // prefill_common.cuh's copies do, so garbage past a sequence never meets P = 0 in P V.
 //
 // Per 128-key tile at D = 128 (H200 SM: 4096 dense bf16 FLOP/clk): 2 GEMMs x 64 x 128 x 128 x 2
@@ -41,7 +44,7 @@ inline constexpr int kTmaConsumerRegs = 232, kTmaProducerRegs = 40;
 
 // The kernel's parameters: the operands' tensor maps next to AttnParams.
 struct TmaAttnParams {
-  CUtensorMap q, k, v;  // make_tma_map: boxes of 128 query rows / kN keys x 64 channels
+  CUtensorMap q, k, v;  // make_tma_map: boxes of 128 query rows / prefill_tma_box_rows keys x 64 channels
   AttnParams p;
 };
 
@@ -78,26 +81,29 @@ constexpr size_t prefill_tma_smem_bytes_of() {
   return TmaSmem<kD, kDv>::kBytes;
 }
 
-// The producer's cp.async copy of one tile (kC 16-byte chunks per row, rows of `src`) for keys
-// [n0, n0 + kN): tokens outside the cache NaN keys (kNanOutside) or zero values, tokens past
-// the sequence zero; then the stage is published on `full`.
-template <class T, class L, int kN, int kC, bool kNanOutside>
-FS_DEV void copy_tail(const AttnParams& p, const StridedRef& src, const SeqKv& kv, const KeyRange& cache, int64_t sk,
-                      int64_t n0, uint32_t dst, uint32_t full, int lane) {
-  const T* base = static_cast<const T*>(src.data);
-#pragma unroll 1  // the producer runs on 32 registers
+// The producer's cp.async copy of one tile (kC 16-byte chunks per row of K (kKeys) or V) for
+// keys [n0, n0 + kN), each token located by token_offsets (contiguous or paged): tokens past
+// the sequence zero, tokens the metadata places outside the cache (a bad block id, a block
+// table column past max_blocks, a cache row out of range) NaN keys or zero values; then the
+// stage is published on `full`. One block-table load per chunk: the path of tails and bad
+// metadata only.
+template <class T, class L, int kN, int kC, bool kKeys>
+FS_DEV void copy_tail(const AttnParams& p, const SeqKv& kv, int64_t sk, int64_t n0, uint32_t dst, uint32_t full,
+                      int lane) {
+  const T* base = static_cast<const T*>(kKeys ? p.k.data : p.v.data);
+#pragma unroll 1  // the producer runs on 40 registers
   for (int idx = lane; idx < kN * kC; idx += 32) {
     const int row = idx / kC, c = idx % kC;
     const int64_t t = n0 + row;
     const uint32_t at = dst + L::at(row, c);
-    if (t < cache.lo || t >= cache.hi) {
-      const uint32_t x = kNanOutside ? (std::is_same_v<T, __half> ? 0x7e007e00u : 0x7fc07fc0u) : 0u;
+    int64_t k_off = 0, v_off = 0;
+    const bool in = t < sk;
+    if (in && !token_offsets(p, kv, t, k_off, v_off)) {
+      const uint32_t x = kKeys ? (std::is_same_v<T, __half> ? 0x7e007e00u : 0x7fc07fc0u) : 0u;
       asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(at), "r"(x) : "memory");
       continue;
     }
-    const bool in = t < sk;
-    const T* from = base + (in ? kv.kb * src.stride[0] + (kv.k_begin + t) * src.stride[1] + kv.g * src.stride[2] + c * 8 : 0);
-    cp_async_16(at, from, in);
+    cp_async_16(at, base + (kKeys ? k_off : v_off) + c * 8, in);  // offsets 0 past the sequence: nothing read
   }
   cp_async_commit();
   cp_async_wait<0>();
@@ -106,23 +112,57 @@ FS_DEV void copy_tail(const AttnParams& p, const StridedRef& src, const SeqKv& k
   if (lane == 0) mbar_arrive(full);
 }
 
-// One K or V stage (kW channels, rows from `row` of cache batch `kb`, KV head g) by TMA: lane 0
-// expects the stage's bytes on `full` and loads its 64-channel boxes.
-template <class L, int kW>
-FS_DEV void tma_tile(const CUtensorMap* map, uint32_t dst, uint32_t full, uint32_t bytes, int g, int row, int kb,
-                     int lane) {
-  if (lane != 0) return;
-  mbar_arrive_expect_tx(full, bytes);
+// Whether TMA loads the tile at keys [n0, n0 + kN) (warp-uniform), and where producer lane
+// `lane` (< kN / seg, one page segment of `seg` rows each) finds its segment: row `row` of
+// dim 1 (the cache row, or the row in the page) of index `blk` of dim 0 (the cache batch, or
+// the block id). The tile must lie in the sequence and the cache; paged, its segments must
+// start pages (n0 a multiple of seg: true for tiles of a kN-aligned CTA start with splits at
+// the GPU plan's 128-key granularity, else the tile goes to copy_tail) and every block id
+// be inside the cache: TMA zero-fills out of bounds, where keys outside the cache must be NaN.
+template <int kN>
+FS_DEV bool tma_tile(const AttnParams& p, const SeqKv& kv, const KeyRange& cache, int64_t sk, int64_t n0, int seg,
+                     int lane, int& row, int& blk) {
+  if (n0 < cache.lo || n0 + kN > imin(sk, cache.hi)) return false;
+  if (!p.paged) {
+    row = int(kv.k_begin + n0);
+    blk = int(kv.kb);
+    return true;
+  }
+  if ((uint32_t(n0) & uint32_t(seg - 1)) != 0) return false;  // seg: a power of two (16 .. kN); 0 <= n0 < 2^31
+  bool bad = false;
+  if (lane < kN / seg) {  // n0 + kN <= max_blocks x P: the column is in the table; t < 2^31
+    const uint32_t bs = uint32_t(p.kv_dim1), t = uint32_t(n0) + uint32_t(lane * seg), col = t / bs;
+    const int64_t id = load_index2(p.block_table, kv.b, col);
+    bad = id < 0 || id >= p.kv_dim0;
+    row = int(t - col * bs);
+    blk = int(id);
+  }
+  return !__any_sync(kFullMask, bad);
+}
+
+// One stage of K or V (kW channels) by TMA: lane 0 expects the whole tile's bytes on `full`,
+// then each of the tile's kN / seg lanes loads its page segment (seg rows at tile row
+// lane x seg: a multiple of 16 rows, 2 KB, so the box lands 1024-byte aligned and the 128-byte
+// swizzle TMA derives from the address is SwizzledTile's).
+template <class L, int kN, int kW>
+FS_DEV void tma_stage(const CUtensorMap* map, uint32_t dst, uint32_t full, uint32_t bytes, int seg, int g, int row,
+                      int blk, int lane) {
+  if (lane == 0) mbar_arrive_expect_tx(full, bytes);
+  __syncwarp();
+  if (lane >= kN / seg) return;
+  const uint32_t at = dst + uint32_t(lane * seg) * 128u;
 #pragma unroll
-  for (int c = 0; c < wgmma_tile_width(kW) / 64; ++c) tma_load_4d(dst + uint32_t(c) * L::kBlockBytes, map, full, 64 * c, g, row, kb);
+  for (int c = 0; c < wgmma_tile_width(kW) / 64; ++c)
+    tma_load_4d(at + uint32_t(c) * L::kBlockBytes, map, full, 64 * c, g, row, blk);
 }
 
 // The producer warp: Q once, then K and V of every tile into the stage (j % 2) its consumers
-// released, by TMA where the whole tile lies in the sequence and the cache, else copy_tail.
+// released, by TMA where tma_tile allows, else copy_tail.
 template <class T, int kD, int kDv>
 FS_DEV void produce(const TmaAttnParams& tp, const CtaWork& w, int64_t h, const SeqKv& kv, const CtaKeys& ck,
                     const TmaSmem<kD, kDv>& sm, int lane) {
   using Sm = TmaSmem<kD, kDv>;
+  using L = typename Sm::KvL;
   constexpr int kN = Sm::kN;
   const AttnParams& p = tp.p;
   if (lane == 0) {
@@ -134,18 +174,20 @@ FS_DEV void produce(const TmaAttnParams& tp, const CtaWork& w, int64_t h, const 
   }
   const int64_t sk = kv_len(p, w.b);
   const KeyRange cache = generic::cache_tokens(p, kv);
+  const int seg = prefill_tma_box_rows(kN, p.paged, p.kv_dim1), g = int(kv.g);
+#pragma unroll 1
   for (int j = 0; j < ck.tiles; ++j) {
     const int st = j & 1;
     const uint32_t parity = uint32_t((j >> 1) & 1) ^ 1u;
     const int64_t n0 = ck.n_begin + int64_t(j) * kN;
-    const bool whole = n0 >= cache.lo && n0 + kN <= imin(sk, cache.hi);
-    const int row = int(kv.k_begin + n0);
+    int row = 0, blk = 0;
+    const bool whole = tma_tile<kN>(p, kv, cache, sk, n0, seg, lane, row, blk);
     if (j >= 2) mbar_wait(sm.k_empty(st), parity);
-    if (whole) tma_tile<typename Sm::KvL, kD>(&tp.k, sm.k(st), sm.k_full(st), Sm::kKBytes, int(kv.g), row, int(kv.kb), lane);
-    else copy_tail<T, typename Sm::KvL, kN, kD / 8, true>(p, p.k, kv, cache, sk, n0, sm.k(st), sm.k_full(st), lane);
+    if (whole) tma_stage<L, kN, kD>(&tp.k, sm.k(st), sm.k_full(st), Sm::kKBytes, seg, g, row, blk, lane);
+    else copy_tail<T, L, kN, kD / 8, true>(p, kv, sk, n0, sm.k(st), sm.k_full(st), lane);
     if (j >= 2) mbar_wait(sm.v_empty(st), parity);
-    if (whole) tma_tile<typename Sm::KvL, kDv>(&tp.v, sm.v(st), sm.v_full(st), Sm::kVBytes, int(kv.g), row, int(kv.kb), lane);
-    else copy_tail<T, typename Sm::KvL, kN, kDv / 8, false>(p, p.v, kv, cache, sk, n0, sm.v(st), sm.v_full(st), lane);
+    if (whole) tma_stage<L, kN, kDv>(&tp.v, sm.v(st), sm.v_full(st), Sm::kVBytes, seg, g, row, blk, lane);
+    else copy_tail<T, L, kN, kDv / 8, false>(p, kv, sk, n0, sm.v(st), sm.v_full(st), lane);
   }
 }
 

@@ -140,14 +140,19 @@ bool tma_sizes_ok(const TensorRef& t) {
 }
 
 // The sm_90a warp-specialized prefill kernel (prefill_tma.cuh): prefill_wgmma's scope for
-// contiguous K/V whose operands TMA can map ((D, Dv) in kPrefillTmaConfigs; 16-byte strides).
+// contiguous K/V and paged caches of prefill_tma_block_size_ok block sizes (NHD or HND: the
+// normalized view's strides), whose operands TMA can map ((D, Dv) in kPrefillTmaConfigs;
+// 16-byte strides).
 std::string try_prefill_tma(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
   const char* what = "prefill_tma kernel: ";
   if (kernel_disabled(AttnKernelId::prefill_tma)) return detail::cat(what, "disabled by FLASHSERVE_DISABLE_KERNELS");
   if (!FLASHSERVE_SM90A) return detail::cat(what, "a build with sm_90a code (FLASHSERVE_CUDA_ARCHS)");
   if (dev.cc_major != 9 || dev.cc_minor != 0)
     return detail::cat(what, "compute capability 9.0, got ", dev.cc_major, ".", dev.cc_minor);
-  if (pr.paged) return detail::cat(what, "contiguous K/V (paged caches: prefill_wgmma)");
+  if (pr.paged && !prefill_tma_block_size_ok(pr.head_dim, pr.head_dim_v, pr.k.size(1)))
+    return detail::cat(what, "contiguous K/V or a paged block size that is a multiple of 16 dividing the ",
+                       wgmma_tile_keys(pr.head_dim, pr.head_dim_v), "-key tile or divided by it, got ", pr.k.size(1),
+                       " (other block sizes: prefill_wgmma)");
   std::string why = prefill_scope(pr, what, true);
   if (!why.empty()) return why;
   if (pr.alibi_slopes && pr.out.dtype == DType::f32) return detail::cat(what, "no ALiBi with fp32 out");

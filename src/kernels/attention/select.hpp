@@ -3,8 +3,9 @@
 // "is it supported" and "what runs" never disagree. Plain C++ (no CUDA headers).
 //
 // Candidates are tried in order: fast paths first (decode_mla: MLA absorbed decode with q_v;
-// decode; prefill_tma: the sm_90a warp-specialized prefill, contiguous K/V; prefill_wgmma: the
-// sm_90a prefill for paged caches and what TMA cannot map; prefill_mma: the sm80+ one), each
+// decode; prefill_tma: the sm_90a warp-specialized prefill, contiguous K/V and paged caches of
+// block sizes 16 x 2^k; prefill_wgmma: the sm_90a prefill for other block sizes and what TMA
+// cannot map; prefill_mma: the sm80+ one), each
 // returning its own reason when it does not apply; the generic kernel stays the fallback for
 // every validated problem. FLASHSERVE_DISABLE_KERNELS (comma-separated names of the
 // tensor-core prefill kernels and decode_mla, e.g. "prefill_tma,prefill_wgmma") takes them out
@@ -108,7 +109,8 @@ constexpr int wgmma_tile_width(int64_t d) { return int((d + 63) / 64 * 64); }
 
 // D 64/128/256 (the benchmark's), 96 and 192 (D = Dv), and MLA prefill's 192/128; the dev set
 // (three instantiations each, ~3 s of nvcc apiece) is the bf16 half: every head size, no f16.
-// Contiguous caches go to prefill_tma; this kernel serves the paged ones of every head size.
+// prefill_tma serves contiguous caches and paged ones of its block sizes; this kernel the other
+// paged ones (any block size) of every head size.
 #if FLASHSERVE_DEV_CONFIGS
 inline constexpr PrefillConfig kPrefillWgmmaConfigs[] = {{DType::bf16, 64},  {DType::bf16, 96},
                                                          {DType::bf16, 128}, {DType::bf16, 192},
@@ -137,7 +139,8 @@ constexpr size_t prefill_wgmma_smem_bytes(int64_t d, int64_t dv) {
   return 1024 + size_t(kWgmmaRowsPerCta * wd + 2 * n * wd + 3 * n * wdv) * 2 + size_t(kWgmmaRowsPerCta) * 8;
 }
 
-// ---- the warp-specialized prefill kernel (prefill_tma.cuh): sm_90a, contiguous K/V, TMA
+// ---- the warp-specialized prefill kernel (prefill_tma.cuh): sm_90a, contiguous K/V or paged
+// caches of prefill_tma_block_size_ok block sizes, TMA
 // loads in 64-channel boxes (D = 96: the second box's channels past 96 load as zeros into the
 // tile's padding, tma_map.cuh), 384 threads (a producer warpgroup), the wgmma kernel's tiles
 // with two K and two V stages. The same head sizes as prefill_wgmma (dev set: bf16 only).
@@ -167,6 +170,20 @@ constexpr bool prefill_tma_config_built(DType t, int64_t d, int64_t dv) {
   for (const PrefillConfig& c : kPrefillTmaConfigs)
     if (c.dtype == t && c.head_dim == d && c.dv() == dv) return true;
   return false;
+}
+
+// The paged block sizes it serves: P a multiple of 16 (a page segment starts on a 2 KB, so
+// 1024-byte aligned, row of the swizzled tile) that divides the kN-key tile or is divided by it
+// (16, 32, 64, 128, 256, ...), so that a tile starting on a multiple of min(kN, P) keys is whole
+// page segments. Other block sizes (1, 80, ...) stay on prefill_wgmma.
+constexpr bool prefill_tma_block_size_ok(int64_t d, int64_t dv, int64_t p) {
+  const int64_t n = wgmma_tile_keys(d, dv);
+  return p >= 16 && p % 16 == 0 && (n % p == 0 || p % n == 0);
+}
+// Rows of its K/V TMA box: the whole kN-key tile (contiguous, or pages of at least kN keys), or
+// one page of P < kN keys (tma_map.cu's box, prefill_tma.cuh's segments).
+constexpr int prefill_tma_box_rows(int kn, bool paged, int64_t block_size) {
+  return paged && block_size < kn ? int(block_size) : kn;
 }
 
 // Its dynamic shared memory: 1 KB of alignment slack, Q [128, D] + K [2, N, D] + V [2, N, Dv]
