@@ -220,7 +220,7 @@ __device__ Range gather_range(const GatherArgs& a, int64_t b) {
 }
 
 // cu_seqlens_dst[b] = Σ_{i<b} (hi[i] - lo[i]), b <= B, chunk by chunk of kScanThreads requests.
-__global__ void gather_offsets_kernel(const __grid_constant__ GatherArgs a) {
+__global__ void __launch_bounds__(kScanThreads) gather_offsets_kernel(const __grid_constant__ GatherArgs a) {
   int64_t carry = 0;
   for (int64_t base = 0; base < a.batch; base += kScanThreads) {
     const int64_t b = base + threadIdx.x;
