@@ -116,16 +116,21 @@ int choose_unbounded(const ProblemShape& s, const DeviceProps& dev, int requeste
   const int64_t cap = std::min<int64_t>(kMaxSplits, granules);
   if (requested >= 1) return int(std::min<int64_t>(requested, cap));
 
-  // Heuristic (wave efficiency, as flash-decoding): work units are (sequence, KV head, 64
-  // packed query rows); split only when they leave SMs idle, or, for decode-like shapes on a
-  // GPU, when they are too few to keep memory busy (stream_splits).
+  // Heuristic (wave efficiency, as flash-decoding): split only when the kernel's CTAs leave SMs
+  // idle, or, for decode-like shapes on a GPU, when they are too few to keep memory busy
+  // (stream_splits). Work units are the CTAs of the kernel that serves the shape: (sequence, KV
+  // head, packed query rows) for decode-like shapes and MLA's absorbed decode (64 rows, Dv > D);
+  // (sequence, head, 128 query rows) for the prefill kernels, which do not pack GQA heads (the
+  // cascade prefix pass of 256 decodes over a shared prefix, GQA 32/8: 64 CTAs, not 128).
   const int64_t group = s.num_kv_heads > 0 ? s.num_heads / s.num_kv_heads : 1;
   const int64_t packed = std::max<int64_t>(1, s.max_seqlen_q) * group;
-  const int64_t units = s.batch * s.num_kv_heads * ceil_div(packed, 64);
   const int64_t sms = std::max(1, dev.num_sms);
-  if (units == 0 || granules < 2) return 1;
+  if (s.batch * s.num_kv_heads == 0 || granules < 2) return 1;
   if (dev.device.type == DeviceType::cuda && packed <= kStreamRows)
-    return stream_splits(units, granules, cap, g, sms, stream_min_split_keys(s, g));
+    return stream_splits(s.batch * s.num_kv_heads, granules, cap, g, sms, stream_min_split_keys(s, g));
+  const bool packs_heads = packed <= kStreamRows || s.head_dim_v > s.head_dim;
+  const int64_t units = packs_heads ? s.batch * s.num_kv_heads * ceil_div(packed, 64)
+                                    : s.batch * s.num_heads * ceil_div(std::max<int64_t>(1, s.max_seqlen_q), 128);
   if (units * 10 >= sms * 8) return 1;
   const int64_t max_s = std::min<int64_t>(cap, 2 * sms);
   double best = 0.0;
