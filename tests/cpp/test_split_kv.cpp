@@ -84,6 +84,15 @@ TEST(SplitKv, HeuristicSplitsOnlyWhenTheGpuWouldIdle) {
   s.batch = s.total_q = 1;
   s.max_seqlen_k = 8;  // a single granule: nothing to split
   EXPECT_EQ(fs::choose_num_splits(s, fs::DeviceProps::h200(), 0), 1);
+  // The cascade prefix pass of 256 decodes (GQA 32/8) over a 32k shared prefix: one sequence of
+  // 256 query rows, 32 heads x 2 row tiles = 64 prefill CTAs for 132 SMs: split in 2.
+  fs::ProblemShape pre = decode_shape(1, 32768);
+  pre.max_seqlen_q = pre.total_q = 256;
+  ASSERT_EQ(pre.num_heads, 32);
+  ASSERT_EQ(pre.num_kv_heads, 8);
+  EXPECT_EQ(fs::choose_num_splits(pre, fs::DeviceProps::h200(), 0), 2);
+  pre.max_seqlen_q = pre.total_q = 8192;  // a long prefill fills the GPU unsplit
+  EXPECT_EQ(fs::choose_num_splits(pre, fs::DeviceProps::h200(), 0), 1);
 }
 
 TEST(SplitKv, RequestedSplitsAreCapped) {
