@@ -21,7 +21,9 @@
 //          [B, Q, H], k int8 with k_scale_cache f32 [blocks, Hkv, block], v int8 with v_scale
 //          f32 [Hkv, D] (kv = k8v8) or bf16 (kv = k8v16); out bf16), block tables shuffled over the pool. mla=1: MLA absorbed decode,
 //          q [B, Q, H, 64] + q_v [B, Q, H, 512] over one latent cache [blocks, block, 1, 576]
-//          (v = channels 0..511, k = 512..575; Hkv and D are ignored), out [B, Q, H, 512].
+//          (v = channels 0..511, k = 512..575; Hkv and D are ignored; kv = bf16 or fp8 e4m3,
+//          descales absent), out [B, Q, H, 512]. splits=N forces the split-KV count (0: the
+//          planner's; the row reports the count used).
 // shared_prefix: one decode step of B requests through the backend layer (MetadataBuilder with
 //          CUDA metadata, AttentionLayer::forward incl. the cache write), each context the same
 //          P-token prefix (shared blocks) plus L - P tokens of its own; cascade=0 keeps the
@@ -77,6 +79,7 @@ struct Spec {
   int64_t W = 0;         // prefill: chunk size (mod=chunk) or left window (mod=window)
   int64_t Dv = 0;        // prefill: V head size (0: D; MLA prefill 192/128)
   bool mla = false;      // decode: MLA absorbed decode over a latent cache (D 64 + Dv 512, Hkv 1)
+  int64_t splits = 0;    // decode: AttentionParams::num_splits (0: the planner's heuristic)
   bool paged = false;    // prefill: k/v in a paged cache of `block`-token blocks
   bool inv = false;      // decode: batch-invariant mode (AttentionParams::batch_invariant)
 };
@@ -102,7 +105,7 @@ Spec parse_spec(const std::string& text) {
   num("W", s.W), num("Dv", s.Dv);
   num("B", s.B), num("S", s.S), num("L", s.L), num("H", s.H), num("Hkv", s.Hkv), num("D", s.D);
   num("block", s.block), num("causal", causal), num("P", s.P), num("cascade", cascade);
-  num("C", s.C), num("NP", s.NP), num("Q", s.Q), num("mla", mla), num("inv", inv);
+  num("C", s.C), num("NP", s.NP), num("Q", s.Q), num("mla", mla), num("splits", s.splits), num("inv", inv);
   num("paged", paged);
   s.paged = paged != 0;
   if (s.paged && s.op != "prefill") throw std::invalid_argument("paged=1: op=prefill only (decode is always paged)");
@@ -110,7 +113,8 @@ Spec parse_spec(const std::string& text) {
   s.inv = inv != 0;
   if (s.inv && s.op != "decode") throw std::invalid_argument("inv=1: op=decode only");
   s.mla = mla != 0;
-  if (s.mla && (s.op != "decode" || s.kv != "bf16")) throw std::invalid_argument("mla=1: op=decode with kv=bf16 only");
+  if (s.mla && (s.op != "decode" || (s.kv != "bf16" && s.kv != "fp8")))
+    throw std::invalid_argument("mla=1: op=decode with kv=bf16 or fp8 only");
   if (s.mla) s.Hkv = 1, s.D = 64, s.Dv = 512;
   s.cascade = cascade != 0;
   if (!kv.empty()) throw std::invalid_argument("unknown spec key: " + kv.begin()->first);
@@ -251,7 +255,8 @@ void set_modifier(const Spec& s, BenchCase& c, AttentionParams& p, Device dev) {
 size_t decode_set_bytes(const Spec& s) {
   const size_t blocks = size_t(s.B * ((s.L + s.block - 1) / s.block));
   if (s.mla)  // the latent cache, q + q_v and out
-    return blocks * size_t(s.block) * 576 * 2 + size_t(s.B * s.Q * s.H) * (64 + 2 * 512) * 2 + blocks * 4;
+    return blocks * size_t(s.block) * 576 * (s.kv == "fp8" ? 1 : 2) + size_t(s.B * s.Q * s.H) * (64 + 2 * 512) * 2 +
+           blocks * 4;
   const bool int8 = s.kv == "k8v8" || s.kv == "k8v16";
   const size_t k_elem = s.kv == "bf16" ? 2 : 1, v_elem = s.kv == "bf16" || s.kv == "k8v16" ? 2 : 1;
   const size_t kv = blocks * size_t(s.block * s.Hkv) * (size_t(s.D) * (k_elem + v_elem) + (int8 ? 4 : 0));
@@ -326,7 +331,8 @@ BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
   if (s.mla) {  // one latent cache: v = channels 0..511, k = 512..575 of each 576-element row
     char* latent = static_cast<char*>(alloc_random(c, pool * s.block * 576, kv_t));
     v_ref = TensorRef::strided(latent, kv_t, {pool, s.block, 1, 512}, {s.block * 576, 576, 576, 1}, dev);
-    k_ref = TensorRef::strided(latent + 512 * 2, kv_t, {pool, s.block, 1, 64}, {s.block * 576, 576, 576, 1}, dev);
+    k_ref = TensorRef::strided(latent + 512 * dtype_size(kv_t), kv_t, {pool, s.block, 1, 64},
+                               {s.block * 576, 576, 576, 1}, dev);
   } else {
     void* k = alloc_random(c, cache_elems, kv_t);
     void* v = alloc_random(c, cache_elems, v_t);
@@ -361,6 +367,7 @@ BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
       p.q_v = TensorRef::contiguous(alloc_random(c, s.B * s.Q * s.H * s.Dv, DType::bf16), DType::bf16,
                                     {s.B, s.Q, s.H, s.Dv}, dev);
     p.causal = s.Q > 1;
+    p.num_splits = int(s.splits);
     p.batch_invariant = s.inv;
     p.k = k_ref;
     p.v = v_ref;

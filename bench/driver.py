@@ -216,10 +216,13 @@ def all_configs() -> list[Config]:
                               kv=kv, quick=b == 64, **common))
     # MLA absorbed decode (DeepSeek-V2/V3): H = 16 is a memory stream (GB/s of latent cache), H = 128
     # compute (TFLOP/s: 2·H·L·(576 + 512) per sequence). flashserve only.
-    for h in (16, 128):
-        for b, l in ((1, 32768), (64, 4096)):
-            out.append(Config(name=f"mla_decode_h{h}_b{b}_l{_k(l)}_bs64", family="mla_decode", op="decode", B=b, L=l,
-                              block=64, H=h, Hkv=1, D=64, mla=True, quick=b == 64))
+    # kv=fp8: an e4m3 latent cache (576 bytes per token; the _fp8_ rows pair with the bf16 ones).
+    for kv in ("bf16", "fp8"):
+        for h in (16, 128):
+            for b, l in ((1, 32768), (64, 4096)):
+                tag = "_fp8" if kv == "fp8" else ""
+                out.append(Config(name=f"mla_decode{tag}_h{h}_b{b}_l{_k(l)}_bs64", family="mla_decode", op="decode",
+                                  B=b, L=l, block=64, H=h, Hkv=1, D=64, mla=True, kv=kv, quick=b == 64))
     # Shared prefix: B decodes whose contexts share P tokens, 256 of their own; one backend step.
     for b, p in ((64, 4096), (256, 4096), (64, 32768), (256, 32768)):
         for cascade in (True, False):

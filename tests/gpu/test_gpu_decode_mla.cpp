@@ -7,7 +7,9 @@
 // and forced > 1, LSE, the score modifiers, bad block indices (NaN rows), an understated
 // max_seqlen_q; a DCP rank's keys with fp32 out; and the selection: picked for these shapes,
 // declined with its reason otherwise.
-// bf16 in every build; f16 where instantiated (the full set).
+// bf16 in every build; f16 where instantiated (the full set). fp8 latent caches (e4m3 in every
+// build, e5m2 and f16 q where instantiated) with k/v descales per (batch, head), stride 0 over B
+// and per tensor.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -51,7 +53,7 @@ CaseConfig mla_config(int64_t B, int64_t max_k, int64_t H, int64_t q_len, std::m
 
 // Builds and checks one case that must select decode_mla; false when the dtype is not built.
 bool expect_mla(const CaseConfig& c, uint64_t salt) {
-  if (!fs::kernels::mla_config_built(c.q_dtype)) return false;
+  if (!fs::kernels::mla_config_built(c.q_dtype, c.kv_dtype)) return false;
   auto rng = fstest::make_rng(salt);
   fstest::AttentionCase ac = fstest::build_case(c, rng);
   const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams&) {});
@@ -178,6 +180,111 @@ TEST(GpuDecodeMla, ContextParallelFp32Out) {
       }
 }
 
+namespace {
+
+// An fp8 latent cache (k/v descales as descale_broadcast: 0 [B, 1], 1 stride 0 over B, 2 per tensor).
+CaseConfig fp8_config(CaseConfig c, DType kv, int descale) {
+  c.quant = fstest::QuantMode::fp8_kv;
+  c.kv_dtype = kv;
+  c.descale_broadcast = descale;
+  return c;
+}
+
+}  // namespace
+
+// fp8 latent caches: e4m3 and e5m2 x H 1 / 16 / 128 x q_len 1..4, block sizes 1 / 16 / 64,
+// splits 1 and forced > 1, the three descale shapes.
+TEST(GpuDecodeMla, Fp8LatentHeadsQlenBlockSizesSplits) {
+  auto rng = fstest::make_rng(11);
+  int i = 0, skipped = 0;
+  for (DType kv : {DType::f8e4m3, DType::f8e5m2})
+    for (int64_t H : {1, 16, 128})
+      for (int64_t q_len : {1, 2, 3, 4}) {
+        CaseConfig c = fp8_config(mla_config(H == 128 ? 2 : 4, H == 128 ? 300 : 600, H, q_len, rng), kv, (i / 2) % 3);
+        c.block_size = i % 3 == 0 ? 1 : i % 3 == 1 ? 16 : 64;
+        c.num_splits = i % 2 ? 3 : 1;
+        skipped += !expect_mla(c, 1100 + uint64_t(i++));
+      }
+  if (skipped) GTEST_SKIP() << skipped << " fp8 cases (e5m2) not instantiated in this build";
+}
+
+// fp8: long KV (many 64-key load tiles, a partial last one), splits 1 / 4 / 16 / the planner's;
+// paged and contiguous, latent and separate k/v, zero-length sequences; modifiers; f16 q.
+TEST(GpuDecodeMla, Fp8LatentLongKvModesModifiers) {
+  auto rng = fstest::make_rng(12);
+  int i = 0;
+  for (int splits : {1, 4, 16, 0})
+    for (int64_t H : {16, 128}) {
+      CaseConfig c = fp8_config(mla_config(2, 4000, H, 1, rng), DType::f8e4m3, i % 3);
+      c.k_lens[0] = 4000 - 17;
+      c.num_splits = splits;
+      expect_mla(c, 1200 + uint64_t(i++));
+    }
+  for (KvMode mode : fstest::kAllKvModes)
+    for (int kv : {0, 1})  // latent, separate
+      for (int splits : {1, 3}) {
+        CaseConfig c = fp8_config(mla_config(5, 400, 16, 1, rng), DType::f8e4m3, i % 3);
+        c.mode = mode;
+        c.kv_latent = kv == 0;
+        c.k_lens[1] = 0;
+        if (!c.batched()) c.q_lens = {1, 1, 0, 2, 4};
+        c.causal = true;
+        c.num_splits = splits;
+        c.block_size = i % 3 == 0 ? 16 : 64;
+        expect_mla(c, 1200 + uint64_t(i++));
+      }
+  for (int v = 0; v < 6; ++v) {
+    CaseConfig c = fp8_config(mla_config(4, 700, v % 3 == 0 ? 128 : 16, 1 + v % 2, rng), DType::f8e4m3, v % 3);
+    c.sinks = v % 2 == 0;
+    c.softcap = v % 3 == 1 ? 30.0f : 0.0f;
+    if (v % 4 == 1) c.window = {127, 0};
+    c.alibi = v == 2 ? 1 : 0;
+    c.num_splits = 1 + v % 4;
+    expect_mla(c, 1300 + uint64_t(v));
+  }
+  int skipped = 0;
+  for (int64_t H : {16, 128}) {
+    CaseConfig c = fp8_config(mla_config(3, 500, H, 2, rng), DType::f8e4m3, 2);
+    c.q_dtype = c.out_dtype = DType::f16;
+    c.num_splits = H == 16 ? 2 : 1;
+    skipped += !expect_mla(c, 1400 + uint64_t(H));
+  }
+  if (skipped) GTEST_SKIP() << "f16 q with an fp8 latent cache not instantiated in this build";
+}
+
+// fp8: a block index outside the cache gives exactly the NaN rows (the 64-key load tile's second
+// compute tile included).
+TEST(GpuDecodeMla, Fp8BadBlockIndexGivesNanRows) {
+  for (int splits : {1, 3}) {
+    auto rng = fstest::make_rng(13);
+    CaseConfig c = fp8_config(mla_config(3, 10, 16, 1, rng), DType::f8e4m3, 0);
+    c.k_lens = {40, 70, 33};
+    c.block_size = 16;
+    c.window = {20, 0};  // sequence 1 sees keys 49..69: blocks 3 and 4
+    c.num_splits = splits;
+    fstest::AttentionCase ac = fstest::build_case(c, rng);
+    fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
+    const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
+    const auto cpu = fsgpu::run_cpu(ac, plan);
+    ASSERT_EQ(fsgpu::served(dc.params, true), "decode_mla");
+    for (int col : {1, 3, 4}) {
+      int32_t* entry = static_cast<int32_t*>(ac.params.block_table->at(1, col));
+      const int32_t good_id = *entry;
+      *entry = -1;
+      dc.upload(ac);
+      fsgpu::run_gpu_planned(ac, dc, plan);
+      for (int64_t b = 0; b < 3; ++b)
+        for (int64_t h = 0; h < c.H; ++h)
+          for (int64_t d = 0; d < c.Dv; ++d) {
+            const float x = ac.out.get({b, 0, h, d}), y = cpu.first.get({b, 0, h, d});
+            if (b == 1 && col >= 3) ASSERT_TRUE(std::isnan(x)) << "b=1 h=" << h << " d=" << d << " col " << col;
+            else ASSERT_NEAR(x, y, 1e-2 * (1.0 + std::fabs(y))) << "b=" << b << " h=" << h << " col " << col;
+          }
+      *entry = good_id;
+    }
+  }
+}
+
 // A varlen max_seqlen_q below the truth: 4 rows x 16 heads = 64 packed rows, sized for 16.
 TEST(GpuDecodeMla, UnderstatedMaxSeqlenQ) {
   auto rng = fstest::make_rng(6);
@@ -250,13 +357,27 @@ TEST(GpuDecodeMla, Selection) {
   declines([](CaseConfig& c) { c.D = 128, c.Dv = 128, c.has_qv = false; }, "q_v");
   declines([](CaseConfig& c) { c.H_kv = 2, c.H = 32; }, "H_kv = 1");
   declines([](CaseConfig& c) { c.q_dtype = c.kv_dtype = c.out_dtype = DType::f32; }, "float16/bfloat16");
-  declines([](CaseConfig& c) { c.quant = fstest::QuantMode::fp8_kv, c.kv_dtype = DType::f8e4m3; }, "dtype");
+  declines([](CaseConfig& c) { c.quant = fstest::QuantMode::fp8_qkv, c.q_dtype = c.kv_dtype = DType::f8e4m3; },
+           "float16/bfloat16");
+  if (!fs::kernels::mla_config_built(DType::bf16, DType::f8e5m2))
+    declines([](CaseConfig& c) { c.quant = fstest::QuantMode::fp8_kv, c.kv_dtype = DType::f8e5m2; }, "instantiated");
+  // fp8 latent caches (e4m3: every build): picked, the 64-key fp8 load tiles' shared memory.
+  for (Want w : {Want{16, 1, 16, 1}, Want{128, 1, 64, 2}}) {
+    CaseConfig c = mla_config(2, 100, w.H, w.q_len, rng);
+    c.quant = fstest::QuantMode::fp8_kv, c.kv_dtype = DType::f8e4m3;
+    fs::kernels::AttnKernelChoice choice;
+    EXPECT_EQ(mla_why(c, choice), "") << "fp8 H " << w.H;
+    EXPECT_EQ(choice.rows_per_cta, w.rows);
+    EXPECT_EQ(choice.head_slices, w.slices);
+    EXPECT_EQ(choice.smem_bytes, fs::kernels::mla_smem_bytes(w.rows, 1));
+  }
   declines([](CaseConfig& c) { c.kv_latent = false, c.kv_pad = 3; }, "16 bytes");
   declines([](CaseConfig& c) { c.q_pad = 3; }, "16 bytes");
 }
 
 // The fuzz generator's configurations moved into decode_mla's scope: q_v with D = 64 / Dv = 512,
-// H_kv = 1 (H drawn from 1..128), a built 16-bit dtype for everything, no quantization,
+// H_kv = 1 (H drawn from 1..128), a built (q, KV) dtype pair (fp8 KV with the generator's
+// descale shape, else no quantization),
 // paddings in whole 16-byte steps, q_len <= 4; a latent cache half of the time; every mode,
 // layout, stride, modifier, split and length the generator draws. Prints how many cases
 // decode_mla served (an understated bound or a failed alignment sends some elsewhere, checked
@@ -267,17 +388,20 @@ TEST(GpuDecodeMla, Fuzz) {
   for (int i = 0; i < kCases && failed < 5; ++i) {
     auto rng = fstest::make_rng(3000 + uint64_t(i));
     CaseConfig c = fstest::random_case_config(rng);
-    c.quant = fstest::QuantMode::none;
+    const fs::kernels::MlaConfig built = fs::kernels::kMlaConfigs[size_t(i) % std::size(fs::kernels::kMlaConfigs)];
+    c.quant = fs::is_fp8(built.kv) ? fstest::QuantMode::fp8_kv : fstest::QuantMode::none;
     c.has_qv = true;
     c.D = 64, c.Dv = 512;
     c.H_kv = 1;
     const int64_t heads[] = {1, 2, 8, 16, 16, 32, 128};
     c.H = heads[size_t(i) % std::size(heads)];
-    c.q_dtype = c.kv_dtype = c.out_dtype = fs::kernels::kMlaConfigs[size_t(i) % std::size(fs::kernels::kMlaConfigs)].dtype;
+    c.q_dtype = c.out_dtype = built.dtype;
+    c.kv_dtype = built.kv;
     c.sink_dtype = DType::f32;
-    auto whole = [](int64_t pad) { return (pad + 7) / 8 * 8; };
-    c.q_pad = whole(c.q_pad), c.out_pad = whole(c.out_pad), c.kv_pad = whole(c.kv_pad);
-    c.kv_latent = i % 2 == 0;
+    auto whole = [](int64_t pad, int64_t elems) { return (pad + elems - 1) / elems * elems; };  // 16 bytes
+    c.q_pad = whole(c.q_pad, 8), c.out_pad = whole(c.out_pad, 8);
+    c.kv_pad = whole(c.kv_pad, fs::is_fp8(built.kv) ? 16 : 8);
+    c.kv_latent = (i / 2) % 2 == 0;  // both layouts for each built pair (dev: 2 pairs)
     for (int64_t& q : c.q_lens) q = std::min<int64_t>(q, 4);
     if (c.batched()) c.q_lens.assign(c.q_lens.size(), c.q_lens.empty() ? 1 : c.q_lens[0]);
     if (c.H >= 32)

@@ -1,5 +1,5 @@
 // Instantiations and launch of the MLA absorbed-decode kernel (decode_mla.cuh): one per entry of
-// decode_mla_config.hpp's kMlaConfigs (dtype) x rows per CTA (16, 64).
+// decode_mla_config.hpp's kMlaConfigs (q dtype, KV dtype) x rows per CTA (16, 64).
 #include <cuda_runtime.h>
 
 #include "kernels/attention/decode_mla.cuh"
@@ -12,10 +12,10 @@ namespace flashserve::kernels {
 
 namespace {
 
-template <DType kDt, int kRows>
+template <DType kDt, DType kKv, int kRows>
 void launch_rows(const AttnParams& p, cudaStream_t stream) {
-  constexpr size_t smem = mla_smem_bytes(kRows);
-  constexpr auto kernel = &mla::decode_mla_fwd<kDt, kRows>;
+  constexpr size_t smem = mla_smem_bytes(kRows, kv_bytes(kKv));
+  constexpr auto kernel = &mla::decode_mla_fwd<kDt, kKv, kRows>;
   ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);
   const dim3 grid(unsigned(p.batch), unsigned(p.head_slices), unsigned(p.num_splits));
   kernel<<<grid, 32 * mla_warps(kRows), smem, stream>>>(p);
@@ -29,12 +29,15 @@ void launch_decode_mla(const AttnParams& p, void* stream) {
   if (p.head_dim != kMlaD || p.head_dim_v != kMlaDv || p.num_kv_heads != 1 || !p.q_v.data)
     throw RuntimeError(detail::cat("decode_mla attention: D ", p.head_dim, ", Dv ", p.head_dim_v, ", H_kv ",
                                    p.num_kv_heads, " and q_v are not an MLA decode problem"));
-  if (!dispatch_built<kMlaConfigs>([&](const MlaConfig& c) { return c.dtype == p.q.dtype; },
-                                   [&]<size_t I>() {
-                                     if (p.rows_per_cta == 16) launch_rows<kMlaConfigs[I].dtype, 16>(p, s);
-                                     else launch_rows<kMlaConfigs[I].dtype, 64>(p, s);
-                                   }))
-    throw RuntimeError(detail::cat("decode_mla attention: no instantiation for ", dtype_name(p.q.dtype)));
+  if (!dispatch_built<kMlaConfigs>(
+          [&](const MlaConfig& c) { return c.dtype == p.q.dtype && c.kv == p.k.dtype && c.kv == p.v.dtype; },
+          [&]<size_t I>() {
+            constexpr MlaConfig c = kMlaConfigs[I];
+            if (p.rows_per_cta == 16) launch_rows<c.dtype, c.kv, 16>(p, s);
+            else launch_rows<c.dtype, c.kv, 64>(p, s);
+          }))
+    throw RuntimeError(detail::cat("decode_mla attention: no instantiation for q ", dtype_name(p.q.dtype), ", k/v ",
+                                   dtype_name(p.k.dtype), "/", dtype_name(p.v.dtype)));
 }
 
 }  // namespace flashserve::kernels

@@ -25,15 +25,16 @@
 //   3. O [kM, 512] += P V: warp w owns output columns [w 512/W, (w+1) 512/W) for all kM rows
 //      (accumulators kM/16 x 512/W/8 x 4 fp32: 64 registers at kM=16, 128 at kM=64), rescaled
 //      by alpha; P fragments by ldmatrix, V by ldmatrix.trans from the same latent tile.
-//   The next tile's copies are issued right after the barrier that ends the previous P V
-//   (three barriers per tile). Epilogue: l reduced over the row's lanes, out = O / l with the
+//   The next tile's copies are issued right after the barrier that ends the previous P V, before
+//   waiting for the current tile (two tiles in flight per CTA while it waits; four barriers per
+//   tile). Epilogue: l reduced over the row's lanes, out = O / l with the
 //   sink merged once (or the split partial and its LSE), LSE = m + log l.
 //
 // Per 32-key tile (1152 B per key: 36,864 B of KV):
 //   kM = 64 (H = 128, 8 warps, 1 CTA per SM, two CTAs per sequence share the tile through L2):
 //     4.46 MFLOP = 1088 mma (S 576, P V 512); shared-memory reads ~360 KB (S: per warp 36 Q and
 //     36 K ldmatrix.x4 = 36 KB; P V: per warp 8 P and 8 V ldmatrix.x4 = 8 KB; S/P 20 KB) plus
-//     36 KB of cp.async writes; 3 barriers. At ~128 B/clk of shared memory the tile needs
+//     36 KB of cp.async writes; 4 barriers. At ~128 B/clk of shared memory the tile needs
 //     ~3100 clk against ~1750 clk of mma.sync issue (~0.6 m16n8k16 per clk per SM): shared
 //     memory bound, ~4.46 MFLOP / 3100 clk x 1.83 GHz x 132 SMs = ~350 TFLOP/s ideal, ~200-250
 //     expected with the barriers (30-35% of a ~700 TFLOP/s bf16 GEMM; the 60% target needs the
@@ -47,6 +48,46 @@
 //     by HBM when the grid fills >= 2 CTAs per SM: predicted 3.3-3.7 TB/s at B=64 L=4k; B=1
 //     L=32k is bounded by the planner's split count (stream_splits: 32 splits of 1024 keys =
 //     32 CTAs on 132 SMs) to ~25% until the planner splits MLA finer.
+//     Measured (H200, B=64 L=4k block 64, waiting for tile k before issuing k + 1): 0.124 ms,
+//     2.43 TB/s (57%): per SM 18.4 B/ns, i.e. each CTA retired a 37 KB tile every ~4 us,
+//     about twice the tile's compute plus a loaded HBM latency; with that order a CTA had
+//     ONE tile in flight while it waited (the next stage was free but not yet issued), so an
+//     SM had <= 74 KB in flight only while both CTAs computed and ~37-74 KB while they waited.
+//     Issuing k + 1 first (above; one barrier more) keeps two tiles per CTA in flight during
+//     the wait: predicted 3.0-3.5 TB/s (70-80%) if the stream was latency-bound as these
+//     numbers say; if it was bound by the per-tile compute instead, ~1-3% slower (the barrier).
+//
+// fp8 latent cache (e4m3 / e5m2; k_descale / v_descale [B, H_kv] or broadcasts, as the engines
+// pass them for fp8 caches; q and q_v 16-bit): the mma operands are f16. Every fp8 value is exact
+// in f16 (cvt.rn.f16x2.{e4m3,e5m2}x2 in registers, decode_mma.cuh's fp8x2_to_f16x2); q is staged
+// once per row group as f16 (convert_q_fp8, in place after the 16-bit copies): bf16 rows scaled by 2^shift (max |x| into
+// [2^15, 2^16); exact for every value within 2^-32 of the row's max), f16 rows as they are; the
+// row's qk_scale = k_descale x 2^-shift multiplies its scores before the modifiers, v_descale
+// goes into the epilogue's 1 / l. P is rounded to f16 (finer than bf16).
+//   Load tiles of 64 keys (64 x 592 B = 37.9 KB per stage, as a 32-key 16-bit tile), computed
+//   as two 32-key tiles (the steps above; one more barrier between them, so the barriers per
+//   byte are unchanged).
+//   S: the channels of each 16-channel k-step are permuted (fp8_q_column, applied to Q's
+//   staging) so that ldmatrix on fp8 key rows (a 16-byte row = one k-step of a key) hands lane
+//   (g, t) exactly its B fragment: one ldmatrix.x4 = four k-steps of 8 keys, two cvt per k-step.
+//   P V: the output channels are permuted instead (n-tile n's column g is channel
+//   w kCols + g kNTiles + n): lane (g, t) reads kNTiles contiguous bytes (LDS.128 at kM = 16,
+//   LDS.64 at kM = 64) of keys 16 kk + (2t, 2t+1, 2t+8, 2t+9) and pairs them with PRMT; the
+//   epilogue writes the channels back in order. KV rows are 592 B (= 80 mod 128): the
+//   ldmatrix rows and the V loads of a quarter- (half-) warp hit distinct banks.
+//   Per 32-key compute tile, kM = 16 (per warp): 36 Q + 9 K ldmatrix.x4, 36 + 32 mma, 72 + 64
+//   cvt, 16 PRMT, 8 LDS.128, 2 P ldmatrix. The conversions are the tightest pipe: the latent's
+//   v channels are converted twice (S's contraction and P V's B operand): 544 f16x2
+//   conversions per key; at 16 per clk per SM (the F2FP rate decode_mma.cuh assumes) ~34 clk
+//   per 576-byte key, ~17 B/clk per SM = ~4.1 TB/s on 132 SMs at 1.83 GHz before any overlap
+//   loss. Shared memory per 37.9 KB load tile: Q re-reads 147 KB (twice bf16's per byte), K
+//   37 KB, V 32 KB, cp.async 38 KB: ~250 KB, ~2000 clk at 128 B/clk against ~2450 clk for 85%
+//   of the copy ceiling. Predicted (B=64 L=4k H=16): 2.9-3.4 TB/s of fp8 bytes (time 0.55-0.65x
+//   bf16's); B=1 L=32k bounded by the split count as bf16. kM = 64 (H = 128): the 4 m-blocks'
+//   warps each convert the same K (4x): ~2800 clk of conversions per 32-key tile, about bf16's
+//   ~3100 clk of shared memory: about bf16's time per key (0.9-1.2x). Next: K converted once per
+//   tile at kM = 64 (an f16 copy in shared memory), or integer unpacking (PRMT + LOP3, exact but
+//   for NaN) for part of the conversions to take load off the F2FP pipe.
 #pragma once
 
 #include <cstdint>
@@ -61,13 +102,20 @@ using decode::DecodeSeq;
 using decode::PackedIdx;
 using decode::RowMeta;
 
-template <DType kDt, int kM_>
+template <DType kDt, DType kKv, int kM_>
 struct Shape {
-  using T = std::conditional_t<kDt == DType::bf16, __nv_bfloat16, __half>;
+  static constexpr int kVb = kv_bytes(kKv);                  // KV bytes per element (2 or 1)
+  static constexpr bool kFp8 = kVb == 1;
+  static constexpr DType kKvDt = kKv;
+  // mma operand type: q's for 16-bit KV; f16 for fp8 KV (q staged as f16, scaled per row)
+  using T = std::conditional_t<!kFp8 && kDt == DType::bf16, __nv_bfloat16, __half>;
+  using QT = std::conditional_t<kDt == DType::bf16, __nv_bfloat16, __half>;  // q, q_v in memory
   static constexpr int kM = kM_;
   static constexpr int kWarps = mla_warps(kM);
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kN = kMlaTileKeys;                    // keys per tile
+  static constexpr int kN = kMlaTileKeys;                    // keys per compute tile
+  static constexpr int kL = mla_load_keys(kVb);              // keys per load tile (stage)
+  static constexpr int kSub = kL / kN;                       // compute tiles per load tile
   static constexpr int kMBlocks = kM / 16;
   static constexpr int kWarpsPerMBlock = kWarps / kMBlocks;  // S: warps sharing an m-block
   static constexpr int kKeysPerWarp = kN / kWarpsPerMBlock;  // S: 8 or 16
@@ -76,24 +124,27 @@ struct Shape {
   static constexpr int kTpr = kThreads / kM;                 // softmax: lanes per row
   static constexpr int kKpt = kN / kTpr;                     // softmax: keys per lane
   static constexpr int kKSteps = kMlaWidth / 16;             // 36
-  static constexpr int kRowBytes = int(kMlaRowBytes);        // Q / KV rows in shared memory
+  static constexpr int kRowBytes = int(kMlaRowBytes);        // Q rows in shared memory
+  static constexpr int kKvRow = int(mla_kv_row_bytes(kVb));  // KV rows in shared memory
   static constexpr int kSStride = int(kMlaSStride);          // S / P rows
-  static constexpr int kKBytes = kMlaD * 2;                  // k's bytes at the start of a KV row
-  static constexpr size_t kStageBytes = size_t(kN) * kRowBytes;
+  static constexpr int kKBytes = kMlaD * kVb;                // k's bytes at the start of a KV row
+  static constexpr int kKChunks = kKBytes / 16, kVChunks = kMlaDv * kVb / 16;
+  static constexpr size_t kStageBytes = size_t(kL) * kKvRow;
   static constexpr size_t kQOff = 0;
   static constexpr size_t kKvOff = size_t(kM) * kRowBytes;
   static constexpr size_t kSOff = kKvOff + kMlaStages * kStageBytes;
   static constexpr size_t kMetaOff = kSOff + size_t(kM) * kSStride;
   static constexpr size_t kScaleOff = kMetaOff + size_t(kM) * sizeof(RowMeta);
   static constexpr size_t kLocOff = kScaleOff + size_t(kM) * sizeof(float);
-  static constexpr size_t kBadOff = kLocOff + size_t(kN) * sizeof(TokenLoc);
+  static constexpr size_t kBadOff = kLocOff + size_t(kL) * sizeof(TokenLoc);
   static constexpr size_t kBytes = kBadOff + 16;
-  static_assert(kBytes == mla_smem_bytes(kM), "decode_mla_config.hpp sizes shared memory with it");
+  static_assert(kBytes == mla_smem_bytes(kM, kVb), "decode_mla_config.hpp sizes shared memory with it");
   static_assert(sizeof(RowMeta) == kMlaRowMetaBytes && kLocOff % 8 == 0 && kMetaOff % 16 == 0);
   static_assert(kKeysPerWarp == 8 || kKeysPerWarp == 16, "S: one or two n8 blocks per warp");
   static_assert(kTpr * kM == kThreads && kKpt % 4 == 0 && 32 % kTpr == 0, "softmax: whole rows per warp");
-  static_assert(kNTiles % 2 == 0 && kN == 32 && kMlaStages == 2, "the pipeline below");
-  static_assert((kN * 8) % kThreads == 0 && (kN * 64) % kThreads == 0, "issue_kv: whole copy rounds");
+  static_assert(kNTiles % 2 == 0 && kN == 32 && kMlaStages == 2 && kMlaStages * kSub <= 4, "the pipeline below");
+  static_assert((kL * kKChunks) % kThreads == 0 && (kL * kVChunks) % kThreads == 0, "issue_kv: whole copy rounds");
+  static_assert(!kFp8 || kNTiles == 8 || kNTiles == 16, "fp8 P V: 8 or 16 bytes per lane per key");
 };
 
 // Rows [0, kM) of the group: q then q_v of packed row g0 + j into Q row j (zeros past nrows).
@@ -116,6 +167,51 @@ FS_DEV void issue_q(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nro
   }
 }
 
+// fp8 KV: the Q column (k index) of physical channel d of [q | q_v]. Within each 16-channel k-step
+// the channels are permuted so that ldmatrix on fp8 key rows hands lane (g, t) the word of
+// physical channels 4t..4t+3, i.e. k indices 2t, 2t+1 (b0) and 2t+8, 2t+9 (b1) of the step.
+FS_DEV int fp8_q_column(int d) {
+  const int b = d % 16, t = b / 4, i = b % 4;
+  return d - b + 2 * t + (i < 2 ? i : i + 6);
+}
+
+// fp8 KV: the row group's q (16-bit, landed in Q by issue_q's copies) rewritten in place as f16
+// in fp8_q_column's order, each row scaled by a power of two 2^shift (bf16 q: the row's max |x|
+// into [2^15, 2^16); f16 q: 1), so that every bf16 value within 2^-32 of the row's max is exact
+// in f16 (smaller ones weigh < 2^-32 of a score); meta[j].qk_scale = k_descale x 2^-shift. One
+// warp per row (reads, then writes after __syncwarp); rows past nrows are zeros. The caller syncs.
+template <class S>
+FS_DEV void convert_q_fp8(const DecodeSeq& s, unsigned char* q, RowMeta* meta) {
+  using QT = typename S::QT;
+  constexpr int kPer = kMlaWidth / 32;  // 18 channels per lane
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  for (int j = warp; j < S::kM; j += S::kWarps) {
+    const QT* raw = reinterpret_cast<const QT*>(q + j * S::kRowBytes);
+    float x[kPer];
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) {
+      x[k] = float(raw[lane + 32 * k]);
+      amax = fmaxf(amax, fabsf(x[k]));
+    }
+    int shift = 0;
+    if constexpr (std::is_same_v<QT, __nv_bfloat16>) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
+      if (amax > 0.0f && amax < INFINITY) {
+        const int e = int((__float_as_uint(amax) >> 23) & 0xffu) - 127;  // subnormal: -127 (clamped below)
+        shift = int(imin(imax(15 - e, -126), 126));
+      }
+    }
+    __syncwarp();  // the row is read before it is rewritten
+    const float up = ldexpf(1.0f, shift);
+    __half* row = reinterpret_cast<__half*>(q + j * S::kRowBytes);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) row[fp8_q_column(lane + 32 * k)] = __float2half_rn(x[k] * up);
+    if (lane == 0) meta[j].qk_scale = s.kv.k_desc * ldexpf(1.0f, -shift);
+  }
+}
+
 // Warp 0: the locations of tile keys [t0, t0 + 32) (one per lane) into loc; keys outside [lo, hi)
 // are skipped (zero rows), keys outside the cache bad.
 template <class S>
@@ -124,28 +220,32 @@ FS_DEV void locate(const AttnParams& p, const DecodeSeq& s, int64_t t0, KeyRange
   loc[lane] = decode::tile_loc(p, s.kv, key);
 }
 
-// The copies of a located tile into a stage: K (8 chunks per key) at the row's start, V (64)
-// after it; skipped and bad keys as zero rows; warp 0 sets the stage's bad mask.
+// The copies of a located load tile (kL keys) into a stage: K (kKChunks chunks per key) at the
+// row's start, V (kVChunks) after it; skipped and bad keys as zero rows; warp 0 sets the stage's
+// bad masks (one per 32-key compute tile).
 template <class S>
 FS_DEV void issue_kv(const AttnParams& p, const TokenLoc* loc, uint32_t* bad, uint32_t stage) {
   const int tid = int(threadIdx.x);
   if (tid < 32) {
-    const uint32_t m = __ballot_sync(kFullMask, loc[tid].state == kTokenBad);
-    if (tid == 0) *bad = m;
+#pragma unroll
+    for (int h = 0; h < S::kSub; ++h) {
+      const uint32_t m = __ballot_sync(kFullMask, loc[h * 32 + tid].state == kTokenBad);
+      if (tid == 0) bad[h] = m;
+    }
   }
   const char* kg = static_cast<const char*>(p.k.data);
   const char* vg = static_cast<const char*>(p.v.data);
 #pragma unroll
-  for (int it = 0; it < S::kN * 8 / S::kThreads; ++it) {
-    const int i = tid + it * S::kThreads, r = i / 8, c = i % 8;
+  for (int it = 0; it < S::kL * S::kKChunks / S::kThreads; ++it) {
+    const int i = tid + it * S::kThreads, r = i / S::kKChunks, c = i % S::kKChunks;
     const TokenLoc& L = loc[r];
-    cp_async_16(stage + uint32_t(r * S::kRowBytes + c * 16), kg + L.k_off * 2 + c * 16, L.state == kTokenValid);
+    cp_async_16(stage + uint32_t(r * S::kKvRow + c * 16), kg + L.k_off * S::kVb + c * 16, L.state == kTokenValid);
   }
 #pragma unroll
-  for (int it = 0; it < S::kN * 64 / S::kThreads; ++it) {
-    const int i = tid + it * S::kThreads, r = i / 64, c = i % 64;
+  for (int it = 0; it < S::kL * S::kVChunks / S::kThreads; ++it) {
+    const int i = tid + it * S::kThreads, r = i / S::kVChunks, c = i % S::kVChunks;
     const TokenLoc& L = loc[r];
-    cp_async_16(stage + uint32_t(r * S::kRowBytes + S::kKBytes + c * 16), vg + L.v_off * 2 + c * 16,
+    cp_async_16(stage + uint32_t(r * S::kKvRow + S::kKBytes + c * 16), vg + L.v_off * S::kVb + c * 16,
                 L.state == kTokenValid);
   }
 }
@@ -163,7 +263,7 @@ FS_DEV void compute_s(uint32_t q, uint32_t kv, unsigned char* sbuf, int warp, in
     for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
   if constexpr (S::kKeysPerWarp == 16) {
     // matrices: keys 0-7 (channels lo | hi), keys 8-15 (lo | hi) of k-step ks
-    const uint32_t kb = kv + uint32_t((k0 + lane % 8 + 8 * (lane / 16)) * S::kRowBytes + 16 * ((lane / 8) % 2));
+    const uint32_t kb = kv + uint32_t((k0 + lane % 8 + 8 * (lane / 16)) * S::kKvRow + 16 * ((lane / 8) % 2));
 #pragma unroll 6
     for (int ks = 0; ks < S::kKSteps; ++ks) {
       uint32_t a[4], b[4];
@@ -174,7 +274,7 @@ FS_DEV void compute_s(uint32_t q, uint32_t kv, unsigned char* sbuf, int warp, in
     }
   } else {
     // matrices: keys 0-7 x channels (lo | hi) of k-steps 2 ks2 and 2 ks2 + 1; two chains
-    const uint32_t kb = kv + uint32_t((k0 + lane % 8) * S::kRowBytes + 16 * (lane / 8));
+    const uint32_t kb = kv + uint32_t((k0 + lane % 8) * S::kKvRow + 16 * (lane / 8));
 #pragma unroll 6
     for (int ks2 = 0; ks2 < S::kKSteps / 2; ++ks2) {
       uint32_t a0[4], a1[4], b[4];
@@ -196,10 +296,52 @@ FS_DEV void compute_s(uint32_t q, uint32_t kv, unsigned char* sbuf, int warp, in
   }
 }
 
+// Step 1 for fp8 KV: S [kM, 32] = Q [k | v]^T with K's B fragments by ldmatrix on the fp8 rows
+// (one x4 = four k-steps of 8 keys; fp8_q_column's order) converted in registers to f16x2 (exact).
+template <class S, DType kKv>
+FS_DEV void compute_s_fp8(uint32_t q, uint32_t kv, unsigned char* sbuf, int warp, int lane) {
+  constexpr int kNb = S::kKeysPerWarp / 8;  // n8 key blocks per warp
+  const int mb = warp / S::kWarpsPerMBlock, k0 = (warp % S::kWarpsPerMBlock) * S::kKeysPerWarp;
+  const uint32_t qa = q + uint32_t((16 * mb + lane % 8 + 8 * ((lane / 8) % 2)) * S::kRowBytes + 16 * (lane / 16));
+  const uint32_t kb = kv + uint32_t((k0 + lane % 8) * S::kKvRow + 16 * (lane / 8));
+  float acc[2][4];
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
+#pragma unroll 3
+  for (int c = 0; c < S::kKSteps / 4; ++c) {
+    uint32_t w[kNb][4];
+#pragma unroll
+    for (int n = 0; n < kNb; ++n) ldmatrix_x4(w[n], kb + uint32_t(n * 8 * S::kKvRow + c * 64));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      uint32_t a[4];
+      ldmatrix_x4(a, qa + uint32_t((4 * c + j) * 32));
+#pragma unroll
+      for (int n = 0; n < kNb; ++n)
+        mma_16816<__half>(acc[kNb == 2 ? n : j % 2], a, decode::fp8x2_to_f16x2<kKv>(w[n][j]),
+                          decode::fp8x2_to_f16x2<kKv>(w[n][j] >> 16));
+    }
+  }
+  if constexpr (kNb == 1) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[0][e] += acc[1][e];
+  }
+  const int row = 16 * mb + lane / 4;
+#pragma unroll
+  for (int n = 0; n < kNb; ++n) {
+    const int col = k0 + 8 * n + 2 * (lane % 4);
+    *reinterpret_cast<float2*>(sbuf + row * S::kSStride + col * 4) = make_float2(acc[n][0], acc[n][1]);
+    *reinterpret_cast<float2*>(sbuf + (row + 8) * S::kSStride + col * 4) = make_float2(acc[n][2], acc[n][3]);
+  }
+}
+
 // The softmax lanes' row state (row = tid / kTpr; keys [part * kKpt, +kKpt) of each tile).
 struct RowRegs {
   int64_t pos, lo, hi;
   float slope;
+  float qk;           // fp8 KV: the row's score factor (RowMeta::qk_scale)
   float m = kNegInf;  // running max (natural units), the same in the row's lanes
   float l = 0.0f;     // this lane's partial sum
 };
@@ -227,7 +369,7 @@ FS_DEV void softmax_rows(const AttnParams& p, unsigned char* sbuf, float* rscale
     const int64_t key = t0 + c0 + i;
     x[i] = key < rr.lo || key >= rr.hi   ? kNegInf
            : (bad >> (c0 + i)) & 1u      ? nan_value()
-                                           : score(x[i], rr.pos, key, rr.slope);
+                                           : score(S::kFp8 ? x[i] * rr.qk : x[i], rr.pos, key, rr.slope);
     mx = nan_max(mx, x[i]);
   }
 #pragma unroll
@@ -256,8 +398,8 @@ FS_DEV void softmax_rows(const AttnParams& p, unsigned char* sbuf, float* rscale
 }
 
 // Step 3: O = O * alpha + P V over the tile, the warp's output columns for all rows.
-template <class S>
-FS_DEV void accumulate_pv(uint32_t kv, const unsigned char* sbuf, const float* rscale, int warp, int lane,
+template <class S, DType kKv>
+FS_DEV void accumulate_pv(const unsigned char* kvp, const unsigned char* sbuf, const float* rscale, int warp, int lane,
                           float (&o)[S::kMBlocks][S::kNTiles][4]) {
   using T = typename S::T;
   float al[S::kMBlocks][2];
@@ -278,21 +420,52 @@ FS_DEV void accumulate_pv(uint32_t kv, const unsigned char* sbuf, const float* r
         for (int e = 0; e < 4; ++e) o[mb][n][e] *= al[mb][e / 2];
   }
   const uint32_t pbase = smem_u32(sbuf) + uint32_t((lane % 8 + 8 * ((lane / 8) % 2)) * S::kSStride + 16 * (lane / 16));
-  const uint32_t vbase =
-      kv + uint32_t((lane % 8 + 8 * ((lane / 8) % 2)) * S::kRowBytes + S::kKBytes + warp * S::kCols * 2 + 16 * (lane / 16));
+  if constexpr (S::kFp8) {
+    // V's output channels permuted: n-tile n's column g is channel warp kCols + g kNTiles + n, so
+    // lane (g, t) reads kNTiles contiguous bytes of keys 16 kk + (2t, 2t+1, 2t+8, 2t+9) and pairs
+    // the keys' bytes with PRMT (the epilogue writes the channels back in order).
+    constexpr int kB = S::kNTiles, kW = kB / 4;
+    const int g = lane / 4, t = lane % 4;
+    const unsigned char* vrow = kvp + S::kKBytes + warp * S::kCols + g * kB;
 #pragma unroll
-  for (int kk = 0; kk < S::kN / 16; ++kk) {
-    uint32_t a[S::kMBlocks][4];
+    for (int kk = 0; kk < S::kN / 16; ++kk) {
+      uint32_t a[S::kMBlocks][4];
 #pragma unroll
-    for (int mb = 0; mb < S::kMBlocks; ++mb) ldmatrix_x4(a[mb], pbase + uint32_t(16 * mb * S::kSStride + kk * 32));
+      for (int mb = 0; mb < S::kMBlocks; ++mb) ldmatrix_x4(a[mb], pbase + uint32_t(16 * mb * S::kSStride + kk * 32));
+      uint32_t w[4][kW];
 #pragma unroll
-    for (int n2 = 0; n2 < S::kNTiles / 2; ++n2) {
-      uint32_t b[4];  // channels 16 n2 + (0-7 | 8-15) x keys 16 kk + (0-7 | 8-15)
-      ldmatrix_x4_trans(b, vbase + uint32_t(16 * kk * S::kRowBytes + n2 * 32));
+      for (int r = 0; r < 4; ++r) decode::load_words<kB>(vrow + (16 * kk + 2 * t + (r % 2) + 8 * (r / 2)) * S::kKvRow, w[r]);
 #pragma unroll
-      for (int mb = 0; mb < S::kMBlocks; ++mb) {
-        mma_16816<T>(o[mb][2 * n2], a[mb], b[0], b[1]);
-        mma_16816<T>(o[mb][2 * n2 + 1], a[mb], b[2], b[3]);
+      for (int i = 0; i < kW; ++i) {
+        const uint32_t ab[2] = {decode::prmt(w[0][i], w[1][i], 0x5140u), decode::prmt(w[0][i], w[1][i], 0x7362u)};
+        const uint32_t cd[2] = {decode::prmt(w[2][i], w[3][i], 0x5140u), decode::prmt(w[2][i], w[3][i], 0x7362u)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t b0 = decode::fp8x2_to_f16x2<kKv>(ab[j / 2] >> (16 * (j % 2)));
+          const uint32_t b1 = decode::fp8x2_to_f16x2<kKv>(cd[j / 2] >> (16 * (j % 2)));
+#pragma unroll
+          for (int mb = 0; mb < S::kMBlocks; ++mb) mma_16816<__half>(o[mb][4 * i + j], a[mb], b0, b1);
+        }
+      }
+    }
+  } else {
+    const uint32_t kv = smem_u32(kvp);
+    const uint32_t vbase =
+        kv + uint32_t((lane % 8 + 8 * ((lane / 8) % 2)) * S::kKvRow + S::kKBytes + warp * S::kCols * 2 + 16 * (lane / 16));
+#pragma unroll
+    for (int kk = 0; kk < S::kN / 16; ++kk) {
+      uint32_t a[S::kMBlocks][4];
+#pragma unroll
+      for (int mb = 0; mb < S::kMBlocks; ++mb) ldmatrix_x4(a[mb], pbase + uint32_t(16 * mb * S::kSStride + kk * 32));
+#pragma unroll
+      for (int n2 = 0; n2 < S::kNTiles / 2; ++n2) {
+        uint32_t b[4];  // channels 16 n2 + (0-7 | 8-15) x keys 16 kk + (0-7 | 8-15)
+        ldmatrix_x4_trans(b, vbase + uint32_t(16 * kk * S::kKvRow + n2 * 32));
+#pragma unroll
+        for (int mb = 0; mb < S::kMBlocks; ++mb) {
+          mma_16816<T>(o[mb][2 * n2], a[mb], b[0], b[1]);
+          mma_16816<T>(o[mb][2 * n2 + 1], a[mb], b[2], b[3]);
+        }
       }
     }
   }
@@ -309,8 +482,11 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
   TokenLoc* loc = reinterpret_cast<TokenLoc*>(sm + S::kLocOff);
   uint32_t* bad = reinterpret_cast<uint32_t*>(sm + S::kBadOff);
 
+  unsigned char* kvp = sm + S::kKvOff;
+
   if (tid < S::kM) meta[tid] = decode::row_meta(p, s, 0, g0, nrows, tid);
   issue_q<S>(p, s, g0, nrows, q);
+  if constexpr (S::kFp8) cp_async_commit();  // q alone: converted (convert_q_fp8) once it lands
   __syncthreads();
   const KeyRange u = decode::rows_key_union(meta, nrows, s.range);
   const int row = tid / S::kTpr, part = tid % S::kTpr;
@@ -327,42 +503,66 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[mb][n][e] = 0.0f;
 
-  constexpr int kN = S::kN;
+  // Compute tiles of kN keys from base (aligned to the split's start); load tiles of kL = kSub
+  // compute tiles (the last one's trailing compute tiles past u.hi are skipped zero rows).
+  constexpr int kN = S::kN, kL = S::kL;
   const int64_t base = s.range.begin + (u.lo - s.range.begin) / kN * kN;
-  const int64_t ntiles = u.lo < u.hi ? (u.hi - base + kN - 1) / kN : 0;
-  if (ntiles > 0) {
-    if (warp == 0) locate<S>(p, s, base, u, loc, lane);
+  const int64_t nsub = u.lo < u.hi ? (u.hi - base + kN - 1) / kN : 0;
+  const int64_t nload = (nsub + S::kSub - 1) / S::kSub;
+  auto locate_load = [&](int64_t t0) {
+#pragma unroll
+    for (int h = 0; h < S::kSub; ++h) locate<S>(p, s, t0 + h * kN, u, loc + h * 32, lane);
+  };
+  if (nload > 0) {
+    if (warp == 0) locate_load(base);
     __syncthreads();
     issue_kv<S>(p, loc, bad, kv);
   }
-  cp_async_commit();  // Q (+ tile 0)
-  if (ntiles > 1) {
-    __syncthreads();  // tile 0's locations are read
-    if (warp == 0) locate<S>(p, s, base + kN, u, loc, lane);
+  cp_async_commit();  // Q (16-bit KV) + load tile 0
+  if constexpr (S::kFp8) {
+    cp_async_wait<1>();  // q landed (load tile 0 may still be in flight)
+    __syncthreads();
+    convert_q_fp8<S>(s, sm + S::kQOff, meta);
+    __syncthreads();
   }
-  for (int64_t k = 0; k < ntiles; ++k) {
+  rr.qk = meta[row].qk_scale;
+  if (nload > 1) {
+    __syncthreads();  // load tile 0's locations are read
+    if (warp == 0) locate_load(base + kL);
+  }
+  for (int64_t k = 0; k < nload; ++k) {
     const int st = int(k & 1);
-    const uint32_t stage = kv + uint32_t(st * S::kStageBytes);
-    cp_async_wait<0>();
-    __syncthreads();  // tile k landed; every warp is done with tile k - 1 (its stage is free)
-    if (k + 1 < ntiles) issue_kv<S>(p, loc, bad + (st ^ 1), kv + uint32_t((st ^ 1) * S::kStageBytes));
+    // Load tile k + 1 is issued as soon as its stage is free, before waiting for tile k: two
+    // tiles in flight per CTA while it waits (one barrier more per load tile than waiting first).
+    __syncthreads();  // every warp is done with tile k - 1 (its stage is free); k + 1's locations are written
+    if (k + 1 < nload) issue_kv<S>(p, loc, bad + (st ^ 1) * S::kSub, kv + uint32_t((st ^ 1) * S::kStageBytes));
     cp_async_commit();
-    compute_s<S>(q, stage, sbuf, warp, lane);
-    __syncthreads();  // S complete; tile k + 1's locations are read
-    softmax_rows<S>(p, sbuf, rscale, bad[st], base + k * kN, rr, row, part);
-    if (warp == 0 && k + 2 < ntiles) locate<S>(p, s, base + (k + 2) * kN, u, loc, lane);
-    __syncthreads();  // P and alpha complete
-    accumulate_pv<S>(stage, sbuf, rscale, warp, lane, o);
+    cp_async_wait<1>();
+    __syncthreads();  // load tile k landed (every thread's copies)
+#pragma unroll
+    for (int h = 0; h < S::kSub; ++h) {
+      const int64_t sub = k * S::kSub + h;
+      if (sub >= nsub) break;  // CTA-uniform
+      const size_t off = size_t(st) * S::kStageBytes + size_t(h) * kN * S::kKvRow;
+      if (h > 0) __syncthreads();  // every warp is done with the previous compute tile's P and alpha
+      if constexpr (S::kFp8) compute_s_fp8<S, S::kKvDt>(q, kv + uint32_t(off), sbuf, warp, lane);
+      else compute_s<S>(q, kv + uint32_t(off), sbuf, warp, lane);
+      __syncthreads();  // S complete; load tile k + 1's locations are read
+      softmax_rows<S>(p, sbuf, rscale, bad[st * S::kSub + h], base + sub * kN, rr, row, part);
+      if (h == 0 && warp == 0 && k + 2 < nload) locate_load(base + (k + 2) * kL);
+      __syncthreads();  // P and alpha complete
+      accumulate_pv<S, S::kKvDt>(kvp + off, sbuf, rscale, warp, lane, o);
+    }
   }
   cp_async_wait<0>();
 
-  // Epilogue: per row, 1 / l (times the sink's weight) into rscale, LSE out; then O.
+  // Epilogue: per row, v_descale / l (times the sink's weight) into rscale, LSE out; then O.
 #pragma unroll
   for (int o2 = 1; o2 < S::kTpr; o2 <<= 1) rr.l += __shfl_xor_sync(kFullMask, rr.l, o2);
   __syncthreads();  // every warp is done reading alpha
   if (part == 0) {
     float lse = rr.l == 0.0f ? kNegInf : rr.m + logf(rr.l);
-    float scale = rr.l == 0.0f ? 0.0f : 1.0f / rr.l;
+    float scale = rr.l == 0.0f ? 0.0f : (S::kFp8 ? s.kv.v_desc : 1.0f) / rr.l;
     if (row < nrows) {
       const PackedIdx pi = decode::packed_idx(p, 0, g0, row);
       const int64_t r = s.rows.row_begin + pi.i;
@@ -376,6 +576,9 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
     rscale[row] = scale;
   }
   __syncthreads();
+  // The accumulator's column c of n-tile n: channel 8n + c (16-bit KV) or c kNTiles + n (fp8 KV,
+  // accumulate_pv's permutation), plus the warp's first column.
+  auto chan = [](int n, int c) { return S::kFp8 ? c * S::kNTiles + n : 8 * n + c; };
 #pragma unroll
   for (int mb = 0; mb < S::kMBlocks; ++mb)
 #pragma unroll
@@ -385,28 +588,34 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
       const float sc = rscale[j];
       const PackedIdx pi = decode::packed_idx(p, 0, g0, j);
       const int64_t r = s.rows.row_begin + pi.i;
-      const int c0 = warp * S::kCols + 2 * (lane % 4);
+      const int c0 = warp * S::kCols, c = 2 * (lane % 4);
       if (p.num_splits > 1) {
         float* dst = p.o_partial + partial_index(p, split, r, pi.h) * kMlaDv + c0;
 #pragma unroll
-        for (int n = 0; n < S::kNTiles; ++n)
-          *reinterpret_cast<float2*>(dst + 8 * n) = make_float2(o[mb][n][2 * r2] * sc, o[mb][n][2 * r2 + 1] * sc);
+        for (int n = 0; n < S::kNTiles; ++n) {
+          if constexpr (S::kFp8) {
+            dst[chan(n, c)] = o[mb][n][2 * r2] * sc;
+            dst[chan(n, c + 1)] = o[mb][n][2 * r2 + 1] * sc;
+          } else {
+            *reinterpret_cast<float2*>(dst + chan(n, c)) = make_float2(o[mb][n][2 * r2] * sc, o[mb][n][2 * r2 + 1] * sc);
+          }
+        }
       } else {
         const int64_t q_row = s.rows.q_row(r, p.batched);
 #pragma unroll
         for (int n = 0; n < S::kNTiles; ++n) {
-          store_out(p, s.rows.qb, q_row, pi.h, c0 + 8 * n, o[mb][n][2 * r2] * sc);
-          store_out(p, s.rows.qb, q_row, pi.h, c0 + 8 * n + 1, o[mb][n][2 * r2 + 1] * sc);
+          store_out(p, s.rows.qb, q_row, pi.h, c0 + chan(n, c), o[mb][n][2 * r2] * sc);
+          store_out(p, s.rows.qb, q_row, pi.h, c0 + chan(n, c + 1), o[mb][n][2 * r2 + 1] * sc);
         }
       }
     }
 }
 
 // kM = 16: two CTAs per SM (shared memory); kM = 64: one, 8 warps (<= 255 registers).
-template <DType kDt, int kM>
+template <DType kDt, DType kKv, int kM>
 __global__ void __launch_bounds__(32 * mla_warps(kM), kM == 16 ? 2 : 1)
     decode_mla_fwd(const __grid_constant__ AttnParams p) {
-  using S = Shape<kDt, kM>;
+  using S = Shape<kDt, kKv, kM>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int split = int(blockIdx.z);
   const DecodeSeq s = decode::decode_sequence(p, blockIdx.x, 0, split);

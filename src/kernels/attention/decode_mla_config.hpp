@@ -2,8 +2,10 @@
 // the selection (decode_mla_select.cu), the launcher (decode_mla.cu) and the shared-memory
 // sizing. Plain C++ (no CUDA headers). The scheme and its cost model: decode_mla.cuh.
 //
-// Served (try_decode_mla): q_v present, D = 64 (rope) and Dv = 512 (latent), H_kv = 1, q, q_v,
-// k, v and out of one 16-bit dtype (f16/bf16) in kMlaConfigs, no quantization scales, k/v/q/q_v
+// Served (try_decode_mla): q_v present, D = 64 (rope) and Dv = 512 (latent), H_kv = 1, q, q_v
+// and out of one 16-bit dtype (f16/bf16), k and v of that dtype or of one fp8 format (e4m3 /
+// e5m2, with k_descale / v_descale [B, H_kv] or broadcasts, may be null) as an entry of
+// kMlaConfigs, no other quantization scales (no q_descale: q is 16-bit), k/v/q/q_v
 // rows 16-byte aligned (k and v may be two views of one latent cache [.., 576] or separate
 // buffers: each is read once, with its own strides). Every score modifier of the decode kernel
 // (causal / window / chunk, context parallelism, soft-cap, ALiBi, sinks), paged or contiguous
@@ -25,44 +27,60 @@ struct AttnKernelChoice;
 inline constexpr int kMlaD = 64;                   // rope channels (k, q)
 inline constexpr int kMlaDv = 512;                 // latent channels (v, q_v, out)
 inline constexpr int kMlaWidth = kMlaD + kMlaDv;   // 576: the q.k contraction
-inline constexpr int kMlaTileKeys = 32;            // keys per CTA tile (K and V loaded once)
-inline constexpr int kMlaStages = 2;               // cp.async stages of the KV tile
+inline constexpr int kMlaTileKeys = 32;            // keys per compute tile (S, softmax, P V)
+inline constexpr int kMlaStages = 2;               // cp.async stages of the KV load tile
 inline constexpr int kMlaRowPad = 16;              // bytes per smem row: ldmatrix rows on distinct banks
 // Packed (query row, head) rows per CTA: 16 (one m16 block: H = 16 decode, 4 warps) or 64
 // (H = 128, or q_len x H > 16: 8 warps).
 constexpr int mla_warps(int rows) { return rows == 16 ? 4 : 8; }
 constexpr int mla_rows_for(int64_t packed) { return packed <= 16 ? 16 : 64; }
 
+// KV bytes per element: 2 (16-bit latent) or 1 (fp8 latent).
+// Keys per KV load tile (one cp.async stage): 32 16-bit keys or 64 fp8 keys (~37 KB either way,
+// so the bytes in flight per SM match); an fp8 load tile is computed as two 32-key tiles.
+constexpr int mla_load_keys(int kv_bytes) { return kv_bytes == 1 ? 64 : 32; }
+// Bytes per KV row in shared memory: [k (64) | v (512)] + 16 B of padding (16-bit: 1168; fp8:
+// 592, = 80 mod 128, so ldmatrix rows and fp8 V's per-lane 8/16-byte loads hit distinct banks).
+constexpr size_t mla_kv_row_bytes(int kv_bytes) { return size_t(kMlaWidth) * size_t(kv_bytes) + 16; }
+
 struct MlaConfig {
-  DType dtype;  // q, q_v, k, v, out
+  DType dtype;  // q, q_v, out (16-bit)
+  DType kv;     // k, v: dtype (16-bit) or an fp8 format (f16 operands; decode_mla.cuh)
 };
 #if FLASHSERVE_DEV_CONFIGS
-inline constexpr MlaConfig kMlaConfigs[] = {{DType::bf16}};
+inline constexpr MlaConfig kMlaConfigs[] = {{DType::bf16, DType::bf16}, {DType::bf16, DType::f8e4m3}};
 #else
-inline constexpr MlaConfig kMlaConfigs[] = {{DType::bf16}, {DType::f16}};
+inline constexpr MlaConfig kMlaConfigs[] = {{DType::bf16, DType::bf16},   {DType::f16, DType::f16},
+                                           {DType::bf16, DType::f8e4m3}, {DType::f16, DType::f8e4m3},
+                                           {DType::bf16, DType::f8e5m2}, {DType::f16, DType::f8e5m2}};
 #endif
 
-constexpr bool mla_config_built(DType t) {
+constexpr bool mla_config_built(DType t, DType kv) {
   for (const MlaConfig& c : kMlaConfigs)
-    if (c.dtype == t) return true;
+    if (c.dtype == t && c.kv == kv) return true;
   return false;
 }
+constexpr bool mla_config_built(DType t) { return mla_config_built(t, t); }
 
-// Shared memory, in bytes (decode_mla.cuh carves it the same way), 16-bit elements:
-//   Q [rows, 576] (+16 B per row) | KV [stages, 32 keys, 576] (+16 B per row) |
+// Shared memory, in bytes (decode_mla.cuh carves it the same way):
+//   Q [rows, 576] 16-bit (+16 B per row) | KV [stages, load keys, mla_kv_row_bytes] |
 //   S [rows, 32 + 4] fp32 (P, 16-bit, overwrites each row's S in place) |
-//   RowMeta [rows] (40 B) | row scale [rows] fp32 | TokenLoc [32] (24 B) | bad-key masks [4] u32.
-// 64 rows: 162.5 KB (fits the A100's 163 KB, one CTA per SM); 16 rows: 97.3 KB (two per SM on
-// the H200).
-inline constexpr size_t kMlaRowBytes = size_t(kMlaWidth) * 2 + kMlaRowPad;  // 1168
+//   RowMeta [rows] (40 B) | row scale [rows] fp32 | TokenLoc [load keys] (24 B) | bad-key masks [4] u32.
+// 16-bit KV: 64 rows 162.5 KB (fits the A100's 163 KB, one CTA per SM); 16 rows 97.3 KB (two
+// per SM on the H200). fp8 KV (64-key load tiles): 64 rows 160.3 KB, 16 rows 96.7 KB.
+inline constexpr size_t kMlaRowBytes = size_t(kMlaWidth) * 2 + kMlaRowPad;  // 1168: Q rows (16-bit KV rows)
 inline constexpr size_t kMlaSStride = size_t(kMlaTileKeys + 4) * 4;         // 144: S / P row bytes
 inline constexpr size_t kMlaRowMetaBytes = 40;                              // decode::RowMeta
-constexpr size_t mla_smem_bytes(int rows) {
-  return size_t(rows) * kMlaRowBytes + size_t(kMlaStages) * kMlaTileKeys * kMlaRowBytes + size_t(rows) * kMlaSStride +
-         size_t(rows) * (kMlaRowMetaBytes + 4) + size_t(kMlaTileKeys) * 24 + 16;
+constexpr size_t mla_smem_bytes(int rows, int kv_bytes = 2) {
+  const size_t keys = size_t(mla_load_keys(kv_bytes));
+  return size_t(rows) * kMlaRowBytes + size_t(kMlaStages) * keys * mla_kv_row_bytes(kv_bytes) +
+         size_t(rows) * kMlaSStride + size_t(rows) * (kMlaRowMetaBytes + 4) + keys * 24 + 16;
 }
-static_assert(mla_smem_bytes(64) <= 166912, "the 64-row shape fits the A100's opt-in shared memory");
-static_assert(2 * (mla_smem_bytes(16) + 1024) <= 228 * 1024, "two 16-row CTAs per H200 SM");
+static_assert(mla_kv_row_bytes(2) == kMlaRowBytes && mla_kv_row_bytes(1) % 128 == 80, "the bank arguments above");
+static_assert(mla_smem_bytes(64) <= 166912 && mla_smem_bytes(64, 1) <= 166912,
+              "the 64-row shape fits the A100's opt-in shared memory");
+static_assert(2 * (mla_smem_bytes(16) + 1024) <= 228 * 1024 && 2 * (mla_smem_bytes(16, 1) + 1024) <= 228 * 1024,
+              "two 16-row CTAs per H200 SM");
 
 // The MLA decode candidate of select_attention_kernel (decode_mla_select.cu): fills `c` (kernel
 // decode_mla; rows_per_cta 16/64; head_slices = CTAs per sequence in y, each looping over the

@@ -36,16 +36,21 @@ std::string try_decode_mla(const detail::AttnProblem& pr, const DeviceProps& dev
   if (pr.num_kv_heads != 1) return detail::cat(what, "H_kv = 1, got ", pr.num_kv_heads);
   const DType t = pr.q.dtype;
   if (t != DType::bf16 && t != DType::f16) return detail::cat(what, "q float16/bfloat16, got ", dtype_name(t));
-  if (pr.q_v->dtype != t || pr.k.dtype != t || pr.v.dtype != t)
-    return detail::cat(what, "q_v, k and v of q's dtype (", dtype_name(t), "), got ", dtype_name(pr.q_v->dtype), "/",
-                       dtype_name(pr.k.dtype), "/", dtype_name(pr.v.dtype));
+  if (pr.q_v->dtype != t) return detail::cat(what, "q_v of q's dtype (", dtype_name(t), "), got ", dtype_name(pr.q_v->dtype));
   // out in q's dtype, or fp32 (the DCP step's partial outputs before lse_correct): the epilogue
   // and the split combine store through store_from_float.
   if (pr.out.dtype != t && pr.out.dtype != DType::f32)
     return detail::cat(what, "out of q's dtype (", dtype_name(t), ") or float32, got ", dtype_name(pr.out.dtype));
-  if (!mla_config_built(t)) return detail::cat(what, dtype_name(t), " instantiated (kMlaConfigs)");
-  if (pr.q_scale || pr.k_scale_cache || pr.v_scale || pr.q_descale || pr.k_descale || pr.v_descale)
-    return detail::cat(what, "no quantization scales or descales");
+  const DType kv = pr.k.dtype;
+  const bool fp8 = is_fp8(kv);
+  if ((kv != t && !fp8) || pr.v.dtype != kv)
+    return detail::cat(what, "k and v of q's dtype (", dtype_name(t), ") or of one fp8 format, got ", dtype_name(kv), "/",
+                       dtype_name(pr.v.dtype));
+  if (!mla_config_built(t, kv))
+    return detail::cat(what, "q ", dtype_name(t), " with k/v ", dtype_name(kv), " instantiated (kMlaConfigs)");
+  if (pr.q_scale || pr.k_scale_cache || pr.v_scale || pr.q_descale)
+    return detail::cat(what, "no quantization scales and no q_descale (q is 16-bit)");
+  if (!fp8 && (pr.k_descale || pr.v_descale)) return detail::cat(what, "k_descale / v_descale only with fp8 k/v");
   if (!rows_aligned_16(pr.q) || !rows_aligned_16(*pr.q_v) || !rows_aligned_16(pr.k) || !rows_aligned_16(pr.v))
     return detail::cat(what, "q, q_v, k, v: base and strides multiples of 16 bytes, rows contiguous");
   const int64_t sq = pr.batched ? pr.q.size(1) : pr.params->max_seqlen_q;
@@ -55,7 +60,7 @@ std::string try_decode_mla(const detail::AttnProblem& pr, const DeviceProps& dev
   if (slices > 65535 || pr.batch > INT_MAX)
     return detail::cat(what, "ceil(q_len x H / ", rows, ") <= 65535 and B <= ", INT_MAX, ", got ", slices, "/",
                        pr.batch);
-  const size_t smem = mla_smem_bytes(rows);
+  const size_t smem = mla_smem_bytes(rows, int(dtype_size(kv)));
   if (smem > max_smem_per_block(dev))
     return detail::cat(what, smem, " bytes of shared memory per block, the device (sm_", dev.cc_major, dev.cc_minor,
                        ") allows ", max_smem_per_block(dev));

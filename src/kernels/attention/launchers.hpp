@@ -29,7 +29,7 @@ void launch_prefill_tma(const AttnParams& p, const AttnKernelChoice& choice, voi
 // out/lse directly when p.num_splits == 1, else the partials.
 void launch_decode_attention(const AttnParams& p, void* stream);
 
-// decode_mla.cu: the MLA absorbed-decode kernel for p.q.dtype (decode_mla_config.hpp), with
+// decode_mla.cu: the MLA absorbed-decode kernel for (p.q.dtype, p.k.dtype) (decode_mla_config.hpp), with
 // p.rows_per_cta packed rows per CTA and p.head_slices CTAs per sequence in y. Writes out/lse
 // directly when p.num_splits == 1, else the partials.
 void launch_decode_mla(const AttnParams& p, void* stream);
