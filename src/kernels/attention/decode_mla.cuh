@@ -62,8 +62,10 @@
 // in f16 (cvt.rn.f16x2.{e4m3,e5m2}x2 in registers, decode_mma.cuh's fp8x2_to_f16x2); q is staged
 // once per row group as f16 (convert_q_fp8, in place after the 16-bit copies): bf16 rows scaled by 2^shift (max |x| into
 // [2^15, 2^16); exact for every value within 2^-32 of the row's max), f16 rows as they are; the
-// row's qk_scale = k_descale x 2^-shift multiplies its scores before the modifiers, v_descale
-// goes into the epilogue's 1 / l. P is rounded to f16 (finer than bf16).
+// scores are k_descale q.k + v_descale q_v.v (each descale on its own operand's part of the
+// contraction, as the CPU reference dequantizes k and v: S's k-steps of k and of v accumulate
+// apart), times the row's qk_scale = 2^-shift before the modifiers; v_descale also goes into the
+// epilogue's 1 / l. P is rounded to f16 (finer than bf16).
 //   Load tiles of 64 keys (64 x 592 B = 37.9 KB per stage, as a 32-key 16-bit tile), computed
 //   as two 32-key tiles (the steps above; one more barrier between them, so the barriers per
 //   byte are unchanged).
@@ -178,10 +180,11 @@ FS_DEV int fp8_q_column(int d) {
 // fp8 KV: the row group's q (16-bit, landed in Q by issue_q's copies) rewritten in place as f16
 // in fp8_q_column's order, each row scaled by a power of two 2^shift (bf16 q: the row's max |x|
 // into [2^15, 2^16); f16 q: 1), so that every bf16 value within 2^-32 of the row's max is exact
-// in f16 (smaller ones weigh < 2^-32 of a score); meta[j].qk_scale = k_descale x 2^-shift. One
+// in f16 (smaller ones weigh < 2^-32 of a score); meta[j].qk_scale = 2^-shift (the descales are
+// applied by compute_s_fp8). One
 // warp per row (reads, then writes after __syncwarp); rows past nrows are zeros. The caller syncs.
 template <class S>
-FS_DEV void convert_q_fp8(const DecodeSeq& s, unsigned char* q, RowMeta* meta) {
+FS_DEV void convert_q_fp8(unsigned char* q, RowMeta* meta) {
   using QT = typename S::QT;
   constexpr int kPer = kMlaWidth / 32;  // 18 channels per lane
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
@@ -208,7 +211,7 @@ FS_DEV void convert_q_fp8(const DecodeSeq& s, unsigned char* q, RowMeta* meta) {
     __half* row = reinterpret_cast<__half*>(q + j * S::kRowBytes);
 #pragma unroll
     for (int k = 0; k < kPer; ++k) row[fp8_q_column(lane + 32 * k)] = __float2half_rn(x[k] * up);
-    if (lane == 0) meta[j].qk_scale = s.kv.k_desc * ldexpf(1.0f, -shift);
+    if (lane == 0) meta[j].qk_scale = ldexpf(1.0f, -shift);
   }
 }
 
@@ -298,19 +301,19 @@ FS_DEV void compute_s(uint32_t q, uint32_t kv, unsigned char* sbuf, int warp, in
 
 // Step 1 for fp8 KV: S [kM, 32] = Q [k | v]^T with K's B fragments by ldmatrix on the fp8 rows
 // (one x4 = four k-steps of 8 keys; fp8_q_column's order) converted in registers to f16x2 (exact).
+// Each operand's descale on its own part: S = k_desc q.k + v_desc q_v.v (the k and v of a latent
+// row are two tensors with their own descales, as the CPU reference dequantizes them); the row's
+// 2^-shift (RowMeta::qk_scale) is applied by the softmax.
 template <class S, DType kKv>
-FS_DEV void compute_s_fp8(uint32_t q, uint32_t kv, unsigned char* sbuf, int warp, int lane) {
+FS_DEV void compute_s_fp8(uint32_t q, uint32_t kv, unsigned char* sbuf, int warp, int lane, float k_desc,
+                          float v_desc) {
   constexpr int kNb = S::kKeysPerWarp / 8;  // n8 key blocks per warp
   const int mb = warp / S::kWarpsPerMBlock, k0 = (warp % S::kWarpsPerMBlock) * S::kKeysPerWarp;
   const uint32_t qa = q + uint32_t((16 * mb + lane % 8 + 8 * ((lane / 8) % 2)) * S::kRowBytes + 16 * (lane / 16));
   const uint32_t kb = kv + uint32_t((k0 + lane % 8) * S::kKvRow + 16 * (lane / 8));
-  float acc[2][4];
-#pragma unroll
-  for (int n = 0; n < 2; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[n][e] = 0.0f;
-#pragma unroll 3
-  for (int c = 0; c < S::kKSteps / 4; ++c) {
+  // Chunk c = k-steps 4c..4c+3 (64 channels): chunk 0 is k (rope) against q, chunks 1-8 are v
+  // (latent) against q_v.
+  auto chunk = [&](int c, float (&acc)[2][4]) {
     uint32_t w[kNb][4];
 #pragma unroll
     for (int n = 0; n < kNb; ++n) ldmatrix_x4(w[n], kb + uint32_t(n * 8 * S::kKvRow + c * 64));
@@ -323,7 +326,20 @@ FS_DEV void compute_s_fp8(uint32_t q, uint32_t kv, unsigned char* sbuf, int warp
         mma_16816<__half>(acc[kNb == 2 ? n : j % 2], a, decode::fp8x2_to_f16x2<kKv>(w[n][j]),
                           decode::fp8x2_to_f16x2<kKv>(w[n][j] >> 16));
     }
-  }
+  };
+  static_assert(kMlaD == 64, "chunk 0 is k");
+  float acc[2][4], ak[2][4];
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = ak[n][e] = 0.0f;
+#pragma unroll 3
+  for (int c = 1; c < S::kKSteps / 4; ++c) chunk(c, acc);
+  chunk(0, ak);
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = fmaf(acc[n][e], v_desc, ak[n][e] * k_desc);
   if constexpr (kNb == 1) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[0][e] += acc[1][e];
@@ -341,7 +357,7 @@ FS_DEV void compute_s_fp8(uint32_t q, uint32_t kv, unsigned char* sbuf, int warp
 struct RowRegs {
   int64_t pos, lo, hi;
   float slope;
-  float qk;           // fp8 KV: the row's score factor (RowMeta::qk_scale)
+  float qk;           // fp8 KV: the row's score factor (RowMeta::qk_scale: 2^-shift)
   float m = kNegInf;  // running max (natural units), the same in the row's lanes
   float l = 0.0f;     // this lane's partial sum
 };
@@ -522,7 +538,7 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
   if constexpr (S::kFp8) {
     cp_async_wait<1>();  // q landed (load tile 0 may still be in flight)
     __syncthreads();
-    convert_q_fp8<S>(s, sm + S::kQOff, meta);
+    convert_q_fp8<S>(sm + S::kQOff, meta);
     __syncthreads();
   }
   rr.qk = meta[row].qk_scale;
@@ -545,7 +561,7 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
       if (sub >= nsub) break;  // CTA-uniform
       const size_t off = size_t(st) * S::kStageBytes + size_t(h) * kN * S::kKvRow;
       if (h > 0) __syncthreads();  // every warp is done with the previous compute tile's P and alpha
-      if constexpr (S::kFp8) compute_s_fp8<S, S::kKvDt>(q, kv + uint32_t(off), sbuf, warp, lane);
+      if constexpr (S::kFp8) compute_s_fp8<S, S::kKvDt>(q, kv + uint32_t(off), sbuf, warp, lane, s.kv.k_desc, s.kv.v_desc);
       else compute_s<S>(q, kv + uint32_t(off), sbuf, warp, lane);
       __syncthreads();  // S complete; load tile k + 1's locations are read
       softmax_rows<S>(p, sbuf, rscale, bad[st * S::kSub + h], base + sub * kN, rr, row, part);
