@@ -263,6 +263,23 @@ size_t decode_set_bytes(const Spec& s) {
   return kv + size_t(s.B * s.Q * s.H) * (size_t(s.D) * 4 + (int8 ? 4 : 0)) + blocks * 4;
 }
 
+// A shuffled permutation of a pool of `pool` blocks; set i's block table [B, per_seq] is its
+// slice i (uploaded once, device memory owned by c).
+std::vector<int32_t> shuffled_blocks(int64_t pool, uint64_t seed) {
+  std::vector<int32_t> perm(static_cast<size_t>(pool));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937_64(seed));
+  return perm;
+}
+
+TensorRef block_table_of(BenchCase& c, const std::vector<int32_t>& perm, int i, int64_t B, int64_t per_seq,
+                         Device dev) {
+  void* table = alloc(c, size_t(B * per_seq) * 4);
+  const auto first = perm.begin() + int64_t(i) * B * per_seq;
+  upload_i32(table, std::vector<int32_t>(first, first + B * per_seq));
+  return TensorRef::contiguous(table, DType::i32, {B, per_seq}, dev);
+}
+
 // paged=1: k and v of every input set in one pool of blocks (NHD), each set's block table
 // [B, ceil(S / block)] a slice of a shuffled permutation of the pool.
 void set_paged_kv(const Spec& s, int nsets, Device dev, uint64_t seed, BenchCase& c) {
@@ -271,17 +288,12 @@ void set_paged_kv(const Spec& s, int nsets, Device dev, uint64_t seed, BenchCase
                                             {pool, s.block, s.Hkv, s.D}, dev);
   const TensorRef v = TensorRef::contiguous(alloc_random(c, pool * s.block * s.Hkv * s.Dv, DType::bf16), DType::bf16,
                                             {pool, s.block, s.Hkv, s.Dv}, dev);
-  std::vector<int32_t> perm(static_cast<size_t>(pool));
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), std::mt19937_64(seed));
+  const std::vector<int32_t> perm = shuffled_blocks(pool, seed);
   for (int i = 0; i < nsets; ++i) {
     AttentionParams& p = c.sets[size_t(i)];
     p.k = k;
     p.v = v;
-    void* table = alloc(c, size_t(s.B * per_seq) * 4);
-    const auto first = perm.begin() + int64_t(i) * s.B * per_seq;
-    upload_i32(table, std::vector<int32_t>(first, first + s.B * per_seq));
-    p.block_table = TensorRef::contiguous(table, DType::i32, {s.B, per_seq}, dev);
+    p.block_table = block_table_of(c, perm, i, s.B, per_seq, dev);
   }
 }
 
@@ -347,9 +359,7 @@ BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
       v_scale = TensorRef::contiguous(alloc_random(c, s.Hkv * s.D, DType::f32), DType::f32, {s.Hkv, s.D}, dev);
   }
 
-  std::vector<int32_t> perm(static_cast<size_t>(pool));
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), std::mt19937_64(seed));
+  const std::vector<int32_t> perm = shuffled_blocks(pool, seed);
   void* lens = alloc(c, size_t(s.B) * 4);
   upload_i32(lens, std::vector<int32_t>(size_t(s.B), int32_t(s.L)));
   for (int i = 0; i < nsets; ++i) {
@@ -371,10 +381,7 @@ BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
     p.batch_invariant = s.inv;
     p.k = k_ref;
     p.v = v_ref;
-    void* table = alloc(c, size_t(s.B * per_seq) * 4);
-    const auto first = perm.begin() + int64_t(i) * s.B * per_seq;
-    upload_i32(table, std::vector<int32_t>(first, first + s.B * per_seq));
-    p.block_table = TensorRef::contiguous(table, DType::i32, {s.B, per_seq}, dev);
+    p.block_table = block_table_of(c, perm, i, s.B, per_seq, dev);
     p.seqused_k = TensorRef::contiguous(lens, DType::i32, {s.B}, dev);
     c.sets.push_back(p);
   }

@@ -62,6 +62,20 @@ bool expect_mla(const CaseConfig& c, uint64_t salt) {
   return true;
 }
 
+// The ModesAndLayouts cases: `mode`, k/v as one latent cache (kv 0), separate (1) or
+// interleaved (2), a zero-length sequence, varlen q_lens with 0, causal, `splits`, block 16 / 64.
+CaseConfig modes_case(CaseConfig c, KvMode mode, int kv, int splits, int i) {
+  c.mode = mode;
+  c.kv_latent = kv == 0;
+  c.kv_interleaved = kv == 2;
+  c.k_lens[1] = 0;
+  if (!c.batched()) c.q_lens = {1, 1, 0, 2, 4};
+  c.causal = true;
+  c.num_splits = splits;
+  c.block_size = i % 3 == 0 ? 16 : 64;
+  return c;
+}
+
 }  // namespace
 
 // H 1 / 16 / 128 x q_len 1..4 x block sizes 1 / 16 / 64, splits 1 and forced > 1.
@@ -103,16 +117,8 @@ TEST(GpuDecodeMla, ModesAndLayouts) {
   for (KvMode mode : fstest::kAllKvModes)
     for (int kv : {0, 1, 2})  // latent, separate, interleaved
       for (int splits : {1, 3}) {
-        CaseConfig c = mla_config(5, 400, 16, 1, rng);
-        c.mode = mode;
-        c.kv_latent = kv == 0;
-        c.kv_interleaved = kv == 2;
-        c.k_lens[1] = 0;
-        if (!c.batched()) c.q_lens = {1, 1, 0, 2, 4};
-        c.causal = true;
-        c.num_splits = splits;
-        c.block_size = i % 3 == 0 ? 16 : 64;
-        expect_mla(c, 300 + uint64_t(i++));
+        expect_mla(modes_case(mla_config(5, 400, 16, 1, rng), mode, kv, splits, i), 300 + uint64_t(i));
+        ++i;
       }
 }
 
@@ -223,15 +229,9 @@ TEST(GpuDecodeMla, Fp8LatentLongKvModesModifiers) {
   for (KvMode mode : fstest::kAllKvModes)
     for (int kv : {0, 1})  // latent, separate
       for (int splits : {1, 3}) {
-        CaseConfig c = fp8_config(mla_config(5, 400, 16, 1, rng), DType::f8e4m3, i % 3);
-        c.mode = mode;
-        c.kv_latent = kv == 0;
-        c.k_lens[1] = 0;
-        if (!c.batched()) c.q_lens = {1, 1, 0, 2, 4};
-        c.causal = true;
-        c.num_splits = splits;
-        c.block_size = i % 3 == 0 ? 16 : 64;
-        expect_mla(c, 1200 + uint64_t(i++));
+        const CaseConfig c = fp8_config(mla_config(5, 400, 16, 1, rng), DType::f8e4m3, i % 3);
+        expect_mla(modes_case(c, mode, kv, splits, i), 1200 + uint64_t(i));
+        ++i;
       }
   for (int v = 0; v < 6; ++v) {
     CaseConfig c = fp8_config(mla_config(4, 700, v % 3 == 0 ? 128 : 16, 1 + v % 2, rng), DType::f8e4m3, v % 3);
