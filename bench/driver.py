@@ -361,7 +361,8 @@ def figure(r: dict | None) -> str:
     if st != "ok":
         return {"not_implemented": "n/i", "missing": "no-bin", "timeout": "t/o", "skipped": "skip",
                 "infeasible": "n/a", "unsupported": "n/s"}.get(st, "err")
-    v = r.get("tflops", r.get("gbps", 0.0))
+    # the row's own metric (MLA decode rows carry both: H = 16 is read in GB/s, H = 128 in TFLOP/s)
+    v = r.get("gbps", 0.0) if r.get("metric") == "GB/s" else r.get("tflops", r.get("gbps", 0.0))
     flag = "!" if r.get("out_check", "ok") != "ok" else ""
     return (f"{v:.1f}" if v < 100 else f"{v:.0f}") + flag
 
