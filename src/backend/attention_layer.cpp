@@ -26,12 +26,14 @@ struct Buffers {
   size_t split_bytes = 0;
 };
 
-Buffers carve(Carver& ws, const LayerSpec& spec, int64_t T, bool merged, bool cached, size_t split_bytes) {
+// merged passes' partial outputs in `state_dtype` (the workspace is sized for fp32, the largest).
+Buffers carve(Carver& ws, const LayerSpec& spec, int64_t T, bool merged, bool cached, size_t split_bytes,
+              DType state_dtype = DType::f32) {
   const int64_t H = spec.num_heads, D = spec.head_size, Dv = head_size_v(spec);
   Buffers b;
   if (merged) {
-    b.a = take_state(ws, "o_prefix", "lse_prefix", T, H, Dv);
-    b.b = take_state(ws, "o_suffix", "lse_suffix", T, H, Dv);
+    b.a = take_state(ws, "o_prefix", "lse_prefix", T, H, Dv, state_dtype);
+    b.b = take_state(ws, "o_suffix", "lse_suffix", T, H, Dv, state_dtype);
   }
   if (cached) b.query = take_query_buffers(ws, spec.kv_cache_dtype, T, H, D);
   b.split = ws.take_bytes("split_kv", split_bytes);
@@ -155,8 +157,14 @@ void AttentionLayer::forward(const AttentionMetadata& md, const TensorRef& q, co
   const Modifiers m = modifiers_of(spec_);
   const bool encoder = is_encoder(spec_);
   const bool merged = !encoder && (md.cascade.enabled || md.tree.enabled);
+  // The cascade's prefix and suffix outputs in out's 16-bit dtype, as FlashAttention's cascade
+  // (vLLM) keeps them before merge_attn_states: the passes run the tensor-core kernels' 16-bit
+  // path (an fp32 output costs prefill_tma a second P V product for P's rounding residue: 1.5x
+  // the prefix pass's tensor work); the LSEs and the merge stay fp32.
+  const DType state = md.cascade.enabled && (out.dtype == DType::bf16 || out.dtype == DType::f16) ? out.dtype
+                                                                                                  : DType::f32;
   Carver carver(ws);
-  const Buffers buf = carve(carver, spec_, md.num_actual_tokens, merged, !encoder, split_bytes_of(md));
+  const Buffers buf = carve(carver, spec_, md.num_actual_tokens, merged, !encoder, split_bytes_of(md), state);
   ExecContext base = ctx;
   base.workspace = buf.split;
   base.workspace_bytes = buf.split_bytes;

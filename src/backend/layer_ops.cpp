@@ -86,9 +86,10 @@ LayerWorkspace Carver::rest() const {
   return LayerWorkspace{ws_->data ? static_cast<char*>(ws_->data) + offset : nullptr, ws_->bytes - offset, ws_->device};
 }
 
-State take_state(Carver& c, std::string_view o_name, std::string_view lse_name, int64_t T, int64_t H, int64_t Dv) {
+State take_state(Carver& c, std::string_view o_name, std::string_view lse_name, int64_t T, int64_t H, int64_t Dv,
+                 DType o_dtype) {
   State s;
-  s.o = c.take(o_name, DType::f32, {T, H, Dv});
+  s.o = c.take(o_name, o_dtype, {T, H, Dv});
   s.lse = c.take(lse_name, DType::f32, {H, T});
   return s;
 }
