@@ -70,10 +70,17 @@ int64_t stream_min_split_keys(const ProblemShape& s, int64_t g) {
   return std::max(g, (keys + g - 1) / g * g);
 }
 
+// Waves of resident slots a decode-like shape's splits aim for: kStreamWaves; one for MLA's
+// absorbed decode (Dv > D), whose split partials are 4x GQA's per key byte (Dv = 512 for 576
+// bytes of latent) and whose CTAs hold two 37 KB tiles in flight: H = 16 B = 64 L = 4k took
+// 126 us in 4 splits (one wave) and 140 us in 8 (two; attn_bench splits= on the H200).
+int64_t stream_waves(const ProblemShape& s) { return s.head_dim_v > s.head_dim ? 1 : kStreamWaves; }
+
 // Splits of units (sequence, KV head) for a decode-like shape: of the eligible counts up to
 // the cap, the first within 5% of the best score, score = wave efficiency x target filled.
-int stream_splits(int64_t units, int64_t granules, int64_t cap, int64_t g, int64_t sms, int64_t min_keys) {
-  const int64_t slots = kStreamSlotsPerSm * sms, target = kStreamWaves * slots;
+int stream_splits(int64_t units, int64_t granules, int64_t cap, int64_t g, int64_t sms, int64_t min_keys,
+                  int64_t waves) {
+  const int64_t slots = kStreamSlotsPerSm * sms, target = waves * slots;
   const int64_t max_s = std::min(cap, std::max<int64_t>(1, granules * g / min_keys));
   if (units >= target || max_s < 2) return 1;
   std::array<double, kMaxSplits + 1> score{};
@@ -127,7 +134,8 @@ int choose_unbounded(const ProblemShape& s, const DeviceProps& dev, int requeste
   const int64_t sms = std::max(1, dev.num_sms);
   if (s.batch * s.num_kv_heads == 0 || granules < 2) return 1;
   if (dev.device.type == DeviceType::cuda && packed <= kStreamRows)
-    return stream_splits(s.batch * s.num_kv_heads, granules, cap, g, sms, stream_min_split_keys(s, g));
+    return stream_splits(s.batch * s.num_kv_heads, granules, cap, g, sms, stream_min_split_keys(s, g),
+                         stream_waves(s));
   const bool packs_heads = packed <= kStreamRows || s.head_dim_v > s.head_dim;
   const int64_t units = packs_heads ? s.batch * s.num_kv_heads * ceil_div(packed, 64)
                                     : s.batch * s.num_heads * ceil_div(std::max<int64_t>(1, s.max_seqlen_q), 128);

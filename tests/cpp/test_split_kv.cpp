@@ -93,6 +93,14 @@ TEST(SplitKv, HeuristicSplitsOnlyWhenTheGpuWouldIdle) {
   EXPECT_EQ(fs::choose_num_splits(pre, fs::DeviceProps::h200(), 0), 2);
   pre.max_seqlen_q = pre.total_q = 8192;  // a long prefill fills the GPU unsplit
   EXPECT_EQ(fs::choose_num_splits(pre, fs::DeviceProps::h200(), 0), 1);
+  // MLA's absorbed decode (H = 16, one latent head, D 64 + Dv 512) aims at one wave of resident
+  // CTAs: B = 64 L = 4k in 4 splits (measured faster than 8); B = 1 L = 32k in 64.
+  fs::ProblemShape mla = decode_shape(64, 4096);
+  mla.num_heads = 16, mla.num_kv_heads = 1, mla.head_dim = 64, mla.head_dim_v = 512, mla.page_size = 64;
+  EXPECT_EQ(fs::choose_num_splits(mla, fs::DeviceProps::h200(), 0), 4);
+  mla.batch = mla.total_q = 1;
+  mla.max_seqlen_k = 32768;
+  EXPECT_EQ(fs::choose_num_splits(mla, fs::DeviceProps::h200(), 0), 64);
 }
 
 TEST(SplitKv, RequestedSplitsAreCapped) {
