@@ -529,21 +529,6 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
 #pragma unroll
     for (int h = 0; h < S::kSub; ++h) locate<S>(p, s, t0 + h * kN, u, loc + h * 32, lane);
   };
-  // kM = 16 (memory-bound): load tile k + 2's block-table entries are read into registers
-  // (warp 0) while tile k is computed, and turned into locations after its softmax, so the
-  // table read's latency (~1 us) no longer holds that barrier every load tile. kM = 64 (compute
-  // bound, 255 registers) locates after the softmax as before: the prefetch's registers tripled
-  // its spills (12 -> 36 B).
-  constexpr bool kPrefetch = S::kM == 16;
-  decode::TileKey ahead[S::kSub];
-  auto prefetch_keys = [&](int64_t t0) {
-#pragma unroll
-    for (int h = 0; h < S::kSub; ++h) ahead[h] = decode::tile_key<kN>(p, s.kv, t0 + h * kN, u.lo, u.hi, lane);
-  };
-  auto store_locs = [&] {
-#pragma unroll
-    for (int h = 0; h < S::kSub; ++h) loc[h * 32 + lane] = decode::tile_loc(p, s.kv, ahead[h]);
-  };
   if (nload > 0) {
     if (warp == 0) locate_load(base);
     __syncthreads();
@@ -567,7 +552,6 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
     // tiles in flight per CTA while it waits (one barrier more per load tile than waiting first).
     __syncthreads();  // every warp is done with tile k - 1 (its stage is free); k + 1's locations are written
     if (k + 1 < nload) issue_kv<S>(p, loc, bad + (st ^ 1) * S::kSub, kv + uint32_t((st ^ 1) * S::kStageBytes));
-    if (kPrefetch && warp == 0 && k + 2 < nload) prefetch_keys(base + (k + 2) * kL);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();  // load tile k landed (every thread's copies)
@@ -581,10 +565,7 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
       else compute_s<S>(q, kv + uint32_t(off), sbuf, warp, lane);
       __syncthreads();  // S complete; load tile k + 1's locations are read
       softmax_rows<S>(p, sbuf, rscale, bad[st * S::kSub + h], base + sub * kN, rr, row, part);
-      if (h == 0 && warp == 0 && k + 2 < nload) {
-        if constexpr (kPrefetch) store_locs();
-        else locate_load(base + (k + 2) * kL);
-      }
+      if (h == 0 && warp == 0 && k + 2 < nload) locate_load(base + (k + 2) * kL);
       __syncthreads();  // P and alpha complete
       accumulate_pv<S, S::kKvDt>(kvp + off, sbuf, rscale, warp, lane, o);
     }
