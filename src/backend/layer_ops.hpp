@@ -40,8 +40,8 @@ class Carver {
 struct State {
   TensorRef o, lse;
 };
-// Both fp32, so a merge of partial states loses nothing to the activation dtype.
-// A partial state (o [T, H, Dv] of o_dtype, lse fp32 [H, T]) from the workspace.
+// A partial state (o [T, H, Dv] of o_dtype, lse fp32 [H, T]) from the workspace: fp32 by
+// default, so a merge of partial states loses nothing to the activation dtype.
 State take_state(Carver& c, std::string_view o_name, std::string_view lse_name, int64_t T, int64_t H, int64_t Dv,
                  DType o_dtype = DType::f32);
 

@@ -5,6 +5,7 @@
 #include <span>
 
 #include "flashserve/backend.hpp"
+#include "planner/cta_shapes.hpp"
 
 namespace flashserve::backend {
 
@@ -32,9 +33,12 @@ constexpr int64_t kMinRequests = 8;
 // count. Fractional waves keep the decision monotone: more SMs never favour cascade (the floor
 // binds the decode side first), while a longer prefix or more requests never favour decode
 // (decode's work grows at least as fast as cascade's).
-constexpr int64_t kKvTile = 128;          // KV tokens per tile
-constexpr int64_t kDecodeRows = 64;       // packed query rows per split-KV decode CTA
-constexpr int64_t kPrefixRows = 128;      // query rows per CTA of the prefix pass
+// The prefix pass's CTAs are counted as GQA-packed rows per KV head; the prefill kernels take
+// one head per CTA (plan.cpp's split heuristic counts those): the same count when N * group is a
+// multiple of 128, fewer CTAs otherwise (the model favours split-KV for small N).
+constexpr int64_t kKvTile = planner::kKvTileKeys;
+constexpr int64_t kDecodeRows = planner::kDecodePackedRows;
+constexpr int64_t kPrefixRows = planner::kPrefillRowsPerCta;
 constexpr double kCascadeFixedSteps = 2.0;  // second launch + merge_states
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

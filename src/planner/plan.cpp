@@ -7,6 +7,7 @@
 
 #include "flashserve/plan.hpp"
 #include "flashserve/status.hpp"
+#include "planner/cta_shapes.hpp"
 
 namespace flashserve {
 
@@ -37,7 +38,7 @@ namespace {
 // KV tokens per split granule: the kernels' KV tile on the GPU; finer on the CPU so small
 // problems can still be split (tests exercise every split count).
 int64_t split_granularity(const DeviceProps& dev) {
-  return dev.device.type == DeviceType::cuda ? 128 : 16;
+  return dev.device.type == DeviceType::cuda ? planner::kKvTileKeys : 16;
 }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // n splits that differ from n - 1 in the granules each split gets (others repeat a shape).
@@ -65,7 +66,7 @@ constexpr int64_t kStreamMinSplitKeys = 1024;
 // same bytes per split, 1024 x 256 / (D + Dv) keys (455 at 64 + 512: 512 after the granule),
 // so B = 1 at 32k keys gets 64 splits instead of 32 (32 CTAs for 132 SMs).
 int64_t stream_min_split_keys(const ProblemShape& s, int64_t g) {
-  if (s.head_dim_v <= s.head_dim || s.head_dim + s.head_dim_v <= 0) return kStreamMinSplitKeys;
+  if (!planner::is_mla_decode(s.head_dim, s.head_dim_v) || s.head_dim + s.head_dim_v <= 0) return kStreamMinSplitKeys;
   const int64_t keys = kStreamMinSplitKeys * 256 / (s.head_dim + s.head_dim_v);
   return std::max(g, (keys + g - 1) / g * g);
 }
@@ -74,7 +75,7 @@ int64_t stream_min_split_keys(const ProblemShape& s, int64_t g) {
 // absorbed decode (Dv > D), whose split partials are 4x GQA's per key byte (Dv = 512 for 576
 // bytes of latent) and whose CTAs hold two 37 KB tiles in flight: H = 16 B = 64 L = 4k took
 // 126 us in 4 splits (one wave) and 140 us in 8 (two; attn_bench splits= on the H200).
-int64_t stream_waves(const ProblemShape& s) { return s.head_dim_v > s.head_dim ? 1 : kStreamWaves; }
+int64_t stream_waves(const ProblemShape& s) { return planner::is_mla_decode(s.head_dim, s.head_dim_v) ? 1 : kStreamWaves; }
 
 // Splits of units (sequence, KV head) for a decode-like shape: of the eligible counts up to
 // the cap, the first within 5% of the best score, score = wave efficiency x target filled.
@@ -136,9 +137,10 @@ int choose_unbounded(const ProblemShape& s, const DeviceProps& dev, int requeste
   if (dev.device.type == DeviceType::cuda && packed <= kStreamRows)
     return stream_splits(s.batch * s.num_kv_heads, granules, cap, g, sms, stream_min_split_keys(s, g),
                          stream_waves(s));
-  const bool packs_heads = packed <= kStreamRows || s.head_dim_v > s.head_dim;
-  const int64_t units = packs_heads ? s.batch * s.num_kv_heads * ceil_div(packed, 64)
-                                    : s.batch * s.num_heads * ceil_div(std::max<int64_t>(1, s.max_seqlen_q), 128);
+  const bool packs_heads = packed <= kStreamRows || planner::is_mla_decode(s.head_dim, s.head_dim_v);
+  const int64_t units =
+      packs_heads ? s.batch * s.num_kv_heads * ceil_div(packed, planner::kDecodePackedRows)
+                  : s.batch * s.num_heads * ceil_div(std::max<int64_t>(1, s.max_seqlen_q), planner::kPrefillRowsPerCta);
   if (units * 10 >= sms * 8) return 1;
   const int64_t max_s = std::min<int64_t>(cap, 2 * sms);
   double best = 0.0;
