@@ -267,6 +267,20 @@ inline std::string served(const fs::AttentionParams& p, bool batched) {
   }
 }
 
+// The case (context parallelism set, say) against the CPU reference alone under the same plan,
+// for what the fp64 oracle does not model: `kernel` gets the kernel that served it, `cpu_out`
+// (optional) the reference's out; returns compare_with_cpu's mismatches ("" when it matches).
+inline std::string match_cpu_reference(fstest::AttentionCase& ac, std::string& kernel,
+                                       fstest::HostTensor* cpu_out = nullptr) {
+  const DeviceCase dc = mirror_case(ac);
+  kernel = served(dc.params, ac.cfg.batched());
+  const fs::Plan plan = plan_case(ac, dc.params);
+  const auto cpu = run_cpu(ac, plan);
+  run_gpu_planned(ac, dc, plan);
+  if (cpu_out) *cpu_out = cpu.first;
+  return compare_with_cpu(ac, cpu.first, cpu.second, kernel_rounds_p(kernel, ac.cfg), kernel_approximates_tanh(kernel));
+}
+
 struct Outcome {
   std::string kernel;  // the kernel that served the GPU call
   std::string error;   // "" when the GPU agrees with the oracle and the reference
