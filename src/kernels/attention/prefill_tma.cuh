@@ -40,6 +40,8 @@
 namespace flashserve::kernels::prefill {
 
 inline constexpr int kTmaThreads = 384;
+// setmaxnreg moves registers within the CTA's launch allocation (168 x 384 = 64512): 232 x 256 +
+// 40 x 128 uses all of it; a producer at 48 leaves the consumers' increase waiting forever.
 inline constexpr int kTmaConsumerRegs = 232, kTmaProducerRegs = 40;
 
 // The kernel's parameters: the operands' tensor maps next to AttnParams.
