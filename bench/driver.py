@@ -64,6 +64,8 @@ class Config:
     plain: str = ""      # prefill_mods: the unmodified configuration of the same shape (vs_plain); prefill_paged:
                          # the contiguous one (vs_contig)
     paged: bool = False  # prefill: K/V in a paged cache of blocks of `block` (shuffled block tables)
+    parts: tuple = ()    # mixed_step: the rows of its parts as steps of their own (vs_separate: their summed
+                         # time over this row's; issue 14 wants >= 1.2)
     peers: tuple = ()    # peers (besides flashserve) that run it
     quick: bool = False  # part of --quick
 
@@ -109,7 +111,7 @@ class Config:
     @property
     def compute_bound(self) -> bool:
         """Figures in TFLOP/s against the GEMM ceiling (else KV GB/s against the copy ceiling)."""
-        return self.op in ("prefill", "mixed_step") or (self.mla and self.H >= 64)
+        return self.op == "prefill" or (self.op == "mixed_step" and self.NP > 0) or (self.mla and self.H >= 64)
 
     @property
     def metric(self) -> str:
@@ -230,9 +232,14 @@ def all_configs() -> list[Config]:
             out.append(Config(name=f"shared_b{b}_p{_k(p)}_{'cascade' if cascade else 'split'}",
                               family="shared_prefix", op="shared_prefix", B=b, L=p + 256, P=p, block=16,
                               H=32, Hkv=8, D=128, cascade=cascade, quick=b == 64 and p == 4096))
-    # Mixed step: 64 decodes (context 4k) and 2 chunked prefills of 2k new tokens on 8k cached.
-    out.append(Config(name="mixed_b64_l4k_p2x2k_c8k", family="mixed_step", op="mixed_step", B=64, L=4096,
-                      S=2048, C=8192, NP=2, H=32, Hkv=8, D=128, quick=True))
+    # Mixed step: 64 decodes (context 4k) and 2 chunked prefills of 2k new tokens on 8k cached, and
+    # its parts as steps of their own (the decodes alone; the prefills with one decode, as a step
+    # holds at least one): separate launches, against which the one step is measured.
+    mixed = dict(family="mixed_step", op="mixed_step", L=4096, S=2048, C=8192, H=32, Hkv=8, D=128, quick=True)
+    out.append(Config(name="mixed_b64_l4k_p2x2k_c8k", B=64, NP=2,
+                      parts=("mixed_b64_l4k_decodes", "mixed_p2x2k_c8k_prefills"), **mixed))
+    out.append(Config(name="mixed_b64_l4k_decodes", B=64, NP=0, **mixed))
+    out.append(Config(name="mixed_p2x2k_c8k_prefills", B=1, NP=2, **mixed))
     return out
 
 
@@ -349,6 +356,8 @@ def add_figures(rows: list[dict], configs: list[Config], header: dict) -> None:
                 if p is not None:
                     r["vs_contig" if c.paged else "vs_plain"] = (c.flops / times[(c.name, "flashserve")]) / (
                         p.flops / times[(c.plain, "flashserve")])
+            if c.parts and all((q, "flashserve") in times for q in c.parts):
+                r["vs_separate"] = sum(times[(q, "flashserve")] for q in c.parts) / r["time_ms"]
             if c.op == "shared_prefix" and c.cascade:
                 split = c.name.replace("_cascade", "_split")
                 if (split, "flashserve") in times:
@@ -380,8 +389,8 @@ def print_table(header: dict, configs: list[Config], rows: list[dict]) -> None:
     for c in configs:
         line = f"{c.name:36}" + "".join(f"{figure(cell.get((c.name, p))):>11}" for p in ALL_PEERS)
         fs = cell.get((c.name, "flashserve"), {})
-        ratio = fs.get("vs_best_peer", fs.get("vs_bf16", fs.get("vs_split", fs.get("vs_plain", fs.get("vs_contig", fs.get(
-            "vs_decode", fs.get("vs_default")))))))
+        ratio = next((fs[k] for k in ("vs_best_peer", "vs_bf16", "vs_split", "vs_plain", "vs_contig", "vs_decode",
+                                      "vs_default", "vs_separate") if k in fs), None)
         line += f"{ratio:9.2f}" if ratio is not None else f"{'-':>9}"
         frac = fs.get("frac_ceiling")
         line += f"{100 * frac:8.0f}%" if frac is not None else f"{'-':>9}"
@@ -401,7 +410,8 @@ def print_table(header: dict, configs: list[Config], rows: list[dict]) -> None:
           "non-finite or all zeros;\nfs/best: best peer time / flashserve time "
           "(fp8 / int8 rows: bf16 time / fp8 or int8 time; shared *_cascade rows: split-KV time / cascade time;\nprefill_mods rows "
           "without an ok peer row (alibi, alibi_sqrt, chunk; fa4 absent): TFLOP/s over the plain row's of the same shape;\n"
-          "prefill_paged rows: TFLOP/s over the contiguous row's);\nfs%ceil: of the "
+          "prefill_paged rows: TFLOP/s over the contiguous row's; mixed step: its parts' summed step times over its "
+          "own);\nfs%ceil: of the "
           "GEMM (prefill) or copy (decode) ceiling")
 
 
