@@ -34,8 +34,9 @@ constexpr int64_t kMinRequests = 8;
 // binds the decode side first), while a longer prefix or more requests never favour decode
 // (decode's work grows at least as fast as cascade's).
 // The prefix pass's CTAs are counted as GQA-packed rows per KV head; the prefill kernels take
-// one head per CTA (plan.cpp's split heuristic counts those): the same count when N * group is a
-// multiple of 128, fewer CTAs otherwise (the model favours split-KV for small N).
+// one head per CTA (plan.cpp's split heuristic counts those): the same count when N is a
+// multiple of 128, up to `group` times fewer otherwise, so for small N the model underrates the
+// prefix pass and leans towards cascade.
 constexpr int64_t kKvTile = planner::kKvTileKeys;
 constexpr int64_t kDecodeRows = planner::kDecodePackedRows;
 constexpr int64_t kPrefixRows = planner::kPrefillRowsPerCta;
