@@ -7,7 +7,7 @@ Inline PTX needs a literal operand list per N, hence a generator:
 """
 import pathlib
 
-NS = (64, 128, 192, 256)
+NS = (32, 64, 128, 192, 256)
 TYPES = (("__nv_bfloat16", "bf16"), ("__half", "f16"))
 
 

@@ -175,11 +175,11 @@ inline double out_ulp(double x, fs::DType t) {
 // Whether `kernel` (attention_kernel_name) rounds P to a 16-bit type before P·V: the tensor-core
 // kernels (prefill_mma, prefill_wgmma except for fp32 outputs; decode, whose q.k and p.v run on
 // mma.sync, except for fp32 outputs, where it adds the rounding residue in a second mma;
-// decode_mla, fp32 outputs included). The
+// decode_mla and decode_mla_wgmma, fp32 outputs included). The
 // type is q's for 16-bit K/V, f16 for fp8 K/V and int8 K8V8, V's for int8 K8V16 (p_round_eps).
 inline bool kernel_rounds_p(const std::string& kernel, const fstest::CaseConfig& c) {
   if (kernel == "prefill_wgmma" || kernel == "prefill_tma") return c.out_dtype != fs::DType::f32;  // fp32 out: P hi + lo
-  if (kernel == "decode_mla") return true;  // P in q's type whatever out's dtype
+  if (kernel == "decode_mla" || kernel == "decode_mla_wgmma") return true;  // P in q's type whatever out's dtype
   return kernel == "prefill_mma" || (kernel == "decode" && c.out_dtype != fs::DType::f32);
 }
 

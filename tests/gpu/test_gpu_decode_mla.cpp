@@ -1,5 +1,6 @@
-// The MLA absorbed-decode kernel (src/kernels/attention/decode_mla.cuh) on problems that select
-// it (checked: attention_kernel_name == "decode_mla"), against the fp64 oracle and the CPU
+// The MLA absorbed-decode kernels (src/kernels/attention/decode_mla.cuh, and decode_mla_wgmma.cuh
+// for 64 rows of a 16-bit cache on Hopper) on problems that select them (checked:
+// attention_kernel_name is one of them), against the fp64 oracle and the CPU
 // reference under the same plan, outputs poisoned first: q [.., H, 64] + q_v [.., H, 512] against
 // one latent cache [.., 576] (v = channels 0..511, k = 512..575) or separate / interleaved k and
 // v; H 1, 16, 128 (16- and 64-row CTAs, two row slices at H = 128), q_len 1..4 (causal verify),
@@ -30,6 +31,20 @@ namespace fs = flashserve;
 
 namespace {
 
+// Whether `kernel` (attention_kernel_name) is one of the MLA decode kernels: decode_mla
+// (mma.sync, sm80+) or decode_mla_wgmma (sm_90a, 64 rows of a 16-bit latent cache; the ctest
+// entries prefixed "mma80." take it out of the selection, so the mma.sync kernel serves those
+// rows on Hopper too).
+bool mla_kernel(const std::string& kernel) { return kernel == "decode_mla" || kernel == "decode_mla_wgmma"; }
+
+// The kernel that serves 64 rows of a 16-bit latent cache on this device.
+std::string mla_kernel_64_rows() {
+  const fs::DeviceProps dev = fs::kernels::cuda_device_props(0);
+  const bool wgmma = FLASHSERVE_SM90A && dev.cc_major == 9 && dev.cc_minor == 0 &&
+                     !fs::kernels::kernel_disabled(fs::kernels::AttnKernelId::decode_mla_wgmma);
+  return wgmma ? "decode_mla_wgmma" : "decode_mla";
+}
+
 // A batched paged bf16 MLA decode problem over one latent cache.
 CaseConfig mla_config(int64_t B, int64_t max_k, int64_t H, int64_t q_len, std::mt19937_64& rng) {
   CaseConfig c;
@@ -57,7 +72,7 @@ bool expect_mla(const CaseConfig& c, uint64_t salt) {
   auto rng = fstest::make_rng(salt);
   fstest::AttentionCase ac = fstest::build_case(c, rng);
   const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams&) {});
-  EXPECT_EQ(o.kernel, "decode_mla") << fstest::describe(c);
+  EXPECT_TRUE(mla_kernel(o.kernel)) << o.kernel << ": " << fstest::describe(c);
   EXPECT_EQ(o.error, "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
   return true;
 }
@@ -117,7 +132,8 @@ TEST(GpuDecodeMla, ModesAndLayouts) {
   for (KvMode mode : fstest::kAllKvModes)
     for (int kv : {0, 1, 2})  // latent, separate, interleaved
       for (int splits : {1, 3}) {
-        expect_mla(modes_case(mla_config(5, 400, 16, 1, rng), mode, kv, splits, i), 300 + uint64_t(i));
+        // H 16 (16-row CTAs) and 64 (one 64-row CTA: the wgmma kernel on Hopper)
+        expect_mla(modes_case(mla_config(5, 400, i % 4 < 2 ? 16 : 64, 1, rng), mode, kv, splits, i), 300 + uint64_t(i));
         ++i;
       }
 }
@@ -178,7 +194,7 @@ TEST(GpuDecodeMla, ContextParallelFp32Out) {
         std::string kernel;
         EXPECT_EQ(fsgpu::match_cpu_reference(ac, kernel), "")
             << "world " << world << " rank " << rank << "\n" << fstest::describe(c);
-        EXPECT_EQ(kernel, "decode_mla") << fstest::describe(c);
+        EXPECT_TRUE(mla_kernel(kernel)) << kernel << ": " << fstest::describe(c);
       }
 }
 
@@ -292,23 +308,25 @@ TEST(GpuDecodeMla, UnderstatedMaxSeqlenQ) {
   c.num_splits = 1;
   fstest::AttentionCase ac = fstest::build_case(c, rng);
   const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams& p) { p.max_seqlen_q = 1; });
-  EXPECT_EQ(o.kernel, "decode_mla");
+  EXPECT_TRUE(mla_kernel(o.kernel)) << o.kernel;
   EXPECT_EQ(o.error, "") << fstest::describe(c);
 }
 
-// A block index outside the cache is never read: exactly the rows that see its keys are NaN.
+// A block index outside the cache is never read: exactly the rows that see its keys are NaN
+// (16 rows: decode_mla; 64 rows: the wgmma kernel on Hopper).
 TEST(GpuDecodeMla, BadBlockIndexGivesNanRows) {
-  for (int splits : {1, 3})
-    for (int bad_id : {-1, 1 << 20}) {
-      auto rng = fstest::make_rng(8);
-      CaseConfig c = mla_config(3, 10, 16, 1, rng);
-      c.k_lens = {40, 70, 33};
-      c.block_size = 16;
-      c.window = {20, 0};  // sequence 1 sees keys 49..69, not block 1 (16..31)
-      c.num_splits = splits;
-      fstest::AttentionCase ac = fstest::build_case(c, rng);
-      fsgpu::expect_bad_block_nan_rows(ac, "decode_mla", bad_id, splits);
-    }
+  for (int64_t H : {16, 128})
+    for (int splits : {1, 3})
+      for (int bad_id : {-1, 1 << 20}) {
+        auto rng = fstest::make_rng(8);
+        CaseConfig c = mla_config(3, 10, H, 1, rng);
+        c.k_lens = {40, 70, 33};
+        c.block_size = 16;
+        c.window = {20, 0};  // sequence 1 sees keys 49..69, not block 1 (16..31)
+        c.num_splits = splits;
+        fstest::AttentionCase ac = fstest::build_case(c, rng);
+        fsgpu::expect_bad_block_nan_rows(ac, H == 16 ? "decode_mla" : mla_kernel_64_rows(), bad_id, splits);
+      }
 }
 
 namespace {
@@ -328,13 +346,17 @@ std::string mla_why(const CaseConfig& c, fs::kernels::AttnKernelChoice& choice) 
 TEST(GpuDecodeMla, Selection) {
   auto rng = fstest::make_rng(9);
   struct Want { int64_t H, q_len; int rows, slices; };
+  // 64 rows of a 16-bit cache: the wgmma kernel on the H200 in builds with sm_90a code.
+  const bool wgmma = FLASHSERVE_SM90A && !fs::kernels::kernel_disabled(fs::kernels::AttnKernelId::decode_mla_wgmma);
   for (Want w : {Want{1, 1, 16, 1}, Want{16, 1, 16, 1}, Want{16, 2, 64, 1}, Want{128, 1, 64, 2}, Want{128, 4, 64, 8}}) {
     const CaseConfig c = mla_config(2, 100, w.H, w.q_len, rng);
     fs::kernels::AttnKernelChoice choice;
     EXPECT_EQ(mla_why(c, choice), "") << "H " << w.H << " q_len " << w.q_len;
-    EXPECT_EQ(choice.kernel, fs::kernels::AttnKernelId::decode_mla);
+    const bool wg = wgmma && w.rows == 64;
+    EXPECT_EQ(choice.kernel, wg ? fs::kernels::AttnKernelId::decode_mla_wgmma : fs::kernels::AttnKernelId::decode_mla);
     EXPECT_EQ(choice.rows_per_cta, w.rows);
     EXPECT_EQ(choice.head_slices, w.slices);
+    EXPECT_EQ(choice.smem_bytes, wg ? fs::kernels::mla_wgmma_smem_bytes() : fs::kernels::mla_smem_bytes(w.rows));
   }
   {  // fp32 out (a DCP rank's partial output) as well
     CaseConfig c = mla_config(2, 100, 16, 1, rng);
@@ -363,6 +385,7 @@ TEST(GpuDecodeMla, Selection) {
     c.quant = fstest::QuantMode::fp8_kv, c.kv_dtype = DType::f8e4m3;
     fs::kernels::AttnKernelChoice choice;
     EXPECT_EQ(mla_why(c, choice), "") << "fp8 H " << w.H;
+    EXPECT_EQ(choice.kernel, fs::kernels::AttnKernelId::decode_mla);  // fp8: mma.sync at 64 rows too
     EXPECT_EQ(choice.rows_per_cta, w.rows);
     EXPECT_EQ(choice.head_slices, w.slices);
     EXPECT_EQ(choice.smem_bytes, fs::kernels::mla_smem_bytes(w.rows, 1));
@@ -406,7 +429,7 @@ TEST(GpuDecodeMla, Fuzz) {
     fstest::AttentionCase ac = fstest::build_case(c, crng);
     const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams&) {});
     ++ran;
-    served_mla += o.kernel == "decode_mla";
+    served_mla += mla_kernel(o.kernel);
     if (o.error.empty()) continue;
     ++failed;
     ADD_FAILURE() << "decode_mla fuzz case " << i << " (served by " << o.kernel << ")\n  " << fstest::describe(c)

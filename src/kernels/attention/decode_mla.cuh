@@ -132,6 +132,10 @@ struct Shape {
   static constexpr int kKBytes = kMlaD * kVb;                // k's bytes at the start of a KV row
   static constexpr int kKChunks = kKBytes / 16, kVChunks = kMlaDv * kVb / 16;
   static constexpr size_t kStageBytes = size_t(kL) * kKvRow;
+  static constexpr int kSParts = 1;  // partial S sums the softmax adds (decode_mla_wgmma.cuh: 2)
+  // Shared-memory byte offsets of 16-byte chunk c of Q row j and of KV row r ([k | v] chunks).
+  static FS_DEV uint32_t q_at(int j, int c) { return uint32_t(j * kRowBytes + c * 16); }
+  static FS_DEV uint32_t kv_at(int r, int c) { return uint32_t(r * kKvRow + c * 16); }
   static constexpr size_t kQOff = 0;
   static constexpr size_t kKvOff = size_t(kM) * kRowBytes;
   static constexpr size_t kSOff = kKvOff + kMlaStages * kStageBytes;
@@ -165,7 +169,7 @@ FS_DEV void issue_q(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nro
       src = static_cast<const char*>(r.data) + (s.rows.qb * r.stride[0] + q_row * r.stride[1] + pi.h * r.stride[2]) * 2 +
             (c < 8 ? c : c - 8) * 16;
     }
-    cp_async_16(q + uint32_t(j * S::kRowBytes + c * 16), src, ok);
+    cp_async_16(q + S::q_at(j, c), src, ok);
   }
 }
 
@@ -242,14 +246,13 @@ FS_DEV void issue_kv(const AttnParams& p, const TokenLoc* loc, uint32_t* bad, ui
   for (int it = 0; it < S::kL * S::kKChunks / S::kThreads; ++it) {
     const int i = tid + it * S::kThreads, r = i / S::kKChunks, c = i % S::kKChunks;
     const TokenLoc& L = loc[r];
-    cp_async_16(stage + uint32_t(r * S::kKvRow + c * 16), kg + L.k_off * S::kVb + c * 16, L.state == kTokenValid);
+    cp_async_16(stage + S::kv_at(r, c), kg + L.k_off * S::kVb + c * 16, L.state == kTokenValid);
   }
 #pragma unroll
   for (int it = 0; it < S::kL * S::kVChunks / S::kThreads; ++it) {
     const int i = tid + it * S::kThreads, r = i / S::kVChunks, c = i % S::kVChunks;
     const TokenLoc& L = loc[r];
-    cp_async_16(stage + uint32_t(r * S::kKvRow + S::kKBytes + c * 16), vg + L.v_off * S::kVb + c * 16,
-                L.state == kTokenValid);
+    cp_async_16(stage + S::kv_at(r, S::kKChunks + c), vg + L.v_off * S::kVb + c * 16, L.state == kTokenValid);
   }
 }
 
@@ -363,7 +366,8 @@ struct RowRegs {
 };
 
 // Step 2: online softmax of the lane's row over tile keys [t0, t0 + 32); P (16-bit) over the
-// row's S in place; alpha (the factor for O) to rscale[row].
+// row's S in place; alpha (the factor for O) to rscale[row]. S is the sum of kSParts partial
+// sums kM rows apart (the wgmma kernel's two warpgroups each take half of the contraction).
 template <class S>
 FS_DEV void softmax_rows(const AttnParams& p, unsigned char* sbuf, float* rscale, uint32_t bad, int64_t t0,
                          RowRegs& rr, int row, int part) {
@@ -374,7 +378,12 @@ FS_DEV void softmax_rows(const AttnParams& p, unsigned char* sbuf, float* rscale
   const float* srow = reinterpret_cast<const float*>(sbuf + row * S::kSStride) + c0;
 #pragma unroll
   for (int i = 0; i < S::kKpt; i += 4) {
-    const float4 v = *reinterpret_cast<const float4*>(srow + i);
+    float4 v = *reinterpret_cast<const float4*>(srow + i);
+#pragma unroll
+    for (int h = 1; h < S::kSParts; ++h) {
+      const float4 w = *reinterpret_cast<const float4*>(srow + h * S::kM * S::kSStride / 4 + i);
+      v.x += w.x, v.y += w.y, v.z += w.z, v.w += w.w;
+    }
     x[i] = v.x, x[i + 1] = v.y, x[i + 2] = v.z, x[i + 3] = v.w;
   }
   __syncwarp();  // the row's lanes have read S before P overwrites it
@@ -487,6 +496,72 @@ FS_DEV void accumulate_pv(const unsigned char* kvp, const unsigned char* sbuf, c
   }
 }
 
+// Epilogue, part 1: per row, v_descale / l (times the sink's weight) into rscale and the LSE
+// out (or the split's partial LSE). Every warp is past its last P V when it returns.
+template <class S>
+FS_DEV void finish_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split, float* rscale,
+                        RowRegs& rr, int row, int part) {
+#pragma unroll
+  for (int o2 = 1; o2 < S::kTpr; o2 <<= 1) rr.l += __shfl_xor_sync(kFullMask, rr.l, o2);
+  __syncthreads();  // every warp is done reading alpha
+  if (part == 0) {
+    float lse = rr.l == 0.0f ? kNegInf : rr.m + logf(rr.l);  // apply_sink may move it
+    float scale = rr.l == 0.0f ? 0.0f : (S::kFp8 ? s.kv.v_desc : 1.0f) / rr.l;
+    if (row < nrows) {
+      const PackedIdx pi = decode::packed_idx(p, 0, g0, row);
+      const int64_t r = s.rows.row_begin + pi.i;
+      if (p.num_splits > 1) {
+        p.lse_partial[partial_index(p, split, r, pi.h)] = lse;
+      } else {
+        scale *= apply_sink(p, pi.h, lse);
+        store_lse(p, s.rows.qb, s.rows.q_row(r, p.batched), pi.h, lse);
+      }
+    }
+    rscale[row] = scale;
+  }
+  __syncthreads();
+}
+
+// Epilogue, part 2: out (or the split's fp32 partial) = O x rscale[row] for the thread's
+// accumulators o[kMb][kNt][4] in the m16n8 layout: m-block mb holds rows row0 + 16 mb + lane / 4
+// (+ 8), n-tile n the columns c0 + chan(n, 2 (lane % 4) (+ 1)): 8n + c, or, kPermuted (fp8
+// P V's order), c kNt + n.
+template <class S, int kMb, int kNt, bool kPermuted>
+FS_DEV void store_o(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split, const float* rscale,
+                    const float (&o)[kMb][kNt][4], int row0, int c0, int lane) {
+  auto chan = [](int n, int c) { return kPermuted ? c * kNt + n : 8 * n + c; };
+#pragma unroll
+  for (int mb = 0; mb < kMb; ++mb)
+#pragma unroll
+    for (int r2 = 0; r2 < 2; ++r2) {
+      const int j = row0 + 16 * mb + lane / 4 + 8 * r2;
+      if (j >= nrows) continue;
+      const float sc = rscale[j];
+      const PackedIdx pi = decode::packed_idx(p, 0, g0, j);
+      const int64_t r = s.rows.row_begin + pi.i;
+      const int c = 2 * (lane % 4);
+      if (p.num_splits > 1) {
+        float* dst = p.o_partial + partial_index(p, split, r, pi.h) * kMlaDv + c0;
+#pragma unroll
+        for (int n = 0; n < kNt; ++n) {
+          if constexpr (kPermuted) {
+            dst[chan(n, c)] = o[mb][n][2 * r2] * sc;
+            dst[chan(n, c + 1)] = o[mb][n][2 * r2 + 1] * sc;
+          } else {
+            *reinterpret_cast<float2*>(dst + chan(n, c)) = make_float2(o[mb][n][2 * r2] * sc, o[mb][n][2 * r2 + 1] * sc);
+          }
+        }
+      } else {
+        const int64_t q_row = s.rows.q_row(r, p.batched);
+#pragma unroll
+        for (int n = 0; n < kNt; ++n) {
+          store_out(p, s.rows.qb, q_row, pi.h, c0 + chan(n, c), o[mb][n][2 * r2] * sc);
+          store_out(p, s.rows.qb, q_row, pi.h, c0 + chan(n, c + 1), o[mb][n][2 * r2 + 1] * sc);
+        }
+      }
+    }
+}
+
 // One row group: packed rows [g0, g0 + nrows) of the CTA's sequence.
 template <class S>
 FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split, unsigned char* sm) {
@@ -571,60 +646,8 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
     }
   }
   cp_async_wait<0>();
-
-  // Epilogue: per row, v_descale / l (times the sink's weight) into rscale, LSE out; then O.
-#pragma unroll
-  for (int o2 = 1; o2 < S::kTpr; o2 <<= 1) rr.l += __shfl_xor_sync(kFullMask, rr.l, o2);
-  __syncthreads();  // every warp is done reading alpha
-  if (part == 0) {
-    float lse = rr.l == 0.0f ? kNegInf : rr.m + logf(rr.l);
-    float scale = rr.l == 0.0f ? 0.0f : (S::kFp8 ? s.kv.v_desc : 1.0f) / rr.l;
-    if (row < nrows) {
-      const PackedIdx pi = decode::packed_idx(p, 0, g0, row);
-      const int64_t r = s.rows.row_begin + pi.i;
-      if (p.num_splits > 1) {
-        p.lse_partial[partial_index(p, split, r, pi.h)] = lse;
-      } else {
-        scale *= apply_sink(p, pi.h, lse);
-        store_lse(p, s.rows.qb, s.rows.q_row(r, p.batched), pi.h, lse);
-      }
-    }
-    rscale[row] = scale;
-  }
-  __syncthreads();
-  // The accumulator's column c of n-tile n: channel 8n + c (16-bit KV) or c kNTiles + n (fp8 KV,
-  // accumulate_pv's permutation), plus the warp's first column.
-  auto chan = [](int n, int c) { return S::kFp8 ? c * S::kNTiles + n : 8 * n + c; };
-#pragma unroll
-  for (int mb = 0; mb < S::kMBlocks; ++mb)
-#pragma unroll
-    for (int r2 = 0; r2 < 2; ++r2) {
-      const int j = 16 * mb + lane / 4 + 8 * r2;
-      if (j >= nrows) continue;
-      const float sc = rscale[j];
-      const PackedIdx pi = decode::packed_idx(p, 0, g0, j);
-      const int64_t r = s.rows.row_begin + pi.i;
-      const int c0 = warp * S::kCols, c = 2 * (lane % 4);
-      if (p.num_splits > 1) {
-        float* dst = p.o_partial + partial_index(p, split, r, pi.h) * kMlaDv + c0;
-#pragma unroll
-        for (int n = 0; n < S::kNTiles; ++n) {
-          if constexpr (S::kFp8) {
-            dst[chan(n, c)] = o[mb][n][2 * r2] * sc;
-            dst[chan(n, c + 1)] = o[mb][n][2 * r2 + 1] * sc;
-          } else {
-            *reinterpret_cast<float2*>(dst + chan(n, c)) = make_float2(o[mb][n][2 * r2] * sc, o[mb][n][2 * r2 + 1] * sc);
-          }
-        }
-      } else {
-        const int64_t q_row = s.rows.q_row(r, p.batched);
-#pragma unroll
-        for (int n = 0; n < S::kNTiles; ++n) {
-          store_out(p, s.rows.qb, q_row, pi.h, c0 + chan(n, c), o[mb][n][2 * r2] * sc);
-          store_out(p, s.rows.qb, q_row, pi.h, c0 + chan(n, c + 1), o[mb][n][2 * r2 + 1] * sc);
-        }
-      }
-    }
+  finish_rows<S>(p, s, g0, nrows, split, rscale, rr, row, part);
+  store_o<S, S::kMBlocks, S::kNTiles, S::kFp8>(p, s, g0, nrows, split, rscale, o, 0, warp * S::kCols, lane);
 }
 
 // kM = 16: two CTAs per SM (shared memory); kM = 64: one, 8 warps (<= 255 registers).

@@ -82,8 +82,19 @@ static_assert(mla_smem_bytes(64) <= 166912 && mla_smem_bytes(64, 1) <= 166912,
 static_assert(2 * (mla_smem_bytes(16) + 1024) <= 228 * 1024 && 2 * (mla_smem_bytes(16, 1) + 1024) <= 228 * 1024,
               "two 16-row CTAs per H200 SM");
 
+// The sm_90a wgmma kernel (decode_mla_wgmma.cuh) for 64 rows and 16-bit KV: Q [64, 576] and
+// kMlaWgStages KV stages [32, 576] in 128-byte-swizzled tiles (no padding), two partial S
+// buffers [64, 36] fp32 (one per warpgroup's half of the contraction), RowMeta / alpha [64],
+// TokenLoc 2 x [32], bad masks; plus 1024 bytes to align the swizzled tiles. 203.3 KB.
+inline constexpr int kMlaWgStages = 3;
+constexpr size_t mla_wgmma_smem_bytes() {
+  return size_t(64 + kMlaWgStages * kMlaTileKeys) * kMlaWidth * 2 + 2 * 64 * kMlaSStride +
+         64 * (kMlaRowMetaBytes + 4) + 2 * kMlaTileKeys * 24 + 16 + 1024;
+}
+static_assert(mla_wgmma_smem_bytes() <= 232448, "one CTA per H100/H200 SM");
+
 // The MLA decode candidate of select_attention_kernel (decode_mla_select.cu): fills `c` (kernel
-// decode_mla; rows_per_cta 16/64; head_slices = CTAs per sequence in y, each looping over the
+// decode_mla, or decode_mla_wgmma for 64 rows of 16-bit KV on sm_90a; rows_per_cta 16/64; head_slices = CTAs per sequence in y, each looping over the
 // row groups y, y + gridDim.y, ...) and returns "" when it serves the problem, else the reason.
 std::string try_decode_mla(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c);
 

@@ -189,7 +189,7 @@ bool kernel_disabled(AttnKernelId kernel) {
     const std::string list = "," + std::string(env ? env : "") + ",";
     uint32_t m = 0;
     for (AttnKernelId id : {AttnKernelId::prefill_mma, AttnKernelId::prefill_wgmma, AttnKernelId::decode_mla,
-                            AttnKernelId::prefill_tma})  // the ones it can take out
+                            AttnKernelId::prefill_tma, AttnKernelId::decode_mla_wgmma})  // the ones it can take out
       if (list.find(std::string(",") + kernel_name(id) + ",") != std::string::npos) m |= 1u << unsigned(id);
     return m;
   }();
@@ -237,6 +237,7 @@ const char* kernel_name(AttnKernelId id) {
     case AttnKernelId::prefill_tma: return "prefill_tma";
     case AttnKernelId::decode: return "decode";
     case AttnKernelId::decode_mla: return "decode_mla";
+    case AttnKernelId::decode_mla_wgmma: return "decode_mla_wgmma";
   }
   return "?";
 }

@@ -2,13 +2,14 @@
 // (or why none can). The support query, the planner's dry run and the launch all call it, so
 // "is it supported" and "what runs" never disagree. Plain C++ (no CUDA headers).
 //
-// Candidates are tried in order: fast paths first (decode_mla: MLA absorbed decode with q_v;
+// Candidates are tried in order: fast paths first (decode_mla: MLA absorbed decode with q_v,
+// decode_mla_wgmma its sm_90a form for 64 rows of a 16-bit cache;
 // decode; prefill_tma: the sm_90a warp-specialized prefill, contiguous K/V and paged caches of
 // block sizes 16 x 2^k; prefill_wgmma: the sm_90a prefill for other block sizes and what TMA
 // cannot map; prefill_mma: the sm80+ one), each
 // returning its own reason when it does not apply; the generic kernel stays the fallback for
 // every validated problem. FLASHSERVE_DISABLE_KERNELS (comma-separated names of the
-// tensor-core prefill kernels and decode_mla, e.g. "prefill_tma,prefill_wgmma") takes them out
+// tensor-core prefill kernels and the MLA decode ones, e.g. "prefill_tma,prefill_wgmma") takes them out
 // of the selection, to test or compare the portable paths on a Hopper GPU.
 #pragma once
 
@@ -23,7 +24,9 @@
 
 namespace flashserve::kernels {
 
-enum class AttnKernelId : uint8_t { none, generic, prefill_mma, prefill_wgmma, decode, decode_mla, prefill_tma };
+enum class AttnKernelId : uint8_t {
+  none, generic, prefill_mma, prefill_wgmma, decode, decode_mla, prefill_tma, decode_mla_wgmma
+};
 
 // ---- the generic kernel's fixed shape (generic_fwd.cuh)
 inline constexpr int kGenericWarps = 4;
