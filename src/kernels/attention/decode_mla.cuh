@@ -389,13 +389,25 @@ FS_DEV void softmax_rows(const AttnParams& p, unsigned char* sbuf, float* rscale
   __syncwarp();  // the row's lanes have read S before P overwrites it
   const ScoreTransform score = make_score_transform(p);
   float mx = kNegInf;
+  const int64_t k0 = t0 + c0;
+  constexpr uint32_t kLaneKeys = (1u << S::kKpt) - 1u;
+  if (score.plain() && ((bad >> c0) & kLaneKeys) == 0u && k0 >= rr.lo && k0 + S::kKpt <= rr.hi) {
+    // every key of the lane visible and good, no modifier: the logit is dot x scale
+    const float sc = S::kFp8 ? score.scale * rr.qk : score.scale;
 #pragma unroll
-  for (int i = 0; i < S::kKpt; ++i) {
-    const int64_t key = t0 + c0 + i;
-    x[i] = key < rr.lo || key >= rr.hi   ? kNegInf
-           : (bad >> (c0 + i)) & 1u      ? nan_value()
-                                           : score(S::kFp8 ? x[i] * rr.qk : x[i], rr.pos, key, rr.slope);
-    mx = nan_max(mx, x[i]);
+    for (int i = 0; i < S::kKpt; ++i) {
+      x[i] *= sc;
+      mx = nan_max(mx, x[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < S::kKpt; ++i) {
+      const int64_t key = k0 + i;
+      x[i] = key < rr.lo || key >= rr.hi   ? kNegInf
+             : (bad >> (c0 + i)) & 1u      ? nan_value()
+                                             : score(S::kFp8 ? x[i] * rr.qk : x[i], rr.pos, key, rr.slope);
+      mx = nan_max(mx, x[i]);
+    }
   }
 #pragma unroll
   for (int o = 1; o < S::kTpr; o <<= 1) mx = nan_max(mx, __shfl_xor_sync(kFullMask, mx, o));

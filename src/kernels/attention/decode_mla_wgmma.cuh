@@ -66,6 +66,29 @@ struct WgShape : Shape<kDt, kDt, 64> {
   static FS_DEV uint32_t kv_at(int r, int c) { return KvL::at(r, c); }
 };
 
+// The copies of a located tile (32 keys) into a stage, one key row per 8 threads: thread t takes
+// row t / 8 and its 16-byte chunks t % 8 + 8 j (j = 0: k; 1-8: the latent), so each thread
+// reads its row's location once and every copy is a constant offset from its first (column
+// block j of the swizzled tile; 128 bytes further in v). Skipped and bad keys as zero rows;
+// warp 0 sets the stage's bad mask.
+template <class S>
+FS_DEV void issue_kv_rows(const AttnParams& p, const TokenLoc* loc, uint32_t* bad, uint32_t stage) {
+  static_assert(S::kN * 8 == S::kThreads && S::kKChunks == 8 && S::kVChunks == 64, "one row per 8 threads");
+  const int tid = int(threadIdx.x), r = tid / 8, c = tid % 8;
+  if (tid < 32) {
+    const uint32_t m = __ballot_sync(kFullMask, loc[tid].state == kTokenBad);
+    if (tid == 0) *bad = m;
+  }
+  const TokenLoc& L = loc[r];
+  const bool ok = L.state == kTokenValid;
+  const char* kg = static_cast<const char*>(p.k.data) + (ok ? L.k_off * 2 : 0) + c * 16;
+  const char* vg = static_cast<const char*>(p.v.data) + (ok ? L.v_off * 2 : 0) + c * 16;
+  const uint32_t dst = stage + S::KvL::at(r, c);
+  cp_async_16(dst, kg, ok);
+#pragma unroll
+  for (int j = 1; j <= 8; ++j) cp_async_16(dst + uint32_t(j) * S::KvL::kBlockBytes, vg + (j - 1) * 128, ok);
+}
+
 // The warpgroup's partial S (accumulators of wgmma m64n32) to its half of the S buffer.
 template <class S>
 FS_DEV void store_partial_s(const float (&acc)[S::kN / 8][4], unsigned char* sbuf, int wg, int ww, int lane) {
@@ -85,15 +108,20 @@ FS_DEV void store_partial_s(const float (&acc)[S::kN / 8][4], unsigned char* sbu
 template <class S>
 FS_DEV void issue_s(uint32_t q, uint32_t stage, int wg, float (&acc)[S::kN / 8][4]) {
   using T = typename S::T;
+  // The base descriptors' words, warp-uniform through a shuffle (shared-memory addresses come
+  // from inline asm, which the compiler takes as divergent): the uniform datapath then forms each
+  // step's descriptor with one add to the low word (the address field; no carry out of it).
   const uint64_t da = desc_k_major<S::kM>(q, 0, wg), db = desc_k_major<S::kN>(stage, 0, wg);
+  const uint32_t alo = __shfl_sync(kFullMask, uint32_t(da), 0), ahi = __shfl_sync(kFullMask, uint32_t(da >> 32), 0);
+  const uint32_t blo = __shfl_sync(kFullMask, uint32_t(db), 0), bhi = __shfl_sync(kFullMask, uint32_t(db >> 32), 0);
   fence_operands(acc);
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < S::kHalfSteps; ++ks) {
     // k16 step 2 ks: column block ks / 2, 64 bytes into it for odd ks (16-byte descriptor units)
-    const uint64_t oa = ((ks >> 1) * S::QL::kBlockBytes + (ks & 1) * 64) >> 4;
-    const uint64_t ob = ((ks >> 1) * S::KvL::kBlockBytes + (ks & 1) * 64) >> 4;
-    wgmma_ss<T, S::kN>(acc, da + oa, db + ob, ks > 0);
+    const uint32_t oa = ((ks >> 1) * S::QL::kBlockBytes + (ks & 1) * 64) >> 4;
+    const uint32_t ob = ((ks >> 1) * S::KvL::kBlockBytes + (ks & 1) * 64) >> 4;
+    wgmma_ss<T, S::kN>(acc, (uint64_t(ahi) << 32) | (alo + oa), (uint64_t(bhi) << 32) | (blo + ob), ks > 0);
   }
   wgmma_commit();
 }
@@ -137,7 +165,8 @@ template <class S>
 FS_DEV void run_rows_wgmma(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split,
                            unsigned char* sm) {
   constexpr int kN = S::kN, kStages = S::kStages;
-  const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32, wg = warp / 4, ww = warp % 4;
+  const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32, ww = warp % 4;
+  const int wg = __shfl_sync(kFullMask, tid / 128, 0);  // warp-uniform: descriptors on the uniform datapath
   const uint32_t q = smem_u32(sm + S::kQOff), kv = smem_u32(sm + S::kKvOff);
   unsigned char* sbuf = sm + S::kSOff;
   RowMeta* meta = reinterpret_cast<RowMeta*>(sm + S::kMetaOff);
@@ -169,7 +198,7 @@ FS_DEV void run_rows_wgmma(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
   const int64_t n = u.lo < u.hi ? (u.hi - base + kN - 1) / kN : 0;
   const auto stage = [&](int64_t k) { return kv + uint32_t(k % kStages) * uint32_t(S::kStageBytes); };
   const auto locate_tile = [&](int64_t k) { locate<S>(p, s, base + k * kN, u, loc + (k & 1) * kN, lane); };
-  const auto issue_tile = [&](int64_t k) { issue_kv<S>(p, loc + (k & 1) * kN, bad + k % kStages, stage(k)); };
+  const auto issue_tile = [&](int64_t k) { issue_kv_rows<S>(p, loc + (k & 1) * kN, bad + k % kStages, stage(k)); };
   if (warp == 0) {
     if (n > 0) locate_tile(0);
     if (n > 1) locate_tile(1);

@@ -58,6 +58,9 @@ struct ScoreTransform {
   bool alibi = false, alibi_sqrt = false;
   int64_t cp_world = 1, cp_rank = 0, cp_interleave = 1;
 
+  // No soft-cap and no ALiBi: the logit is dot x scale.
+  FS_DEV bool plain() const { return softcap <= 0.0f && !alibi; }
+
   // The logit of local key `key` for a row at aligned global position pos with ALiBi slope.
   FS_DEV float operator()(float dot, int64_t pos, int64_t key, float slope) const {
     float x = dot * scale;
