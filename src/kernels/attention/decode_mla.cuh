@@ -360,10 +360,17 @@ FS_DEV void compute_s_fp8(uint32_t q, uint32_t kv, unsigned char* sbuf, int warp
 struct RowRegs {
   int64_t pos, lo, hi;
   float slope;
-  float qk;           // fp8 KV: the row's score factor (RowMeta::qk_scale: 2^-shift)
+  float qk = 1.0f;    // fp8 KV: the row's score factor (RowMeta::qk_scale: 2^-shift), set once q is converted
   float m = kNegInf;  // running max (natural units), the same in the row's lanes
   float l = 0.0f;     // this lane's partial sum
 };
+
+// A softmax lane's row state from its row's meta, before the first tile (qk: 1).
+FS_DEV RowRegs row_regs(const RowMeta& m) {
+  RowRegs r;
+  r.pos = m.pos, r.lo = m.lo, r.hi = m.hi, r.slope = m.slope;
+  return r;
+}
 
 // Step 2: online softmax of the lane's row over tile keys [t0, t0 + 32); P (16-bit) over the
 // row's S in place; alpha (the factor for O) to rscale[row]. S is the sum of kSParts partial
@@ -593,11 +600,7 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
   __syncthreads();
   const KeyRange u = decode::rows_key_union(meta, nrows, s.range);
   const int row = tid / S::kTpr, part = tid % S::kTpr;
-  RowRegs rr;
-  rr.pos = meta[row].pos;
-  rr.lo = meta[row].lo;
-  rr.hi = meta[row].hi;
-  rr.slope = meta[row].slope;
+  RowRegs rr = row_regs(meta[row]);
   float o[S::kMBlocks][S::kNTiles][4];
 #pragma unroll
   for (int mb = 0; mb < S::kMBlocks; ++mb)

@@ -26,11 +26,21 @@
 // Arithmetic per 32-key tile (64 rows): S 64 x 32 x 576 + P V 64 x 512 x 32 = 2.23 M MAC = 4.46
 // MFLOP, ~1090 clk of the tensor pipe at 2048 dense bf16 MAC/clk/SM. Shared memory read by
 // wgmma: S 2 x (Q half 36 KB + K half 18 KB) = 108 KB (m64n32k16: 3 KB per 16 clk, above the
-// 128 B/clk of shared memory, the binding term), P V 2 x 16 KB of V + P 8 KB by ldmatrix; the
-// copies write 36 KB; ~185 KB = ~1450 clk per tile at 128 B/clk, plus ~300 clk of softmax and
-// barriers that the tensor pipe does not cover (only P V overlaps the wait for the next tile).
-// Predicted ~1750 clk per tile: ~4.46 MFLOP x 132 SMs x 1.7 GHz / 1750 = ~570 TFLOP/s at full
-// clock, ~350-450 under load (the mma.sync kernel: 133).
+// 128 B/clk of shared memory), P V 2 x 16 KB of V + P 8 KB by ldmatrix; the copies write 36 KB:
+// ~185 KB = ~1450 clk per tile at 128 B/clk. Predicted ~1750 clk per tile with the softmax and
+// barriers outside the tensor work (~350-450 TFLOP/s under load).
+// Measured (H200, B=64 H=128 L=4k, block 64; bench/RESULTS.md): the first version ran 0.430 ms
+// = ~6000 clk per tile, 169 TFLOP/s; ncu: issue slots 33% busy, 2 warps per scheduler with 0.46
+// eligible, ~920 instructions per warp per tile (S issue 286: 13 per wgmma forming descriptors
+// in regular registers; the copies 217: a location read and 64-bit address math per 16 bytes;
+// the softmax 288: per-key modifier branches and 64-bit range checks). With warp-uniform
+// descriptors (4 uniform instructions per wgmma), one key row per 8 threads in the copies and
+// the softmax's modifier-free path: 0.265 ms, 275 TFLOP/s (39% of cuBLAS's 709). What is left:
+// the CUDA cores and the tensor cores still take turns (the softmax does not overlap any
+// wgmma: overlapping S(k + 1) with it needs O's rescale outside the in-flight window, see the
+// loop), and 32-key tiles pay a barrier pair and an S wait per 4.46 MFLOP. FlashMLA's shape
+// (64-key tiles, S and P in registers, P shared through 8 KB of shared memory, the two
+// warpgroups alternating tiles) is the next step.
 #pragma once
 
 #include <cstdint>
@@ -179,12 +189,7 @@ FS_DEV void run_rows_wgmma(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
   __syncthreads();
   const KeyRange u = decode::rows_key_union(meta, nrows, s.range);
   const int row = tid / S::kTpr, part = tid % S::kTpr;
-  RowRegs rr;
-  rr.pos = meta[row].pos;
-  rr.lo = meta[row].lo;
-  rr.hi = meta[row].hi;
-  rr.slope = meta[row].slope;
-  rr.qk = 1.0f;
+  RowRegs rr = row_regs(meta[row]);
   float o[1][S::kCols / 8][4];
 #pragma unroll
   for (int n = 0; n < S::kCols / 8; ++n)
