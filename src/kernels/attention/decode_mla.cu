@@ -26,9 +26,7 @@ void launch_rows(const AttnParams& p, cudaStream_t stream) {
 
 void launch_decode_mla(const AttnParams& p, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  if (p.head_dim != kMlaD || p.head_dim_v != kMlaDv || p.num_kv_heads != 1 || !p.q_v.data)
-    throw RuntimeError(detail::cat("decode_mla attention: D ", p.head_dim, ", Dv ", p.head_dim_v, ", H_kv ",
-                                   p.num_kv_heads, " and q_v are not an MLA decode problem"));
+  mla::require_mla_problem(p, "decode_mla");
   if (!dispatch_built<kMlaConfigs>(
           [&](const MlaConfig& c) { return c.dtype == p.q.dtype && c.kv == p.k.dtype && c.kv == p.v.dtype; },
           [&]<size_t I>() {

@@ -96,9 +96,17 @@
 #include <type_traits>
 
 #include "kernels/attention/decode_fwd.cuh"
+#include "flashserve/status.hpp"
 #include "kernels/attention/decode_mla_config.hpp"
 
 namespace flashserve::kernels::mla {
+
+// The launchers' check that p is an MLA absorbed-decode problem (kernel: the name in the error).
+inline void require_mla_problem(const AttnParams& p, const char* kernel) {
+  if (p.head_dim != kMlaD || p.head_dim_v != kMlaDv || p.num_kv_heads != 1 || !p.q_v.data)
+    throw RuntimeError(detail::cat(kernel, " attention: D ", p.head_dim, ", Dv ", p.head_dim_v, ", H_kv ",
+                                   p.num_kv_heads, " and q_v are not an MLA decode problem"));
+}
 
 using decode::DecodeSeq;
 using decode::PackedIdx;
@@ -227,19 +235,25 @@ FS_DEV void locate(const AttnParams& p, const DecodeSeq& s, int64_t t0, KeyRange
   loc[lane] = decode::tile_loc(p, s.kv, key);
 }
 
+// Warp 0: the bad-key masks of a located load tile (one per 32-key compute tile).
+template <class S>
+FS_DEV void set_bad_masks(const TokenLoc* loc, uint32_t* bad) {
+  const int tid = int(threadIdx.x);
+  if (tid >= 32) return;
+#pragma unroll
+  for (int h = 0; h < S::kSub; ++h) {
+    const uint32_t m = __ballot_sync(kFullMask, loc[h * 32 + tid].state == kTokenBad);
+    if (tid == 0) bad[h] = m;
+  }
+}
+
 // The copies of a located load tile (kL keys) into a stage: K (kKChunks chunks per key) at the
 // row's start, V (kVChunks) after it; skipped and bad keys as zero rows; warp 0 sets the stage's
-// bad masks (one per 32-key compute tile).
+// bad masks.
 template <class S>
 FS_DEV void issue_kv(const AttnParams& p, const TokenLoc* loc, uint32_t* bad, uint32_t stage) {
   const int tid = int(threadIdx.x);
-  if (tid < 32) {
-#pragma unroll
-    for (int h = 0; h < S::kSub; ++h) {
-      const uint32_t m = __ballot_sync(kFullMask, loc[h * 32 + tid].state == kTokenBad);
-      if (tid == 0) bad[h] = m;
-    }
-  }
+  set_bad_masks<S>(loc, bad);
   const char* kg = static_cast<const char*>(p.k.data);
   const char* vg = static_cast<const char*>(p.v.data);
 #pragma unroll
@@ -581,24 +595,39 @@ FS_DEV void store_o(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nro
     }
 }
 
+// A row group's shared memory, carved at S's offsets (both MLA kernels).
+template <class S>
+struct RowSmem {
+  uint32_t q, kv;  // Q, the KV stages (shared-memory addresses)
+  unsigned char* sbuf;
+  RowMeta* meta;
+  float* rscale;
+  TokenLoc* loc;
+  uint32_t* bad;
+  FS_DEV explicit RowSmem(unsigned char* sm)
+      : q(smem_u32(sm + S::kQOff)), kv(smem_u32(sm + S::kKvOff)), sbuf(sm + S::kSOff),
+        meta(reinterpret_cast<RowMeta*>(sm + S::kMetaOff)), rscale(reinterpret_cast<float*>(sm + S::kScaleOff)),
+        loc(reinterpret_cast<TokenLoc*>(sm + S::kLocOff)), bad(reinterpret_cast<uint32_t*>(sm + S::kBadOff)) {}
+};
+
+// A row group's start: the rows' meta, Q's copies issued (fp8: committed as their own group, to
+// be converted once they land), barrier; returns the union of the rows' visible keys.
+template <class S>
+FS_DEV KeyRange start_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, uint32_t q, RowMeta* meta) {
+  if (int(threadIdx.x) < S::kM) meta[threadIdx.x] = decode::row_meta(p, s, 0, g0, nrows, int(threadIdx.x));
+  issue_q<S>(p, s, g0, nrows, q);
+  if constexpr (S::kFp8) cp_async_commit();
+  __syncthreads();
+  return decode::rows_key_union(meta, nrows, s.range);
+}
+
 // One row group: packed rows [g0, g0 + nrows) of the CTA's sequence.
 template <class S>
 FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split, unsigned char* sm) {
   const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32;
-  const uint32_t q = smem_u32(sm + S::kQOff), kv = smem_u32(sm + S::kKvOff);
-  unsigned char* sbuf = sm + S::kSOff;
-  RowMeta* meta = reinterpret_cast<RowMeta*>(sm + S::kMetaOff);
-  float* rscale = reinterpret_cast<float*>(sm + S::kScaleOff);
-  TokenLoc* loc = reinterpret_cast<TokenLoc*>(sm + S::kLocOff);
-  uint32_t* bad = reinterpret_cast<uint32_t*>(sm + S::kBadOff);
-
+  const auto [q, kv, sbuf, meta, rscale, loc, bad] = RowSmem<S>(sm);
   unsigned char* kvp = sm + S::kKvOff;
-
-  if (tid < S::kM) meta[tid] = decode::row_meta(p, s, 0, g0, nrows, tid);
-  issue_q<S>(p, s, g0, nrows, q);
-  if constexpr (S::kFp8) cp_async_commit();  // q alone: converted (convert_q_fp8) once it lands
-  __syncthreads();
-  const KeyRange u = decode::rows_key_union(meta, nrows, s.range);
+  const KeyRange u = start_rows<S>(p, s, g0, nrows, q, meta);
   const int row = tid / S::kTpr, part = tid % S::kTpr;
   RowRegs rr = row_regs(meta[row]);
   float o[S::kMBlocks][S::kNTiles][4];

@@ -71,8 +71,9 @@ std::string try_decode_mla(const detail::AttnProblem& pr, const DeviceProps& dev
   c.head_slices = int(slices);
   c.smem_bytes = smem;
   // 64 rows of a 16-bit latent cache on an H100/H200 in a build with sm_90a: the wgmma kernel.
+  // (Its shared memory fits a 9.0 device: decode_mla_config.hpp's static_assert.)
   if (rows == 64 && !fp8 && FLASHSERVE_SM90A && dev.cc_major == 9 && dev.cc_minor == 0 &&
-      !kernel_disabled(AttnKernelId::decode_mla_wgmma) && mla_wgmma_smem_bytes() <= max_smem_per_block(dev)) {
+      !kernel_disabled(AttnKernelId::decode_mla_wgmma)) {
     c.kernel = AttnKernelId::decode_mla_wgmma;
     c.smem_bytes = mla_wgmma_smem_bytes();
   }

@@ -13,10 +13,9 @@
 namespace flashserve::kernels {
 
 void launch_decode_mla_wgmma(const AttnParams& p, void* stream) {
-  if (p.head_dim != kMlaD || p.head_dim_v != kMlaDv || p.num_kv_heads != 1 || !p.q_v.data || p.rows_per_cta != 64)
-    throw RuntimeError(detail::cat("decode_mla_wgmma attention: D ", p.head_dim, ", Dv ", p.head_dim_v, ", H_kv ",
-                                   p.num_kv_heads, ", q_v and ", p.rows_per_cta,
-                                   " rows per CTA are not its MLA decode problem"));
+  mla::require_mla_problem(p, "decode_mla_wgmma");
+  if (p.rows_per_cta != 64)
+    throw RuntimeError(detail::cat("decode_mla_wgmma attention: 64 rows per CTA, got ", p.rows_per_cta));
   if (!dispatch_built<kMlaConfigs>(
           [&](const MlaConfig& c) { return c.dtype == c.kv && c.dtype == p.q.dtype && c.kv == p.k.dtype && c.kv == p.v.dtype; },
           [&]<size_t I>() {

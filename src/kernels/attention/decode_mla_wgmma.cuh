@@ -80,15 +80,13 @@ struct WgShape : Shape<kDt, kDt, 64> {
 // row t / 8 and its 16-byte chunks t % 8 + 8 j (j = 0: k; 1-8: the latent), so each thread
 // reads its row's location once and every copy is a constant offset from its first (column
 // block j of the swizzled tile; 128 bytes further in v). Skipped and bad keys as zero rows;
-// warp 0 sets the stage's bad mask.
+// warp 0 sets the stage's bad mask. (decode_mla's issue_kv keeps consecutive threads on
+// consecutive chunks: this mapping measured slower there.)
 template <class S>
 FS_DEV void issue_kv_rows(const AttnParams& p, const TokenLoc* loc, uint32_t* bad, uint32_t stage) {
   static_assert(S::kN * 8 == S::kThreads && S::kKChunks == 8 && S::kVChunks == 64, "one row per 8 threads");
   const int tid = int(threadIdx.x), r = tid / 8, c = tid % 8;
-  if (tid < 32) {
-    const uint32_t m = __ballot_sync(kFullMask, loc[tid].state == kTokenBad);
-    if (tid == 0) *bad = m;
-  }
+  set_bad_masks<S>(loc, bad);
   const TokenLoc& L = loc[r];
   const bool ok = L.state == kTokenValid;
   const char* kg = static_cast<const char*>(p.k.data) + (ok ? L.k_off * 2 : 0) + c * 16;
@@ -162,14 +160,6 @@ FS_DEV void issue_pv(const unsigned char* sbuf, const float* rscale, uint32_t st
   wgmma_commit();
 }
 
-// This thread's copies complete and visible to wgmma (the async proxy), then every thread's.
-template <int kPending>
-FS_DEV void landed_barrier() {
-  cp_async_wait<kPending>();
-  fence_proxy_async_shared();
-  __syncthreads();
-}
-
 // One row group: packed rows [g0, g0 + nrows) of the CTA's sequence (decode_mla's run_rows).
 template <class S>
 FS_DEV void run_rows_wgmma(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split,
@@ -177,17 +167,8 @@ FS_DEV void run_rows_wgmma(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
   constexpr int kN = S::kN, kStages = S::kStages;
   const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32, ww = warp % 4;
   const int wg = __shfl_sync(kFullMask, tid / 128, 0);  // warp-uniform: descriptors on the uniform datapath
-  const uint32_t q = smem_u32(sm + S::kQOff), kv = smem_u32(sm + S::kKvOff);
-  unsigned char* sbuf = sm + S::kSOff;
-  RowMeta* meta = reinterpret_cast<RowMeta*>(sm + S::kMetaOff);
-  float* rscale = reinterpret_cast<float*>(sm + S::kScaleOff);
-  TokenLoc* loc = reinterpret_cast<TokenLoc*>(sm + S::kLocOff);
-  uint32_t* bad = reinterpret_cast<uint32_t*>(sm + S::kBadOff);
-
-  if (tid < S::kM) meta[tid] = decode::row_meta(p, s, 0, g0, nrows, tid);
-  issue_q<S>(p, s, g0, nrows, q);
-  __syncthreads();
-  const KeyRange u = decode::rows_key_union(meta, nrows, s.range);
+  const auto [q, kv, sbuf, meta, rscale, loc, bad] = RowSmem<S>(sm);
+  const KeyRange u = start_rows<S>(p, s, g0, nrows, q, meta);
   const int row = tid / S::kTpr, part = tid % S::kTpr;
   RowRegs rr = row_regs(meta[row]);
   float o[1][S::kCols / 8][4];

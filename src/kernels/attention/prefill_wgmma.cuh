@@ -129,14 +129,6 @@ FS_DEV void pack_p(const float (&s)[kN / 8][4], uint32_t (&pa)[kN / 16][4], uint
   }
 }
 
-// The pipeline barrier of tile j: this thread's copies and stores (K and V j, Q) complete and
-// visible to wgmma (the async proxy), then every thread's.
-FS_DEV void tile_barrier() {
-  cp_async_wait<0>();
-  fence_proxy_async_shared();
-  __syncthreads();
-}
-
 // The mainloop, software-pipelined within each warpgroup so that the softmax of tile j runs on
 // the CUDA cores while the tensor cores add P V of tile j - 1:
 //   barrier j (tile j complete; every warpgroup done with K j-1 and V j-2)
@@ -188,7 +180,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_c
   float m[1][2] = {{kNegInf, kNegInf}}, l[1][2] = {};
   // Barrier j, then the copies of tile j + 1 into K stage (j + 1) % 2 and V stage vs_next.
   const auto next_tile = [&](int j, int vs_next) {
-    tile_barrier();
+    landed_barrier<0>();  // K and V j, Q: complete and visible to wgmma
     if (j + 1 < ck.tiles)
       load_kv<S, KvL, T, kD, kDv>(p, kv, ck.n_begin + int64_t(j + 1) * kN, ck.end, sm.k(j + 1), sm.v(vs_next));
     cp_async_commit();

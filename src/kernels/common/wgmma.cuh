@@ -17,6 +17,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/mma.cuh"
 #include "kernels/common/wgmma_mma.cuh"
 
 namespace flashserve::kernels {
@@ -59,6 +60,15 @@ FS_DEV void wgmma_wait() {
 }
 // This thread's completed generic-proxy shared-memory writes, visible to the async proxy.
 FS_DEV void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// The barrier before wgmma reads cp.async-filled tiles: this thread's copies but the newest
+// kPending groups complete and visible to the async proxy, then every thread's.
+template <int kPending>
+FS_DEV void landed_barrier() {
+  cp_async_wait<kPending>();
+  fence_proxy_async_shared();
+  __syncthreads();
+}
 
 // Keeps the compiler from moving accesses of accumulator registers across the async MMA.
 template <int N>
