@@ -10,7 +10,8 @@
 //         name=shared_b64_p4k,op=shared_prefix,B=64,L=4352,P=4096,H=32,Hkv=8,D=128,cascade=1
 //         name=mixed_b64,op=mixed_step,B=64,L=4096,NP=2,S=2048,C=8192,H=32,Hkv=8,D=128
 //
-// prefill: varlen_attention, q/k/v [B*S, H(kv), D] bf16 (v and out Dv with Dv=), cu_seqlens every
+// prefill: varlen_attention, q/k/v [B*S, H(kv), D] bf16 (kv=fp8: q/k/v fp8 e4m3, no descales, out
+//          bf16; v and out Dv with Dv=), cu_seqlens every
 //          S tokens; mod= one score modifier: sinks, alibi, alibi_sqrt, softcap (30), chunk or
 //          window (size W; window (W, 0) causal, (W, W) not). paged=1: k/v in paged NHD caches
 //          [blocks, block, Hkv, D(v)] (vLLM's flash_attn_varlen_func with a block table), each
@@ -133,6 +134,8 @@ Spec parse_spec(const std::string& text) {
   if ((s.mod == "chunk" || s.mod == "window") && s.W <= 0)
     throw std::invalid_argument("mod=" + s.mod + ": expected W > 0 (chunk size or left window)");
   if (s.Dv == 0) s.Dv = s.D;
+  if (s.op == "prefill" && s.kv != "bf16" && s.kv != "fp8")
+    throw std::invalid_argument("op=prefill: kv=bf16 or fp8 (q, k, v e4m3, out bf16) only, got " + s.kv);
   const bool bad = s.Q <= 0 || s.B <= 0 || s.H <= 0 || s.Hkv <= 0 || s.D <= 0 || s.block <= 0 ||
                    (s.op == "prefill" ? s.S <= 0 : s.L <= 0);
   if (bad) throw std::invalid_argument("spec with a non-positive size: " + text);
@@ -226,9 +229,13 @@ int choose_sets(size_t set_bytes, size_t l2_bytes, size_t budget) {
 }
 
 size_t prefill_set_bytes(const Spec& s) {
-  const size_t tokens = size_t(s.B * s.S);
-  return tokens * size_t(s.H * (s.D + s.Dv) + s.Hkv * (s.D + s.Dv)) * 2;
+  const size_t tokens = size_t(s.B * s.S), in = s.kv == "fp8" ? 1 : 2;
+  return tokens * (size_t(s.H * s.D + s.Hkv * (s.D + s.Dv)) * in + size_t(s.H * s.Dv) * 2);
 }
+
+// prefill's q/k/v type: bf16, or fp8 e4m3 for kv=fp8 (vLLM's and SGLang's prefill over an fp8
+// cache quantizes q too; descales absent, = 1).
+DType prefill_input_type(const Spec& s) { return s.kv == "fp8" ? DType::f8e4m3 : DType::bf16; }
 
 // The modifier's parameters (the same in every input set): sinks f32 [H] in [-2, 2), ALiBi
 // slopes f32 [H] = 2^(-8 (h + 1) / H) (the ALiBi paper's), soft-cap 30, chunk or left window W.
@@ -284,10 +291,11 @@ TensorRef block_table_of(BenchCase& c, const std::vector<int32_t>& perm, int i, 
 // [B, ceil(S / block)] a slice of a shuffled permutation of the pool.
 void set_paged_kv(const Spec& s, int nsets, Device dev, uint64_t seed, BenchCase& c) {
   const int64_t per_seq = (s.S + s.block - 1) / s.block, pool = int64_t(nsets) * s.B * per_seq;
-  const TensorRef k = TensorRef::contiguous(alloc_random(c, pool * s.block * s.Hkv * s.D, DType::bf16), DType::bf16,
-                                            {pool, s.block, s.Hkv, s.D}, dev);
-  const TensorRef v = TensorRef::contiguous(alloc_random(c, pool * s.block * s.Hkv * s.Dv, DType::bf16), DType::bf16,
-                                            {pool, s.block, s.Hkv, s.Dv}, dev);
+  const DType t = prefill_input_type(s);
+  const TensorRef k =
+      TensorRef::contiguous(alloc_random(c, pool * s.block * s.Hkv * s.D, t), t, {pool, s.block, s.Hkv, s.D}, dev);
+  const TensorRef v =
+      TensorRef::contiguous(alloc_random(c, pool * s.block * s.Hkv * s.Dv, t), t, {pool, s.block, s.Hkv, s.Dv}, dev);
   const std::vector<int32_t> perm = shuffled_blocks(pool, seed);
   for (int i = 0; i < nsets; ++i) {
     AttentionParams& p = c.sets[size_t(i)];
@@ -307,14 +315,14 @@ BenchCase make_prefill(const Spec& s, int nsets, Device dev, uint64_t seed) {
   const TensorRef cu_ref = TensorRef::contiguous(cu_dev, DType::i32, {s.B + 1}, dev);
   for (int i = 0; i < nsets; ++i) {
     AttentionParams p;
-    auto random_bf16_tensor = [&](int64_t heads, int64_t d) {
-      return TensorRef::contiguous(alloc_random(c, tokens * heads * d, DType::bf16), DType::bf16,
-                                   {tokens, heads, d}, dev);
+    const DType t = prefill_input_type(s);
+    auto random_tensor = [&](int64_t heads, int64_t d) {
+      return TensorRef::contiguous(alloc_random(c, tokens * heads * d, t), t, {tokens, heads, d}, dev);
     };
-    p.q = random_bf16_tensor(s.H, s.D);
+    p.q = random_tensor(s.H, s.D);
     if (!s.paged) {
-      p.k = random_bf16_tensor(s.Hkv, s.D);
-      p.v = random_bf16_tensor(s.Hkv, s.Dv);
+      p.k = random_tensor(s.Hkv, s.D);
+      p.v = random_tensor(s.Hkv, s.Dv);
     }
     p.out = TensorRef::contiguous(alloc(c, size_t(tokens * s.H * s.Dv) * 2), DType::bf16, {tokens, s.H, s.Dv}, dev);
     p.cu_seqlens_q = cu_ref;

@@ -194,12 +194,34 @@ inline double p_round_eps(const fstest::CaseConfig& c) {
   return c.q_dtype == fs::DType::bf16 ? std::ldexp(1.0, -8) : 0.0;
 }
 
+// The fp8 prefill kernel's P in e4m3 after a 2^8 shift (prefill_fp8.cuh): relative rounding
+// 2^-4, and subnormals 2^-10 apart at most per key against a row max of 2^8.
+inline double fp8_p_round(const fstest::CaseConfig& c) {
+  int64_t sk = 0;
+  for (int64_t k : c.k_lens) sk = std::max(sk, k);
+  return std::ldexp(1.0, -4) + double(sk) * std::ldexp(1.0, -18);
+}
+
 // Whether `kernel` computes the soft-cap's tanh with tanh.approx.f32 (relative error <= 2^-11,
 // PTX ISA; the CPU reference and the oracle use an accurate tanh): the tensor-core prefill
 // kernels (prefill_common.cuh: ScoreLog2). Their soft-capped rows are checked within that
 // error's bound (fstest::approx_tanh_logit_err, approx_tanh_out_err).
 inline bool kernel_approximates_tanh(const std::string& kernel) {
-  return kernel == "prefill_mma" || kernel == "prefill_wgmma" || kernel == "prefill_tma";
+  return kernel == "prefill_mma" || kernel == "prefill_wgmma" || kernel == "prefill_tma" || kernel == "prefill_fp8";
+}
+
+// What the checks allow `kernel` beyond fp32 arithmetic and the 16-bit P of kernel_rounds_p:
+// the soft-cap's tanh.approx, and prefill_fp8's e4m3 P (fp8_p_round) and fp8 q.k accumulation
+// (2^-10 of sum |q_d k_d|: Hopper's fp8 wgmma adds k32 products with fewer than fp32's
+// mantissa bits).
+inline fstest::KernelError kernel_error(const std::string& kernel, const fstest::CaseConfig& c) {
+  fstest::KernelError e;
+  e.approx_tanh = kernel_approximates_tanh(kernel);
+  if (kernel == "prefill_fp8") {
+    e.p_round = fp8_p_round(c);
+    e.qk_rel = std::ldexp(1.0, -10);
+  }
+  return e;
 }
 
 // GPU result (in ac.out / ac.lse) against the CPU reference's: the same -inf / NaN LSE rows;
@@ -208,14 +230,15 @@ inline bool kernel_approximates_tanh(const std::string& kernel) {
 // `p_rounded`: the kernel rounds the softmax weights P to a 16-bit type before P·V (FlashAttention-2
 // style tensor-core kernels; p_round_eps); each weight then carries up to half an ulp of it, so the
 // output may move by up to eps(q) / 2 * max|v| from the fp32-weighted reference.
-// `approx_tanh`: the kernel's soft-cap uses tanh.approx (kernel_approximates_tanh); a soft-capped
-// row's logits then carry up to e = approx_tanh_logit_err each, which moves out by up to
-// approx_tanh_out_err(e) max|v| and lse by up to e.
+// `err` (kernel_error): with approx_tanh the kernel's soft-cap uses tanh.approx; a soft-capped
+// row's logits then carry up to e = approx_tanh_logit_err each (plus qk_logit_err with qk_rel),
+// which moves out by up to approx_tanh_out_err(e) max|v| and lse by up to e; p_round adds
+// p_round max|v|.
 inline std::string compare_with_cpu(const fstest::AttentionCase& ac, const fstest::HostTensor& cpu_out,
                                     const fstest::HostTensor& cpu_lse, bool p_rounded = false,
-                                    bool approx_tanh = false) {
+                                    const fstest::KernelError& err = {}) {
   const fstest::CaseConfig& c = ac.cfg;
-  const double p_eps = p_rounded ? p_round_eps(c) : 0.0;
+  const double p_eps = (p_rounded ? p_round_eps(c) : 0.0) + err.p_round;
   const fs::DType ot = c.out_dtype;
   const int64_t es = int64_t(fs::dtype_size(ot));
   std::ostringstream first;
@@ -232,7 +255,8 @@ inline std::string compare_with_cpu(const fstest::AttentionCase& ac, const fstes
       for (int64_t t = 0; t < s.sk; ++t)
         for (int64_t d = 0; d < s.Dv; ++d) maxv = std::max(maxv, std::fabs(s.v[size_t((t * s.H_kv + g) * s.Dv + d)]));
       for (int64_t i = 0; i < s.sq; ++i) {
-        const double tanh_err = approx_tanh ? fstest::approx_tanh_logit_err(ac, b, h, i) : 0.0;
+        const double tanh_err = (err.approx_tanh ? fstest::approx_tanh_logit_err(ac, b, h, i) : 0.0) +
+                                (err.qk_rel > 0.0 ? fstest::qk_logit_err(ac, b, h, i, err.qk_rel) : 0.0);
         const char* go = static_cast<const char*>(c.batched() ? ac.out.ref.at(b, i, h, 0) : ac.out.ref.at(row0 + i, h, 0));
         const char* co = static_cast<const char*>(c.batched() ? cpu_out.ref.at(b, i, h, 0) : cpu_out.ref.at(row0 + i, h, 0));
         for (int64_t d = 0; d < s.Dv; ++d) {
@@ -278,7 +302,7 @@ inline std::string match_cpu_reference(fstest::AttentionCase& ac, std::string& k
   const auto cpu = run_cpu(ac, plan);
   run_gpu_planned(ac, dc, plan);
   if (cpu_out) *cpu_out = cpu.first;
-  return compare_with_cpu(ac, cpu.first, cpu.second, kernel_rounds_p(kernel, ac.cfg), kernel_approximates_tanh(kernel));
+  return compare_with_cpu(ac, cpu.first, cpu.second, kernel_rounds_p(kernel, ac.cfg), kernel_error(kernel, ac.cfg));
 }
 
 struct Outcome {
@@ -308,9 +332,8 @@ Outcome run_and_compare(fstest::AttentionCase& ac, Edit gpu_params_edit) {
     o.error = std::string("the CUDA call threw: ") + e.what();
     return o;
   }
-  const bool approx_tanh = kernel_approximates_tanh(o.kernel);
-  o.error = fstest::check_case(ac, approx_tanh) +
-            compare_with_cpu(ac, cpu.first, cpu.second, kernel_rounds_p(o.kernel, ac.cfg), approx_tanh);
+  const fstest::KernelError err = kernel_error(o.kernel, ac.cfg);
+  o.error = fstest::check_case(ac, err) + compare_with_cpu(ac, cpu.first, cpu.second, kernel_rounds_p(o.kernel, ac.cfg), err);
   return o;
 }
 

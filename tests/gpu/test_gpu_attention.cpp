@@ -63,9 +63,9 @@ std::string run_and_check(fstest::AttentionCase& ac, bool own_plan = false, std:
   }
   const std::string kernel = fs::attention_kernel_name(dc.params, ac.cfg.batched(), fs::kernels::cuda_device_props(0));
   if (served) *served = kernel;
-  const bool approx_tanh = fsgpu::kernel_approximates_tanh(kernel);
-  std::string err = fstest::check_case(ac, approx_tanh);
-  err += fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(kernel, ac.cfg), approx_tanh);
+  const fstest::KernelError kerr = fsgpu::kernel_error(kernel, ac.cfg);
+  std::string err = fstest::check_case(ac, kerr);
+  err += fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(kernel, ac.cfg), kerr);
   return err.empty() ? err : plan_summary(plan) + "\n" + err;
 }
 

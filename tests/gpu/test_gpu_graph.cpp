@@ -104,7 +104,7 @@ TEST(GpuGraph, SplitKvDecodeReplaysMatchEagerRuns) {
     dc.mirror_of(ac.lse).copy_to(ac.lse);
     const auto graph_out = bytes_of(ac.out), graph_lse = bytes_of(ac.lse);
     EXPECT_EQ(fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(kernel, ac.cfg),
-                                      fsgpu::kernel_approximates_tanh(kernel)),
+                                      fsgpu::kernel_error(kernel, ac.cfg)),
               "")
         << "replay " << replay;
 

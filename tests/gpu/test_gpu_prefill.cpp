@@ -108,7 +108,7 @@ std::string run_and_check(fstest::AttentionCase& ac, std::string& kernel, int sp
   if (split_granularity > 0) plan.split_granularity = split_granularity;
   const auto cpu = fsgpu::run_cpu(ac, plan);
   fsgpu::run_gpu_planned(ac, dc, plan);
-  std::string err = fstest::check_case(ac, fsgpu::kernel_approximates_tanh(kernel));
+  std::string err = fstest::check_case(ac, fsgpu::kernel_error(kernel, ac.cfg));
   const double rel = relative_error(ac, cpu.first);
   if (!(rel < 1e-2)) err += "relative error against the CPU reference " + std::to_string(rel) + "\n";
   return err.empty() ? err : "kernel " + kernel + ", splits " + std::to_string(plan.num_splits) + "\n" + err;

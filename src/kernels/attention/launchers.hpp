@@ -25,6 +25,10 @@ void launch_prefill_wgmma(const AttnParams& p, const AttnKernelChoice& choice, v
 // consumers) for (p.q.dtype, D, Dv) in kPrefillTmaConfigs, contiguous K/V. As prefill_wgmma.
 void launch_prefill_tma(const AttnParams& p, const AttnKernelChoice& choice, void* stream);
 
+// prefill_fp8.cu: the sm_90a fp8 prefill kernel (q, k, v fp8 e4m3, kPrefillFp8Configs), out
+// bf16 / f16 / fp32, contiguous K/V or paged caches of prefill_tma's block sizes. As prefill_wgmma.
+void launch_prefill_fp8(const AttnParams& p, const AttnKernelChoice& choice, void* stream);
+
 // decode_fwd.cu: the decode kernel for (p.k.dtype, p.head_dim) (decode_config.hpp). Writes
 // out/lse directly when p.num_splits == 1, else the partials.
 void launch_decode_attention(const AttnParams& p, void* stream);

@@ -145,6 +145,13 @@ FS_DEV void load_q(const AttnParams& p, const CtaWork& w, int64_t h, uint32_t q_
   }
 }
 
+// A 32-bit word of NaN keys of type T (f16, bf16, or fp8: 0x7f is NaN in e4m3 and e5m2).
+template <class T>
+FS_DEV constexpr uint32_t nan_word() {
+  if constexpr (sizeof(T) == 1) return 0x7f7f7f7fu;
+  else return std::is_same_v<T, __half> ? 0x7e007e00u : 0x7fc07fc0u;
+}
+
 // The copies of load_kv: rows of kC 16-byte chunks of K (kK) and/or V (kV) at the offsets the
 // lanes located (k_off, v_off): step i of lane l copies chunk (32 i + l) % kC of warp row
 // (32 i + l) / kC, whose offsets the lane locating it (src) gives by shuffle.
@@ -162,8 +169,7 @@ FS_DEV void copy_kv_rows(const AttnParams& p, int64_t k_off, int64_t v_off, uint
     const uint32_t at = L::at(kR * warp + src, c);
     const int64_t ko = kK ? __shfl_sync(kFullMask, k_off, src) : 0, vo = kV ? __shfl_sync(kFullMask, v_off, src) : 0;
     if ((bad_mask >> src) & 1u) {  // outside the cache: NaN keys, zero values
-      const uint32_t nan2 = std::is_same_v<T, __half> ? 0x7e007e00u : 0x7fc07fc0u;
-      if (kK) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(k_s + at), "r"(nan2) : "memory");
+      if (kK) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(k_s + at), "r"(nan_word<T>()) : "memory");
       if (kV) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(v_s + at), "r"(0u) : "memory");
       continue;
     }
@@ -228,19 +234,21 @@ struct ScoreLog2 {
   float unit = 1.0f;
   float mul = 1.0f;  // prescaled: s = dot mul, or tanh(dot mul) with the soft-cap
   bool prescale = false, softcap = false;
-  FS_DEV explicit ScoreLog2(const AttnParams& p) {
+  // qk_descale: the fp8 operands' q_descale x k_descale, a factor of the scale.
+  FS_DEV explicit ScoreLog2(const AttnParams& p, float qk_descale = 1.0f) {
+    const float scale = p.softmax_scale * qk_descale;
     softcap = p.softcap > 0.0f;
-    prescale = softcap || !(p.softmax_scale > 0.0f);
+    prescale = softcap || !(scale > 0.0f);
     if (softcap) {
-      mul = p.softmax_scale / p.softcap;
+      mul = scale / p.softcap;
       unit = p.softcap;
       exp_mul = p.softcap * kLog2e;
     } else if (prescale) {
-      mul = p.softmax_scale * kLog2e;
+      mul = scale * kLog2e;
       unit = kLn2;
     } else {
-      unit = p.softmax_scale;
-      exp_mul = p.softmax_scale * kLog2e;
+      unit = scale;
+      exp_mul = scale * kLog2e;
     }
   }
 };
@@ -306,11 +314,12 @@ FS_DEV ScoreBias<kAlibi> make_score_bias(const AttnParams& p, int64_t b, int64_t
 // `masked`), after the score bias (ALiBi; d0 as AlibiBias takes it): s becomes exp2(score - max), m and l (per-thread partial sums) move on, and
 // alpha[r] receives the factor the row's output accumulator must be scaled by (rescale_o)
 // before this tile's P V is added. Soft-cap and masking are whole-tile branches, so the plain
-// tile is straight-line code.
+// tile is straight-line code. p_shift (log2 units) scales every p and l by 2^p_shift (fp8 P:
+// the row's max at 2^8 uses e4m3's range; store_rows takes it back out of the lse).
 template <int kN, class Bias = NoBias>
 FS_DEV void softmax_scores(float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
                            float (&alpha)[2], const ScoreLog2& score, const int (&lo)[2], const int (&hi)[2],
-                           bool masked, int t, const Bias& bias = {}, float bias_d0 = 0.0f) {
+                           bool masked, int t, const Bias& bias = {}, float bias_d0 = 0.0f, float p_shift = 0.0f) {
   if (score.softcap) {
 #pragma unroll
     for (int nt = 0; nt < kN / 8; ++nt)
@@ -343,11 +352,12 @@ FS_DEV void softmax_scores(float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
     const float m_use = m_new == kNegInf ? 0.0f : m_new * score.exp_mul;  // all -inf so far: p = 0, no NaN
     alpha[r] = fast_exp2(m[r] * score.exp_mul - m_use);
     m[r] = m_new;
+    const float m_p = m_use - p_shift;
     float sum = 0.0f;
 #pragma unroll
     for (int nt = 0; nt < kN / 8; ++nt) {
-      s[nt][2 * r] = fast_exp2(fmaf(s[nt][2 * r], score.exp_mul, -m_use));
-      s[nt][2 * r + 1] = fast_exp2(fmaf(s[nt][2 * r + 1], score.exp_mul, -m_use));
+      s[nt][2 * r] = fast_exp2(fmaf(s[nt][2 * r], score.exp_mul, -m_p));
+      s[nt][2 * r + 1] = fast_exp2(fmaf(s[nt][2 * r + 1], score.exp_mul, -m_p));
       sum += s[nt][2 * r] + s[nt][2 * r + 1];
     }
     l[r] = l[r] * alpha[r] + sum;
@@ -381,11 +391,12 @@ FS_DEV int thread_row(int warp, int mb, int r, int g) {
 // (combine.cu applies it once). An out of q's dtype T (rows 16-byte aligned: select.cu) is
 // staged in the warp's own Q rows of shared memory (layout L; the caller makes sure no MMA
 // still reads them) and written in 16-byte chunks; an fp32 out (TOut = float) is written from
-// registers in 8-byte pairs.
+// registers in 8-byte pairs. o_mul (fp8 V's descale) multiplies out; p_shift is
+// softmax_scores' (l holds 2^p_shift times the weights' sum).
 template <class S, class L, class T, int kDo, int kDv = kDo, class TOut = T>
 FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int split, const float (&o)[S::kMB][kDo / 8][4],
                        const float (&m)[S::kMB][2], float (&l)[S::kMB][2], float exp_mul, uint32_t q_s, int warp,
-                       int lane) {
+                       int lane, float o_mul = 1.0f, float p_shift = 0.0f) {
   constexpr int kChunks = kDv / 8;
   static_assert(kDv <= kDo && S::kWarpRows * kChunks % 32 == 0, "whole 16-byte chunks of the stored channels");
   const int g = lane >> 2, t = lane & 3;
@@ -397,10 +408,10 @@ FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int spl
       l[mb][r] += __shfl_xor_sync(kFullMask, l[mb][r], 1);
       l[mb][r] += __shfl_xor_sync(kFullMask, l[mb][r], 2);
       const bool empty = l[mb][r] == 0.0f;
-      inv[mb][r] = empty ? 0.0f : 1.0f / l[mb][r];
+      inv[mb][r] = empty ? 0.0f : o_mul / l[mb][r];
       const int i = thread_row<S>(warp, mb, r, g);
       if (i >= w.rows) continue;
-      float lse = empty ? kNegInf : m[mb][r] * exp_mul * kLn2 + logf(l[mb][r]);
+      float lse = empty ? kNegInf : (m[mb][r] * exp_mul - p_shift) * kLn2 + logf(l[mb][r]);
       if (p.num_splits > 1) {  // the partial without the sink: the combine merges it once
         const int64_t at = partial_index(p, split, w.row0 + i, h);
 #pragma unroll

@@ -64,23 +64,13 @@ bool rows_16b_aligned(const TensorRef& t) {
   return true;
 }
 
-// The scope of both tensor-core prefill kernels (prefill_common.cuh): f16/bf16 q/k/v of one
-// dtype, out of that dtype (or fp32 with `f32_out`), causal / window / chunked local
-// attention / soft-cap / ALiBi (linear or sqrt) / sinks, context parallelism (not with ALiBi),
-// contiguous or paged KV (any block size), any split count; no q_v or quantization. "" when the problem is in scope, else the reason
+// What every tensor-core prefill kernel (prefill_common.cuh's schedule) needs besides its
+// dtypes: no q_v or int8 scales, ALiBi not with context parallelism, 16-byte aligned rows, a
+// cache span and row-tile count in int32. "" when the problem is in scope, else the reason
 // (prefixed by `what`).
-std::string prefill_scope(const detail::AttnProblem& pr, const char* what, bool f32_out) {
+std::string prefill_layout_scope(const detail::AttnProblem& pr, const char* what) {
   const AttentionParams& p = *pr.params;
-  const DType t = pr.q.dtype;
-  if (t != DType::bf16 && t != DType::f16) return detail::cat(what, "q f16/bf16, got ", dtype_name(t));
-  if (pr.k.dtype != t || pr.v.dtype != t) return detail::cat(what, "k and v of q's dtype");
-  // fp32 out holds partial states merged later (cascade, MLA chunks): it keeps P to fp32
-  // precision, which the wgmma kernel does (P V adds the residues of P's rounding) and the
-  // mma.sync one does not.
-  if (pr.out.dtype != t && !(f32_out && pr.out.dtype == DType::f32))
-    return detail::cat(what, f32_out ? "out of q's dtype or fp32" : "out of q's dtype (fp32 out needs fp32 P)");
-  if (pr.q_v || pr.q_scale || pr.k_scale_cache || pr.v_scale || pr.q_descale || pr.k_descale || pr.v_descale)
-    return detail::cat(what, "no q_v, scales or descales");
+  if (pr.q_v || pr.q_scale || pr.k_scale_cache || pr.v_scale) return detail::cat(what, "no q_v or int8 scales");
   if (pr.alibi_slopes && (p.cp_world_size > 1 || pr.cp_tot_seqused_k))  // AlibiBias: keys one position apart
     return detail::cat(what, "no ALiBi with context parallelism");
   if (!rows_16b_aligned(pr.q) || !rows_16b_aligned(pr.k) || !rows_16b_aligned(pr.v) || !rows_16b_aligned(pr.out))
@@ -95,6 +85,23 @@ std::string prefill_scope(const detail::AttnProblem& pr, const char* what, bool 
   if (tiles > INT_MAX || pr.num_heads > 65535)
     return detail::cat(what, "at most ", INT_MAX, " row tiles and 65535 heads, got ", tiles, " and ", pr.num_heads);
   return {};
+}
+
+// The scope of the 16-bit tensor-core prefill kernels: f16/bf16 q/k/v of one dtype, out of
+// that dtype (or fp32 with `f32_out`), causal / window / chunked local attention / soft-cap /
+// ALiBi (linear or sqrt) / sinks, context parallelism (not with ALiBi), contiguous or paged KV
+// (any block size), any split count; no q_v or quantization.
+std::string prefill_scope(const detail::AttnProblem& pr, const char* what, bool f32_out) {
+  const DType t = pr.q.dtype;
+  if (t != DType::bf16 && t != DType::f16) return detail::cat(what, "q f16/bf16, got ", dtype_name(t));
+  if (pr.k.dtype != t || pr.v.dtype != t) return detail::cat(what, "k and v of q's dtype");
+  // fp32 out holds partial states merged later (cascade, MLA chunks): it keeps P to fp32
+  // precision, which the wgmma kernel does (P V adds the residues of P's rounding) and the
+  // mma.sync one does not.
+  if (pr.out.dtype != t && !(f32_out && pr.out.dtype == DType::f32))
+    return detail::cat(what, f32_out ? "out of q's dtype or fp32" : "out of q's dtype (fp32 out needs fp32 P)");
+  if (pr.q_descale || pr.k_descale || pr.v_descale) return detail::cat(what, "no descales");
+  return prefill_layout_scope(pr, what);
 }
 
 // Fills `c` for a prefill kernel of `smem` bytes and returns "", or the reason it does not fit.
@@ -139,6 +146,21 @@ bool tma_sizes_ok(const TensorRef& t) {
   return channels >= 1 && channels < (int64_t(1) << 31);
 }
 
+// What the TMA kernels need of the operands: paged block sizes prefill_tma_block_size_ok
+// takes, coordinates in int32, and maps TMA can make.
+std::string tma_scope(const detail::AttnProblem& pr, const char* what) {
+  if (pr.paged && !prefill_tma_block_size_ok(pr.head_dim, pr.head_dim_v, pr.k.size(1)))
+    return detail::cat(what, "contiguous K/V or a paged block size that is a multiple of 16 dividing the ",
+                       wgmma_tile_keys(pr.head_dim, pr.head_dim_v), "-key tile or divided by it, got ", pr.k.size(1),
+                       " (other block sizes: prefill_wgmma)");
+  const int64_t rows_k = pr.k.size(1), n_tiles = rows_k + 4 * 128;
+  if (pr.q.size(1) >= INT_MAX - 128 || n_tiles >= INT_MAX || pr.k.size(0) >= INT_MAX || pr.q.size(0) >= INT_MAX)
+    return detail::cat(what, "TMA coordinates in int32");
+  if (!tma_sizes_ok(pr.q) || !tma_sizes_ok(pr.k) || !tma_sizes_ok(pr.v))
+    return detail::cat(what, "q, k, v TMA can map (non-empty dims, strides below 2^40 bytes)");
+  return {};
+}
+
 // The sm_90a warp-specialized prefill kernel (prefill_tma.cuh): prefill_wgmma's scope for
 // contiguous K/V and paged caches of prefill_tma_block_size_ok block sizes (NHD or HND: the
 // normalized view's strides), whose operands TMA can map ((D, Dv) in kPrefillTmaConfigs;
@@ -149,21 +171,35 @@ std::string try_prefill_tma(const detail::AttnProblem& pr, const DeviceProps& de
   if (!FLASHSERVE_SM90A) return detail::cat(what, "a build with sm_90a code (FLASHSERVE_CUDA_ARCHS)");
   if (dev.cc_major != 9 || dev.cc_minor != 0)
     return detail::cat(what, "compute capability 9.0, got ", dev.cc_major, ".", dev.cc_minor);
-  if (pr.paged && !prefill_tma_block_size_ok(pr.head_dim, pr.head_dim_v, pr.k.size(1)))
-    return detail::cat(what, "contiguous K/V or a paged block size that is a multiple of 16 dividing the ",
-                       wgmma_tile_keys(pr.head_dim, pr.head_dim_v), "-key tile or divided by it, got ", pr.k.size(1),
-                       " (other block sizes: prefill_wgmma)");
   std::string why = prefill_scope(pr, what, true);
   if (!why.empty()) return why;
   if (pr.alibi_slopes && pr.out.dtype == DType::f32) return detail::cat(what, "no ALiBi with fp32 out");
   if (!prefill_tma_config_built(pr.q.dtype, pr.head_dim, pr.head_dim_v))
     return detail::cat(what, "D/Dv in the built configurations, got ", pr.head_dim, "/", pr.head_dim_v);
-  const int64_t rows_k = pr.k.size(1), n_tiles = rows_k + 4 * 128;
-  if (pr.q.size(1) >= INT_MAX - 128 || n_tiles >= INT_MAX || pr.k.size(0) >= INT_MAX || pr.q.size(0) >= INT_MAX)
-    return detail::cat(what, "TMA coordinates in int32");
-  if (!tma_sizes_ok(pr.q) || !tma_sizes_ok(pr.k) || !tma_sizes_ok(pr.v))
-    return detail::cat(what, "q, k, v TMA can map (non-empty dims, strides below 2^40 bytes)");
+  if (std::string why_tma = tma_scope(pr, what); !why_tma.empty()) return why_tma;
   return take_prefill(AttnKernelId::prefill_tma, prefill_tma_smem_bytes(pr.head_dim, pr.head_dim_v), dev, what, pr, c);
+}
+
+// The sm_90a fp8 prefill kernel (prefill_fp8.cuh): q, k, v fp8 e4m3 with descales, out
+// f16/bf16/fp32, prefill_tma's operands and modifiers but ALiBi, (D, Dv) in kPrefillFp8Configs.
+std::string try_prefill_fp8(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
+  const char* what = "prefill_fp8 kernel: ";
+  if (kernel_disabled(AttnKernelId::prefill_fp8)) return detail::cat(what, "disabled by FLASHSERVE_DISABLE_KERNELS");
+  if (!FLASHSERVE_SM90A) return detail::cat(what, "a build with sm_90a code (FLASHSERVE_CUDA_ARCHS)");
+  if (dev.cc_major != 9 || dev.cc_minor != 0)
+    return detail::cat(what, "compute capability 9.0, got ", dev.cc_major, ".", dev.cc_minor);
+  if (pr.q.dtype != DType::f8e4m3 || pr.k.dtype != DType::f8e4m3 || pr.v.dtype != DType::f8e4m3)
+    return detail::cat(what, "q, k and v fp8 e4m3, got ", dtype_name(pr.q.dtype), "/", dtype_name(pr.k.dtype), "/",
+                       dtype_name(pr.v.dtype));
+  const DType ot = pr.out.dtype;
+  if (ot != DType::bf16 && ot != DType::f16 && ot != DType::f32)
+    return detail::cat(what, "out bf16, f16 or fp32, got ", dtype_name(ot));
+  if (pr.alibi_slopes) return detail::cat(what, "no ALiBi");
+  if (std::string why = prefill_layout_scope(pr, what); !why.empty()) return why;
+  if (!prefill_fp8_config_built(pr.q.dtype, pr.head_dim, pr.head_dim_v))
+    return detail::cat(what, "D/Dv in the built configurations (128/128), got ", pr.head_dim, "/", pr.head_dim_v);
+  if (std::string why = tma_scope(pr, what); !why.empty()) return why;
+  return take_prefill(AttnKernelId::prefill_fp8, prefill_fp8_smem_bytes(pr.head_dim, pr.head_dim_v), dev, what, pr, c);
 }
 
 // The sm80+ mma.sync prefill kernel (prefill_fwd.cuh): the prefill scope, D == Dv in kPrefillConfigs.
@@ -189,7 +225,7 @@ bool kernel_disabled(AttnKernelId kernel) {
     const std::string list = "," + std::string(env ? env : "") + ",";
     uint32_t m = 0;
     for (AttnKernelId id : {AttnKernelId::prefill_mma, AttnKernelId::prefill_wgmma, AttnKernelId::decode_mla,
-                            AttnKernelId::prefill_tma, AttnKernelId::decode_mla_wgmma})  // the ones it can take out
+                            AttnKernelId::prefill_tma, AttnKernelId::decode_mla_wgmma, AttnKernelId::prefill_fp8})  // the ones it can take out
       if (list.find(std::string(",") + kernel_name(id) + ",") != std::string::npos) m |= 1u << unsigned(id);
     return m;
   }();
@@ -215,6 +251,8 @@ AttnKernelChoice select_attention_kernel(const detail::AttnProblem& pr, const De
   if (c.supported()) return c;
   const std::string why_decode = try_decode(pr, dev, c);  // decode_select.cu
   if (c.supported()) return c;
+  const std::string why_fp8 = try_prefill_fp8(pr, dev, c);
+  if (c.supported()) return c;
   const std::string why_tma = try_prefill_tma(pr, dev, c);
   if (c.supported()) return c;
   const std::string why_wgmma = try_prefill_wgmma(pr, dev, c);
@@ -223,7 +261,8 @@ AttnKernelChoice select_attention_kernel(const detail::AttnProblem& pr, const De
   if (c.supported()) return c;
   std::string why = try_generic(pr, dev, c);
   if (c.supported()) return c;
-  c.why_not = "attention on CUDA: no kernel for this problem (" + why_mla + "; " + why_decode + "; " + why_tma + "; " +
+  c.why_not = "attention on CUDA: no kernel for this problem (" + why_mla + "; " + why_decode + "; " + why_fp8 + "; " +
+              why_tma + "; " +
               why_wgmma + "; " + why_prefill + "; " + why + ")";
   return c;
 }
@@ -238,6 +277,7 @@ const char* kernel_name(AttnKernelId id) {
     case AttnKernelId::decode: return "decode";
     case AttnKernelId::decode_mla: return "decode_mla";
     case AttnKernelId::decode_mla_wgmma: return "decode_mla_wgmma";
+    case AttnKernelId::prefill_fp8: return "prefill_fp8";
   }
   return "?";
 }

@@ -25,7 +25,7 @@
 namespace flashserve::kernels {
 
 enum class AttnKernelId : uint8_t {
-  none, generic, prefill_mma, prefill_wgmma, decode, decode_mla, prefill_tma, decode_mla_wgmma
+  none, generic, prefill_mma, prefill_wgmma, decode, decode_mla, prefill_tma, decode_mla_wgmma, prefill_fp8
 };
 
 // ---- the generic kernel's fixed shape (generic_fwd.cuh)
@@ -109,6 +109,8 @@ constexpr int wgmma_tile_keys(int64_t d, int64_t dv) { return d <= 128 && dv <= 
 // QK^T reduction reads D exactly (k16 steps); P V runs over the padded width (N-major operands
 // of the 128-byte swizzle come in whole 64-channel atoms), whose extra channels are not stored.
 constexpr int wgmma_tile_width(int64_t d) { return int((d + 63) / 64 * 64); }
+// Bytes of a swizzled tile's row of d channels of es bytes each: whole 128-byte column blocks.
+constexpr int tile_row_bytes(int64_t d, int64_t es) { return int((d * es + 127) / 128 * 128); }
 
 // D 64/128/256 (the benchmark's), 96 and 192 (D = Dv), and MLA prefill's 192/128; the dev set
 // (three instantiations each, ~3 s of nvcc apiece) is the bf16 half: every head size, no f16.
@@ -196,6 +198,26 @@ constexpr int prefill_tma_box_rows(int kn, bool paged, int64_t block_size) {
 constexpr size_t prefill_tma_smem_bytes(int64_t d, int64_t dv) {
   const int64_t n = wgmma_tile_keys(d, dv), wd = wgmma_tile_width(d), wdv = wgmma_tile_width(dv);
   return 1024 + size_t(kWgmmaRowsPerCta * wd + 2 * n * wd + 2 * n * wdv) * 2 + size_t(kWgmmaRowsPerCta) * 8 + 9 * 8;
+}
+
+// ---- the fp8 prefill kernel (prefill_fp8.cuh): sm_90a, prefill_tma's CTA on fp8 wgmma; q, k
+// and v fp8 e4m3 (descales), D = Dv = 128, contiguous K/V or paged caches of
+// prefill_tma_block_size_ok block sizes.
+inline constexpr PrefillConfig kPrefillFp8Configs[] = {{DType::f8e4m3, 128}};
+
+constexpr bool prefill_fp8_config_built(DType t, int64_t d, int64_t dv) {
+  if (!FLASHSERVE_SM90A) return false;
+  for (const PrefillConfig& c : kPrefillFp8Configs)
+    if (c.dtype == t && c.head_dim == d && c.dv() == dv) return true;
+  return false;
+}
+
+// Its dynamic shared memory: 1 KB of alignment slack, Q [128, D] + K [2, N, D] + V raw and V
+// transposed [2 + 2, N, Dv] in bytes, the rows' key ranges (int2 [128]) and 13 mbarriers
+// (prefill_fp8.cuh: Fp8Smem). 114 KB at D = 128.
+constexpr size_t prefill_fp8_smem_bytes(int64_t d, int64_t dv) {
+  const int64_t n = wgmma_tile_keys(d, dv);
+  return 1024 + size_t(kWgmmaRowsPerCta * d + 2 * n * d + 4 * n * dv) + size_t(kWgmmaRowsPerCta) * 8 + 13 * 8;
 }
 
 struct AttnKernelChoice {

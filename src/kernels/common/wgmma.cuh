@@ -70,6 +70,15 @@ FS_DEV void landed_barrier() {
   __syncthreads();
 }
 
+// stmatrix.x4 (sm_90): four 8 x 8 16-bit matrices to shared memory; lanes 8m .. 8m + 7 give
+// the row addresses of matrix m, whose row g gets register rm's of lanes 4g .. 4g + 3 (lane
+// (g, t)'s at byte 4t): ldmatrix's non-transposed layout.
+FS_DEV void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // Keeps the compiler from moving accesses of accumulator registers across the async MMA.
 template <int N>
 FS_DEV void fence_operands(float (&d)[N][4]) {

@@ -135,6 +135,27 @@ inline double approx_tanh_out_err(double e) { return std::expm1(2.0 * e); }
 // key exactly 0, out padding untouched, values within tolerance. `approx_tanh`: the result was
 // computed with tanh.approx for the soft-cap; the tolerances of soft-capped rows widen by its
 // error bound (approx_tanh_logit_err, approx_tanh_out_err).
-std::string check_case(const AttentionCase& ac, bool approx_tanh = false);
+// How a kernel's arithmetic departs from fp32 beyond the output's rounding, which the checks
+// allow for:
+// - approx_tanh: the soft-cap's tanh.approx (approx_tanh_logit_err);
+// - p_round: the weights P rounded before P V, each within p_round of itself or of the row's
+//   largest weight (fp8 P: 2^-4 for e4m3's 3 mantissa bits, plus the subnormals' absolute
+//   spacing per key); out moves by up to p_round max|v|;
+// - qk_rel: q.k accumulated with an error of up to qk_rel sum_d |q_d k_d| (fp8 wgmma), a logit
+//   error like the tanh's (qk_logit_err).
+struct KernelError {
+  bool approx_tanh = false;
+  double p_round = 0.0;
+  double qk_rel = 0.0;
+};
+
+// The bound on row (i, h)'s logit error from q.k's accumulation: qk_rel scale max_j
+// sum_d |q_d k_d| (over every key of the sequence; the soft-cap's tanh only shrinks it).
+double qk_logit_err(const AttentionCase& ac, int64_t b, int64_t h, int64_t i, double qk_rel);
+
+std::string check_case(const AttentionCase& ac, const KernelError& err);
+inline std::string check_case(const AttentionCase& ac, bool approx_tanh = false) {
+  return check_case(ac, KernelError{approx_tanh});
+}
 
 }  // namespace fstest

@@ -61,7 +61,7 @@ void check_untouched_padding(const HostTensor& t, const char* name, Mismatches& 
   }
 }
 
-void check_sequence(const AttentionCase& ac, int64_t b, bool approx_tanh, Mismatches& mm) {
+void check_sequence(const AttentionCase& ac, int64_t b, const KernelError& err, Mismatches& mm) {
   const CaseConfig& c = ac.cfg;
   const NaiveSequence& s = ac.seqs[size_t(b)];
   const NaiveResult ref = naive_attention(s, ac.feats[size_t(b)]);
@@ -77,13 +77,16 @@ void check_sequence(const AttentionCase& ac, int64_t b, bool approx_tanh, Mismat
     for (int64_t h = 0; h < s.H; ++h) {
       const size_t r = size_t(h * s.sq + i);
       const double mv = maxv[size_t(h / group)];
-      const double tanh_err = approx_tanh && !ref.no_keys[r] ? approx_tanh_logit_err(ac, b, h, i) : 0.0;
+      const double tanh_err = ref.no_keys[r] ? 0.0
+                              : (err.approx_tanh ? approx_tanh_logit_err(ac, b, h, i) : 0.0) +
+                                    (err.qk_rel > 0.0 ? qk_logit_err(ac, b, h, i, err.qk_rel) : 0.0);
       const void* orow = c.batched() ? ac.out.ref.at(b, i, h, 0) : ac.out.ref.at(row0 + i, h, 0);
       for (int64_t d = 0; d < s.Dv; ++d) {
         const double got = nm::load_double(static_cast<const char*>(orow) + d * int64_t(flashserve::dtype_size(ot)), ot);
         const double want = ref.out[size_t((i * s.H + h) * s.Dv + d)];
         const double tol =
-            2.0 * std::fabs(round_to(want, ot) - want) + (4.0 * eps + 1e-5 + approx_tanh_out_err(tanh_err)) * mv;
+            2.0 * std::fabs(round_to(want, ot) - want) +
+            (4.0 * eps + 1e-5 + err.p_round + approx_tanh_out_err(tanh_err)) * mv;
         const bool bad = !std::isfinite(got) || (ref.no_keys[r] ? got != 0.0 : std::fabs(got - want) > tol);
         if (bad)
           mm.add("out b=", b, " i=", i, " h=", h, " d=", d, ": got ", got, ", want ", want, ", tol ", tol,
@@ -110,9 +113,22 @@ double approx_tanh_logit_err(const AttentionCase& ac, int64_t b, int64_t h, int6
   return std::ldexp(top, -11);
 }
 
-std::string check_case(const AttentionCase& ac, bool approx_tanh) {
+double qk_logit_err(const AttentionCase& ac, int64_t b, int64_t h, int64_t i, double qk_rel) {
+  const NaiveSequence& s = ac.seqs[size_t(b)];
+  const int64_t g = h / (s.H / s.H_kv);
+  double top = 0.0;
+  for (int64_t j = 0; j < s.sk; ++j) {
+    double sum = 0.0;
+    for (int64_t d = 0; d < s.D; ++d)
+      sum += std::fabs(s.q[size_t((i * s.H + h) * s.D + d)] * s.k[size_t((j * s.H_kv + g) * s.D + d)]);
+    top = std::max(top, sum);
+  }
+  return qk_rel * std::fabs(ac.feats[size_t(b)].scale) * top;
+}
+
+std::string check_case(const AttentionCase& ac, const KernelError& err) {
   Mismatches mm;
-  for (int64_t b = 0; b < ac.cfg.batch(); ++b) check_sequence(ac, b, approx_tanh, mm);
+  for (int64_t b = 0; b < ac.cfg.batch(); ++b) check_sequence(ac, b, err, mm);
   check_untouched_padding(ac.out, "out", mm);
   if (mm.count == 0) return {};
   std::ostringstream os;
