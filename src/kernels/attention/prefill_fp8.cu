@@ -7,7 +7,6 @@
 #include "kernels/attention/launchers.hpp"
 #include "kernels/attention/prefill_fp8.cuh"
 #include "kernels/attention/prefill_launch.cuh"
-#include "kernels/common/tma_map.cuh"
 
 namespace flashserve::kernels {
 
@@ -20,12 +19,7 @@ void launch_prefill_fp8(const AttnParams& p, const AttnKernelChoice& choice, voi
                                    dtype_name(p.k.dtype), ", v ", dtype_name(p.v.dtype), " D=", p.head_dim,
                                    " Dv=", p.head_dim_v));
   const auto s = static_cast<cudaStream_t>(stream);
-  const int box = prefill_tma_box_rows(wgmma_tile_keys(kD, kDv), p.paged, p.kv_dim1);
-  prefill::TmaAttnParams tp;
-  tp.p = p;
-  tp.q = make_tma_map(p.q, p.q_batches, p.q_rows, p.num_heads, kD, kWgmmaRowsPerCta, "q");
-  tp.k = make_tma_map(p.k, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kD, box, "k");
-  tp.v = make_tma_map(p.v, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kDv, box, "v");
+  const prefill::TmaAttnParams tp = prefill::tma_params<kD, kDv>(p);
   const size_t smem = prefill_fp8_smem_bytes(kD, kDv);
   constexpr int threads = prefill::kTmaThreads;
   using F8 = __nv_fp8_e4m3;

@@ -5,26 +5,8 @@
 #include "kernels/attention/launchers.hpp"
 #include "kernels/attention/prefill_launch.cuh"
 #include "kernels/attention/prefill_tma.cuh"
-#include "kernels/common/tma_map.cuh"
 
 namespace flashserve::kernels {
-
-namespace {
-
-template <int kD, int kDv>
-prefill::TmaAttnParams tma_params(const AttnParams& p) {
-  // K/V boxes: a tile of kN keys, or one page of a paged cache with fewer keys (the kernel
-  // loads a tile as its page segments); paged, dim 0 is the block id and dim 1 the row in it.
-  const int box = prefill_tma_box_rows(wgmma_tile_keys(kD, kDv), p.paged, p.kv_dim1);
-  prefill::TmaAttnParams tp;
-  tp.p = p;
-  tp.q = make_tma_map(p.q, p.q_batches, p.q_rows, p.num_heads, kD, kWgmmaRowsPerCta, "q");
-  tp.k = make_tma_map(p.k, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kD, box, "k");
-  tp.v = make_tma_map(p.v, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kDv, box, "v");
-  return tp;
-}
-
-}  // namespace
 
 void launch_prefill_tma(const AttnParams& p, const AttnKernelChoice& choice, void* stream) {
   (void)choice;
@@ -34,7 +16,7 @@ void launch_prefill_tma(const AttnParams& p, const AttnKernelChoice& choice, voi
   const bool built = with_prefill_config<kPrefillTmaConfigs>(p.q.dtype, p.head_dim, p.head_dim_v,
                                                              [&]<class T, int kD, int kDv>() {
     const size_t smem = prefill::prefill_tma_smem_bytes_of<kD, kDv>();
-    const prefill::TmaAttnParams tp = tma_params<kD, kDv>(p);
+    const prefill::TmaAttnParams tp = prefill::tma_params<kD, kDv>(p);
     constexpr int threads = prefill::kTmaThreads;
     if (f32_out) launch_row_tiles<&prefill::prefill_tma<T, kD, kDv, true, false>>(p, smem, threads, s, &tp);
     else if (alibi) launch_row_tiles<&prefill::prefill_tma<T, kD, kDv, false, true>>(p, smem, threads, s, &tp);

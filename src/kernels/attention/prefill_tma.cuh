@@ -36,6 +36,7 @@
 
 #include "kernels/attention/prefill_wgmma.cuh"
 #include "kernels/common/tma.cuh"
+#include "kernels/common/tma_map.cuh"
 
 namespace flashserve::kernels::prefill {
 
@@ -77,6 +78,21 @@ struct TmaSmem {
   FS_DEV uint32_t v_full(int st) const { return bars + 40 + 8 * st; }
   FS_DEV uint32_t v_empty(int st) const { return bars + 56 + 8 * st; }
 };
+
+// The tensor maps of q, k and v (host side, per call): Q boxes of 128 rows; K/V boxes of a tile
+// of kN keys, or one page of a paged cache with fewer keys (the kernel loads a tile as its page
+// segments; paged, dim 0 is the block id and dim 1 the row in it). prefill_tma's and
+// prefill_fp8's.
+template <int kD, int kDv>
+TmaAttnParams tma_params(const AttnParams& p) {
+  const int box = prefill_tma_box_rows(wgmma_tile_keys(kD, kDv), p.paged, p.kv_dim1);
+  TmaAttnParams tp;
+  tp.p = p;
+  tp.q = make_tma_map(p.q, p.q_batches, p.q_rows, p.num_heads, kD, kWgmmaRowsPerCta, "q");
+  tp.k = make_tma_map(p.k, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kD, box, "k");
+  tp.v = make_tma_map(p.v, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kDv, box, "v");
+  return tp;
+}
 
 template <int kD, int kDv>
 constexpr size_t prefill_tma_smem_bytes_of() {
