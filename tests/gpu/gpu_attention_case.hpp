@@ -291,6 +291,85 @@ inline std::string served(const fs::AttentionParams& p, bool batched) {
   }
 }
 
+// ||gpu - cpu|| / ||cpu|| over every output element (a non-finite GPU value: infinity).
+inline double relative_error(const fstest::AttentionCase& ac, const fstest::HostTensor& cpu) {
+  const fstest::CaseConfig& c = ac.cfg;
+  double num = 0.0, den = 0.0;
+  for (int64_t b = 0; b < c.batch(); ++b) {
+    const fstest::NaiveSequence& s = ac.seqs[size_t(b)];
+    const int64_t row0 = ac.q_row0[size_t(b)];
+    for (int64_t i = 0; i < s.sq; ++i)
+      for (int64_t h = 0; h < s.H; ++h)
+        for (int64_t d = 0; d < s.Dv; ++d) {
+          const double x = c.batched() ? ac.out.get({b, i, h, d}) : ac.out.get({row0 + i, h, d});
+          const double y = c.batched() ? cpu.get({b, i, h, d}) : cpu.get({row0 + i, h, d});
+          if (!std::isfinite(x)) return INFINITY;
+          num += (x - y) * (x - y);
+          den += y * y;
+        }
+  }
+  return den == 0.0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
+// The prefill kernels' check: the case on the CPU reference and the GPU under one plan (a
+// positive `split_granularity` replaces the plan's), the result against the fp64 oracle with
+// the serving kernel's error model (kernel_error), with `cpu_compare` element by element against
+// the reference too (compare_with_cpu), and ||gpu - cpu|| / ||cpu|| below `rel_limit`. `kernel`
+// receives the kernel that served it; "" when every check passes.
+inline std::string check_prefill_case(fstest::AttentionCase& ac, std::string& kernel, double rel_limit,
+                                      bool cpu_compare, int split_granularity = 0) {
+  DeviceCase dc = mirror_case(ac);
+  kernel = served(dc.params, ac.cfg.batched());
+  fs::Plan plan = plan_case(ac, dc.params);
+  if (split_granularity > 0) plan.split_granularity = split_granularity;
+  const auto cpu = run_cpu(ac, plan);
+  run_gpu_planned(ac, dc, plan);
+  const fstest::KernelError err = kernel_error(kernel, ac.cfg);
+  std::string out = fstest::check_case(ac, err);
+  if (cpu_compare) out += compare_with_cpu(ac, cpu.first, cpu.second, kernel_rounds_p(kernel, ac.cfg), err);
+  const double rel = relative_error(ac, cpu.first);
+  if (!(rel < rel_limit)) out += "relative error against the CPU reference " + std::to_string(rel) + "\n";
+  return out.empty() ? out : "kernel " + kernel + ", splits " + std::to_string(plan.num_splits) + "\n" + out;
+}
+
+// A paged varlen case `c` (q_lens == k_lens, causal) with entry (1, col) of its block table set to
+// `bad_id` (outside the cache) for the GPU run, the CPU reference run on the good table under the
+// same plan: exactly the rows of sequence 1 at positions >= col x block_size must be NaN (some
+// must be), every other output within rel_tol (1 + |ref|) of the reference. `kernel` receives
+// the kernel that served the case; "" or the first failure.
+inline std::string check_bad_block_nan_rows(const fstest::CaseConfig& c, uint64_t salt, int col, int32_t bad_id,
+                                            double rel_tol, std::string& kernel) {
+  auto rng = fstest::make_rng(salt);
+  fstest::AttentionCase ac = fstest::build_case(c, rng);
+  DeviceCase dc = mirror_case(ac);
+  const fs::Plan plan = plan_case(ac, dc.params);
+  const auto cpu = run_cpu(ac, plan);
+  kernel = served(dc.params, false);
+  int32_t* entry = static_cast<int32_t*>(ac.params.block_table->at(1, col));
+  const int32_t good_id = *entry;
+  *entry = bad_id;
+  dc.upload(ac);
+  run_gpu_planned(ac, dc, plan);
+  *entry = good_id;
+  int64_t nan_rows = 0;
+  for (int64_t b = 0; b < c.batch(); ++b)
+    for (int64_t i = 0; i < c.q_lens[size_t(b)]; ++i)
+      for (int64_t h = 0; h < c.H; ++h)
+        for (int64_t d = 0; d < c.Dv; ++d) {
+          const int64_t r = ac.q_row0[size_t(b)] + i;
+          const float x = ac.out.get({r, h, d}), y = cpu.first.get({r, h, d});
+          const bool want_nan = b == 1 && i >= col * c.block_size;
+          nan_rows += want_nan && d == 0;
+          std::ostringstream where;
+          if (want_nan ? !std::isnan(x) : !(std::fabs(x - y) <= rel_tol * (1.0 + std::fabs(y)))) {
+            where << (want_nan ? "want NaN" : "mismatch") << " at b=" << b << " i=" << i << " h=" << h << " d=" << d
+                  << ": gpu " << x << ", cpu " << y;
+            return where.str();
+          }
+        }
+  return nan_rows > 0 ? "" : "no NaN row";
+}
+
 // The case (context parallelism set, say) against the CPU reference alone under the same plan,
 // for what the fp64 oracle does not model: `kernel` gets the kernel that served it, `cpu_out`
 // (optional) the reference's out; returns compare_with_cpu's mismatches ("" when it matches).

@@ -18,7 +18,6 @@
 
 #include "gpu_attention_case.hpp"
 #include "kernels/attention/select.hpp"
-#include "problem/attention.hpp"
 
 using flashserve::DType;
 using fstest::CaseConfig;
@@ -51,42 +50,9 @@ bool hopper() {
          !fs::kernels::kernel_disabled(fs::kernels::AttnKernelId::prefill_fp8);
 }
 
-// ||gpu - cpu|| / ||cpu|| over every output element (NaN in gpu: infinity; NaN rows skipped
-// where both are NaN).
-double relative_error(const fstest::AttentionCase& ac, const fstest::HostTensor& cpu) {
-  const CaseConfig& c = ac.cfg;
-  double num = 0.0, den = 0.0;
-  for (int64_t b = 0; b < c.batch(); ++b) {
-    const int64_t row0 = ac.q_row0[size_t(b)];
-    const fstest::NaiveSequence& s = ac.seqs[size_t(b)];
-    for (int64_t i = 0; i < s.sq; ++i)
-      for (int64_t h = 0; h < s.H; ++h)
-        for (int64_t d = 0; d < s.Dv; ++d) {
-          const double x = c.batched() ? ac.out.get({b, i, h, d}) : ac.out.get({row0 + i, h, d});
-          const double y = c.batched() ? cpu.get({b, i, h, d}) : cpu.get({row0 + i, h, d});
-          if (std::isnan(x) && std::isnan(y)) continue;
-          if (!std::isfinite(x)) return INFINITY;
-          num += (x - y) * (x - y);
-          den += y * y;
-        }
-  }
-  return den == 0.0 ? std::sqrt(num) : std::sqrt(num / den);
-}
-
-// Runs the case on the CPU reference and the GPU under one plan; "" when the GPU agrees with
-// both (the oracle too unless `oracle` is false: bad metadata, which it does not model).
-std::string run_and_check(fstest::AttentionCase& ac, std::string& kernel, bool oracle = true) {
-  fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
-  kernel = fsgpu::served(dc.params, ac.cfg.batched());
-  const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
-  const auto cpu = fsgpu::run_cpu(ac, plan);
-  fsgpu::run_gpu_planned(ac, dc, plan);
-  const fstest::KernelError err = fsgpu::kernel_error(kernel, ac.cfg);
-  std::string out = oracle ? fstest::check_case(ac, err) : "";
-  out += fsgpu::compare_with_cpu(ac, cpu.first, cpu.second, fsgpu::kernel_rounds_p(kernel, ac.cfg), err);
-  const double rel = relative_error(ac, cpu.first);
-  if (!(rel < 4e-2)) out += "relative error against the CPU reference " + std::to_string(rel) + "\n";
-  return out.empty() ? out : "kernel " + kernel + ", splits " + std::to_string(plan.num_splits) + "\n" + out;
+// The oracle and the CPU reference (element by element, and relative error < 4e-2).
+std::string run_and_check(fstest::AttentionCase& ac, std::string& kernel) {
+  return fsgpu::check_prefill_case(ac, kernel, 4e-2, true);
 }
 
 // Checks the case and that prefill_fp8 serves it on Hopper (`want_fp8`), or that it does not.
@@ -180,36 +146,10 @@ TEST(GpuPrefillFp8, BadBlockIdGivesNanRows) {
         c.block_size = bs;
         c.random_block_ids = true;
         c.num_splits = splits;
-        const int col = 3;
-        auto rng = fstest::make_rng(50 + uint64_t(bs));
-        fstest::AttentionCase ac = fstest::build_case(c, rng);
-        fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
-        const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
-        const auto cpu = fsgpu::run_cpu(ac, plan);
-        if (hopper()) ASSERT_EQ(fsgpu::served(dc.params, false), "prefill_fp8");
-        int32_t* entry = static_cast<int32_t*>(ac.params.block_table->at(1, col));
-        const int32_t good_id = *entry;
-        *entry = bad_id;
-        dc.upload(ac);
-        fsgpu::run_gpu_planned(ac, dc, plan);
-        *entry = good_id;
-        int64_t nan_rows = 0;
-        for (int64_t b = 0; b < c.batch(); ++b)
-          for (int64_t i = 0; i < c.q_lens[size_t(b)]; ++i)
-            for (int64_t h = 0; h < c.H; ++h)
-              for (int64_t d = 0; d < c.Dv; ++d) {
-                const int64_t r = ac.q_row0[size_t(b)] + i;
-                const float x = ac.out.get({r, h, d}), y = cpu.first.get({r, h, d});
-                const bool want_nan = b == 1 && i >= col * bs;
-                nan_rows += want_nan && d == 0;
-                if (want_nan) {
-                  ASSERT_TRUE(std::isnan(x)) << "bs " << bs << " splits " << splits << " i=" << i << " h=" << h;
-                } else {
-                  ASSERT_NEAR(x, y, 0.1 * (1.0 + std::fabs(y)))
-                      << "bs " << bs << " splits " << splits << " b=" << b << " i=" << i << " h=" << h << " d=" << d;
-                }
-              }
-        EXPECT_GT(nan_rows, 0);
+        std::string kernel;
+        EXPECT_EQ(fsgpu::check_bad_block_nan_rows(c, 50 + uint64_t(bs), 3, bad_id, 0.1, kernel), "")
+            << "bs " << bs << " splits " << splits << " bad id " << bad_id;
+        if (hopper()) EXPECT_EQ(kernel, "prefill_fp8");
       }
 }
 

@@ -259,54 +259,19 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_fp8(const __grid_const
   const float qd = load_f32_2d(p.q_descale, w.b, kv.g, 1.0f), kd = load_f32_2d(p.k_descale, w.b, kv.g, 1.0f);
   const ScoreLog2 score(p, qd * kd);
   const NoBias bias;
-  const PingPong turn{wg};
   float o[1][kDv / 8][4] = {};
   float s[kN / 8][4] = {};
   uint32_t pa[kN / 32][4];
-  float m[1][2] = {{kNegInf, kNegInf}}, l[1][2] = {};
-  const auto softmax_tile = [&](int j, float (&alpha)[2]) {
-    prefill::softmax_tile<S, kN>(wk, score, bias, 0, j, warp, lane, s, m[0], l[0], alpha, kFp8PShift);
-  };
-  const auto parity = [](int j) { return uint32_t((j >> 1) & 1); };
+  float m[1][2] = {{kNegInf, kNegInf}}, l[1][2] = {}, alpha[2];
   mbar_wait(sm.q_full(), 0);
-  if (ck.tiles > 0) {
-    float alpha[2];
-    if (wg == 1) named_arrive(1, 2 * 128);  // opens warpgroup 0's first turn
-    mbar_wait(sm.k_full(0), 0);
-    turn.my_turn();
-    issue_qk_fp8<T, kD, kN>(sm.q, sm.k(0), wg, s);
-    turn.hand_over(false);
-    wgmma_wait<0>();
-    fence_operands(s);
-    release(sm.k_empty(0), lane);
-    softmax_tile(0, alpha);
-    pack_p_e4m3<kN>(s, pa);
-    for (int j = 1; j < ck.tiles; ++j) {
-      const int st = j & 1, prev = st ^ 1;
-      mbar_wait(sm.k_full(st), parity(j));
-      mbar_wait(sm.vt_full(prev), parity(j - 1));
-      turn.my_turn();
-      issue_qk_fp8<T, kD, kN>(sm.q, sm.k(st), wg, s);
-      issue_pv_fp8<T, kDv, kN>(pa, sm.vt(prev), o[0]);
-      turn.hand_over(false);
-      wgmma_wait<1>();
-      fence_operands(s);
-      release(sm.k_empty(st), lane);
-      softmax_tile(j, alpha);
-      wgmma_wait<0>();
-      fence_operands(o[0]);
-      release(sm.vt_empty(prev), lane);
-      rescale_o<kDv>(o[0], alpha);
-      pack_p_e4m3<kN>(s, pa);
-    }
-    const int last = (ck.tiles - 1) & 1;
-    mbar_wait(sm.vt_full(last), parity(ck.tiles - 1));
-    turn.my_turn();
-    issue_pv_fp8<T, kDv, kN>(pa, sm.vt(last), o[0]);
-    turn.hand_over(true);
-    wgmma_wait<0>();
-    fence_operands(o[0]);
-  }
+  consume_tiles(  // P V reads the transposed stages
+      ck.tiles, wg, lane, StageBars{sm.k_full(0), sm.k_empty(0), sm.vt_full(0), sm.vt_empty(0)}, s, o[0],
+      [&](int st) { issue_qk_fp8<T, kD, kN>(sm.q, sm.k(st), wg, s); },
+      [&](int st) { issue_pv_fp8<T, kDv, kN>(pa, sm.vt(st), o[0]); },
+      [&](int j) {
+        prefill::softmax_tile<S, kN>(wk, score, bias, 0, j, warp, lane, s, m[0], l[0], alpha, kFp8PShift);
+      },
+      [&] { rescale_o<kDv>(o[0], alpha); }, [&] { pack_p_e4m3<kN>(s, pa); });
   // Out staged in the raw V stages: every tile was transposed (vt_full) before the last P V.
   const float vd = load_f32_2d(p.v_descale, w.b, kv.g, 1.0f);
   store_rows<S, SwizzledTile<kWgmmaRowsPerCta>, T16, kDv, kDv, TOut>(p, w, h, split, o, m, l, score.exp_mul, sm.v(0),

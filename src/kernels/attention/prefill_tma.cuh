@@ -250,6 +250,65 @@ FS_DEV void release(uint32_t empty, int lane) {
   if (lane == 0) mbar_arrive(empty);
 }
 
+// The stage-0 mbarriers of the K and V operands the consumers wait on and release; stage st's
+// sit 8 st bytes further.
+struct StageBars {
+  uint32_t k_full, k_empty, v_full, v_empty;
+  static FS_DEV uint32_t at(uint32_t bar, int st) { return bar + 8u * uint32_t(st); }
+};
+
+// The consumers' mainloop of the TMA kernels (prefill_tma, prefill_fp8), software-pipelined
+// within each warpgroup so that the softmax of tile j runs while P V of tile j - 1 does, the
+// warpgroups in ping-pong: per tile, wait for K j and V j - 1, issue S = Q K j and O += P(j-1)
+// V(j-1) in the warpgroup's turn, release K j once S is complete, softmax, release V j - 1 once
+// O is complete, rescale O and pack P(j); the first tile's P V peeled off, the last tile's
+// after the loop. The kernel gives its accumulators S and O and its parts: qk(st) and pv(st)
+// issue the GEMMs over stage st (a commit group each) into them, softmax(j) runs on the
+// completed S, rescale() scales O by the softmax's alpha, pack() makes P(j) from S.
+template <int kNS, int kNO, class Qk, class Pv, class Softmax, class Rescale, class Pack>
+FS_DEV void consume_tiles(int tiles, int wg, int lane, const StageBars& b, float (&s)[kNS][4], float (&o)[kNO][4],
+                          const Qk& qk, const Pv& pv, const Softmax& softmax, const Rescale& rescale,
+                          const Pack& pack) {
+  if (tiles <= 0) return;
+  const PingPong turn{wg};
+  const auto parity = [](int j) { return uint32_t((j >> 1) & 1); };
+  if (wg == 1) named_arrive(1, 2 * 128);  // opens warpgroup 0's first turn
+  mbar_wait(b.k_full, 0);
+  turn.my_turn();
+  qk(0);
+  turn.hand_over(false);
+  wgmma_wait<0>();
+  fence_operands(s);
+  release(b.k_empty, lane);
+  softmax(0);  // o is still 0: no rescale
+  pack();
+  for (int j = 1; j < tiles; ++j) {
+    const int st = j & 1, prev = st ^ 1;
+    mbar_wait(StageBars::at(b.k_full, st), parity(j));
+    mbar_wait(StageBars::at(b.v_full, prev), parity(j - 1));
+    turn.my_turn();
+    qk(st);
+    pv(prev);
+    turn.hand_over(false);
+    wgmma_wait<1>();
+    fence_operands(s);
+    release(StageBars::at(b.k_empty, st), lane);
+    softmax(j);
+    wgmma_wait<0>();  // P(j-1) V(j-1) added: P's registers free, O final for it
+    fence_operands(o);
+    release(StageBars::at(b.v_empty, prev), lane);
+    rescale();
+    pack();
+  }
+  const int last = (tiles - 1) & 1;
+  mbar_wait(StageBars::at(b.v_full, last), parity(tiles - 1));
+  turn.my_turn();
+  pv(last);
+  turn.hand_over(true);
+  wgmma_wait<0>();
+  fence_operands(o);
+}
+
 template <class T, int kD, int kDv, bool kF32Out, bool kAlibi>
 __global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_constant__ TmaAttnParams tp) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -291,56 +350,18 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_const
   const ScoreLog2 score(p);
   const ScoreBias<kAlibi> bias = make_score_bias<kAlibi>(p, w.b, h, score);
   const int64_t d0 = kAlibi ? bias_d0<S>(ck, warp, 0, lane) : 0;
-  const PingPong turn{wg};
   float o[1][kDo / 8][4] = {};
   float s[kN / 8][4] = {};
   uint32_t pa[kN / 16][4];
   uint32_t pl[kF32Out ? kN / 16 : 1][4];
-  float m[1][2] = {{kNegInf, kNegInf}}, l[1][2] = {};
-  const auto softmax_tile = [&](int j, float (&alpha)[2]) {
-    prefill::softmax_tile<S, kN>(wk, score, bias, d0, j, warp, lane, s, m[0], l[0], alpha);
-  };
-  const auto pack_p = [&] { prefill::pack_p<T, kN, kF32Out>(s, pa, pl); };
-  const auto parity = [](int j) { return uint32_t((j >> 1) & 1); };
+  float m[1][2] = {{kNegInf, kNegInf}}, l[1][2] = {}, alpha[2];
   mbar_wait(sm.q_full(), 0);
-  if (ck.tiles > 0) {
-    float alpha[2];
-    if (wg == 1) named_arrive(1, 2 * 128);  // opens warpgroup 0's first turn
-    mbar_wait(sm.k_full(0), 0);
-    turn.my_turn();
-    issue_qk<T, kD, kN>(sm.q, sm.k(0), wg, s);
-    turn.hand_over(false);
-    wgmma_wait<0>();
-    fence_operands(s);
-    release(sm.k_empty(0), lane);
-    softmax_tile(0, alpha);
-    pack_p();
-    for (int j = 1; j < ck.tiles; ++j) {
-      const int st = j & 1, prev = st ^ 1;
-      mbar_wait(sm.k_full(st), parity(j));
-      mbar_wait(sm.v_full(prev), parity(j - 1));
-      turn.my_turn();
-      issue_qk<T, kD, kN>(sm.q, sm.k(st), wg, s);
-      issue_pv<T, kDo, kN, kF32Out>(pa, pl, sm.v(prev), o[0]);
-      turn.hand_over(false);
-      wgmma_wait<1>();
-      fence_operands(s);
-      release(sm.k_empty(st), lane);
-      softmax_tile(j, alpha);
-      wgmma_wait<0>();
-      fence_operands(o[0]);
-      release(sm.v_empty(prev), lane);
-      rescale_o<kDo>(o[0], alpha);
-      pack_p();
-    }
-    const int last = (ck.tiles - 1) & 1;
-    mbar_wait(sm.v_full(last), parity(ck.tiles - 1));
-    turn.my_turn();
-    issue_pv<T, kDo, kN, kF32Out>(pa, pl, sm.v(last), o[0]);
-    turn.hand_over(true);
-    wgmma_wait<0>();
-    fence_operands(o[0]);
-  }
+  consume_tiles(
+      ck.tiles, wg, lane, StageBars{sm.k_full(0), sm.k_empty(0), sm.v_full(0), sm.v_empty(0)}, s, o[0],
+      [&](int st) { issue_qk<T, kD, kN>(sm.q, sm.k(st), wg, s); },
+      [&](int st) { issue_pv<T, kDo, kN, kF32Out>(pa, pl, sm.v(st), o[0]); },
+      [&](int j) { prefill::softmax_tile<S, kN>(wk, score, bias, d0, j, warp, lane, s, m[0], l[0], alpha); },
+      [&] { rescale_o<kDo>(o[0], alpha); }, [&] { prefill::pack_p<T, kN, kF32Out>(s, pa, pl); });
   store_rows<S, QL, T, kDo, kDv, std::conditional_t<kF32Out, float, T>>(p, w, h, split, o, m, l, score.exp_mul, sm.q,
                                                                         warp, lane);
 #endif
