@@ -343,9 +343,17 @@ FS_DEV void softmax_scores(float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float mx = kNegInf;
+    // A tree, not a chain: log2(kN / 8) dependent steps instead of kN / 8 (the max sits on the
+    // warpgroup's critical path between its S and its exponentials).
+    float t[kN / 8];
 #pragma unroll
-    for (int nt = 0; nt < kN / 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+    for (int nt = 0; nt < kN / 8; ++nt) t[nt] = fmaxf(s[nt][2 * r], s[nt][2 * r + 1]);
+#pragma unroll
+    for (int w = kN / 16; w >= 1; w /= 2)  // (the loop's bound is kN >= 16 x 2^k: fully unrolled)
+#pragma unroll
+      for (int i = 0; i < kN / 16; ++i)
+        if (i < w) t[i] = fmaxf(t[i], t[i + w]);
+    float mx = t[0];
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
     const float m_new = fmaxf(m[r], mx);

@@ -64,7 +64,7 @@ struct Fp8Smem {
   uint32_t q, bars;
   unsigned char* ranges;
   FS_DEV explicit Fp8Smem(unsigned char* raw) {
-    const uint32_t base = smem_u32(raw), aligned = (base + 1023u) & ~1023u;
+    const uint32_t base = smem_u32(raw), aligned = warp_uniform((base + 1023u) & ~1023u);
     q = aligned;
     ranges = raw + (aligned - base) + kTiles;
     bars = aligned + kTiles + kWgmmaRowsPerCta * 8;
@@ -232,7 +232,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_fp8(const __grid_const
   const CtaWork w = cta_of_block<S::kM>(p, h);
   if (!w.active) return;
   const Sm sm(smem_raw);
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, wg = warp / 4;
+  const int warp = int(warp_uniform(threadIdx.x / 32)), lane = int(threadIdx.x) % 32, wg = warp / 4;
   const int split = int(blockIdx.z);
   const SeqKv kv = seq_kv(p, w.b, h / p.group);
   const CtaKeys ck = cta_keys<kN>(p, w, kv, split);
@@ -264,12 +264,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_fp8(const __grid_const
   uint32_t pa[kN / 32][4];
   float m[1][2] = {{kNegInf, kNegInf}}, l[1][2] = {}, alpha[2];
   mbar_wait(sm.q_full(), 0);
-  consume_tiles(  // P V reads the transposed stages
-      ck.tiles, wg, lane, StageBars{sm.k_full(0), sm.k_empty(0), sm.vt_full(0), sm.vt_empty(0)}, s, o[0],
+  consume_tiles<false>(  // P V reads the transposed stages; no pin (pin_wait)
+      ck.tiles, wg, lane,
+      StageBars{sm.k_full(0), sm.k_empty(0), sm.vt_full(0), sm.vt_empty(0), 0u}, s, o[0],
       [&](int st) { issue_qk_fp8<T, kD, kN>(sm.q, sm.k(st), wg, s); },
       [&](int st) { issue_pv_fp8<T, kDv, kN>(pa, sm.vt(st), o[0]); },
       [&](int j) {
         prefill::softmax_tile<S, kN>(wk, score, bias, 0, j, warp, lane, s, m[0], l[0], alpha, kFp8PShift);
+        return l[0][0] + l[0][1];
       },
       [&] { rescale_o<kDv>(o[0], alpha); }, [&] { pack_p_e4m3<kN>(s, pa); });
   // Out staged in the raw V stages: every tile was transposed (vt_full) before the last P V.

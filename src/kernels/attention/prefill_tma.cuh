@@ -27,7 +27,10 @@
 // warpgroup (64 x 128 exp2 on 16 MUFU/clk = 512 clk, ~256 clk of FP32) hides under the other's
 // GEMMs, so the tensor pipe is the bound: ~2048 clk per tile for both, ~90% of peak predicted
 // if TMA keeps up (64 KB per tile per 2048 clk = 32 B/clk per SM, 4.2 TB/s over 132 SMs at
-// 1.98 GHz... served mostly from L2: heads of one KV head share it).
+// 1.98 GHz... served mostly from L2: heads of one KV head share it). Measured (ncu, bench/RESULTS.md
+// 2026-11-25 03:36): the tensor pipe 71% active at D = 128 (~2900 clk per tile), 42% at D = 64
+// (the softmax as long as the GEMMs), 78% at D = 256; the per-tile overheads (turn, barriers,
+// the producer) are what FlashAttention-3's longer key tiles amortize.
 #pragma once
 
 #include <cuda.h>
@@ -52,7 +55,8 @@ struct TmaAttnParams {
 };
 
 // Shared memory: prefill_wgmma's [Q | K 0, 1 | V 0, 1] (two V stages: the empty barriers order
-// the reuse), then the rows' key ranges (int2 [128]) and the mbarriers.
+// the reuse), then the rows' key ranges (int2 [128]), the wait pins (consume_tiles) and the
+// mbarriers.
 template <int kD, int kDv>
 struct TmaSmem {
   static constexpr int kN = wgmma_tile_keys(kD, kDv);
@@ -61,14 +65,15 @@ struct TmaSmem {
   static constexpr uint32_t kQBytes = kWgmmaRowsPerCta * wgmma_tile_width(kD) * 2;
   static constexpr uint32_t kKBytes = kN * wgmma_tile_width(kD) * 2, kVBytes = kN * wgmma_tile_width(kDv) * 2;
   static constexpr uint32_t kTiles = kQBytes + 2 * kKBytes + 2 * kVBytes;
-  static constexpr uint32_t kBytes = 1024 + kTiles + kWgmmaRowsPerCta * 8 + 9 * 8;
-  uint32_t q, bars;
+  static constexpr uint32_t kBytes = 1024 + kTiles + kWgmmaRowsPerCta * 8 + kWaitPinBytes + 9 * 8;
+  uint32_t q, pins, bars;
   unsigned char* ranges;
   FS_DEV explicit TmaSmem(unsigned char* raw) {
-    const uint32_t base = smem_u32(raw), aligned = (base + 1023u) & ~1023u;
+    const uint32_t base = smem_u32(raw), aligned = warp_uniform((base + 1023u) & ~1023u);
     q = aligned;
     ranges = raw + (aligned - base) + kTiles;
-    bars = aligned + kTiles + kWgmmaRowsPerCta * 8;
+    pins = aligned + kTiles + kWgmmaRowsPerCta * 8;
+    bars = pins + kWaitPinBytes;
   }
   FS_DEV uint32_t k(int st) const { return q + kQBytes + uint32_t(st) * kKBytes; }
   FS_DEV uint32_t v(int st) const { return q + kQBytes + 2 * kKBytes + uint32_t(st) * kVBytes; }
@@ -254,8 +259,22 @@ FS_DEV void release(uint32_t empty, int lane) {
 // sit 8 st bytes further.
 struct StageBars {
   uint32_t k_full, k_empty, v_full, v_empty;
+  uint32_t pin;  // the thread's wait pin (pin_wait)
   static FS_DEV uint32_t at(uint32_t bar, int st) { return bar + 8u * uint32_t(st); }
 };
+
+// wgmma_wait<0>, after x when kPin. ptxas schedules wgmma.wait_group as early as its block
+// allows (it reads no register): the wait for P V(j - 1) goes ahead of tile j's softmax and
+// serializes the two (ncu, D = 128: 10% of the consumers' time in it, every exponential after
+// it). It keeps the wait after shared-memory stores, so storing a value the whole softmax feeds
+// (its row sums) to the thread's own word pins the wait behind the softmax. Measured on the H200
+// (bench/RESULTS.md, 2026-11-25 03:36-04:06): D = 64 S = 2k 6% faster pinned, D = 128 even, D = 256
+// (64-key tiles) and the fp8 kernel 6-9% slower, so the kernels pin at 128-key bf16 tiles only.
+template <bool kPin>
+FS_DEV void pin_wait(uint32_t pin, float x) {
+  if constexpr (kPin) asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(pin), "f"(x) : "memory");
+  wgmma_wait<0>();
+}
 
 // The consumers' mainloop of the TMA kernels (prefill_tma, prefill_fp8), software-pipelined
 // within each warpgroup so that the softmax of tile j runs while P V of tile j - 1 does, the
@@ -264,8 +283,9 @@ struct StageBars {
 // O is complete, rescale O and pack P(j); the first tile's P V peeled off, the last tile's
 // after the loop. The kernel gives its accumulators S and O and its parts: qk(st) and pv(st)
 // issue the GEMMs over stage st (a commit group each) into them, softmax(j) runs on the
-// completed S, rescale() scales O by the softmax's alpha, pack() makes P(j) from S.
-template <int kNS, int kNO, class Qk, class Pv, class Softmax, class Rescale, class Pack>
+// completed S and returns a value that depends on all of it (pin_wait), rescale() scales O by
+// the softmax's alpha, pack() makes P(j) from S.
+template <bool kPin, int kNS, int kNO, class Qk, class Pv, class Softmax, class Rescale, class Pack>
 FS_DEV void consume_tiles(int tiles, int wg, int lane, const StageBars& b, float (&s)[kNS][4], float (&o)[kNO][4],
                           const Qk& qk, const Pv& pv, const Softmax& softmax, const Rescale& rescale,
                           const Pack& pack) {
@@ -293,8 +313,7 @@ FS_DEV void consume_tiles(int tiles, int wg, int lane, const StageBars& b, float
     wgmma_wait<1>();
     fence_operands(s);
     release(StageBars::at(b.k_empty, st), lane);
-    softmax(j);
-    wgmma_wait<0>();  // P(j-1) V(j-1) added: P's registers free, O final for it
+    pin_wait<kPin>(b.pin, softmax(j));  // P(j-1) V(j-1) added: P's registers free, O final for it
     fence_operands(o);
     release(StageBars::at(b.v_empty, prev), lane);
     rescale();
@@ -325,7 +344,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_const
   const CtaWork w = cta_of_block<S::kM>(p, h);
   if (!w.active) return;
   const Sm sm(smem_raw);
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, wg = warp / 4;
+  const int warp = int(warp_uniform(threadIdx.x / 32)), lane = int(threadIdx.x) % 32, wg = warp / 4;
   const int split = int(blockIdx.z);
   const SeqKv kv = seq_kv(p, w.b, h / p.group);
   const CtaKeys ck = cta_keys<kN>(p, w, kv, split);
@@ -356,11 +375,15 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_const
   uint32_t pl[kF32Out ? kN / 16 : 1][4];
   float m[1][2] = {{kNegInf, kNegInf}}, l[1][2] = {}, alpha[2];
   mbar_wait(sm.q_full(), 0);
-  consume_tiles(
-      ck.tiles, wg, lane, StageBars{sm.k_full(0), sm.k_empty(0), sm.v_full(0), sm.v_empty(0)}, s, o[0],
+  consume_tiles<kN == 128>(
+      ck.tiles, wg, lane,
+      StageBars{sm.k_full(0), sm.k_empty(0), sm.v_full(0), sm.v_empty(0), sm.pins + 4 * threadIdx.x}, s, o[0],
       [&](int st) { issue_qk<T, kD, kN>(sm.q, sm.k(st), wg, s); },
       [&](int st) { issue_pv<T, kDo, kN, kF32Out>(pa, pl, sm.v(st), o[0]); },
-      [&](int j) { prefill::softmax_tile<S, kN>(wk, score, bias, d0, j, warp, lane, s, m[0], l[0], alpha); },
+      [&](int j) {
+        prefill::softmax_tile<S, kN>(wk, score, bias, d0, j, warp, lane, s, m[0], l[0], alpha);
+        return l[0][0] + l[0][1];
+      },
       [&] { rescale_o<kDo>(o[0], alpha); }, [&] { prefill::pack_p<T, kN, kF32Out>(s, pa, pl); });
   store_rows<S, QL, T, kDo, kDv, std::conditional_t<kF32Out, float, T>>(p, w, h, split, o, m, l, score.exp_mul, sm.q,
                                                                         warp, lane);

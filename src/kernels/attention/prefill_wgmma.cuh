@@ -68,7 +68,7 @@ struct WgmmaSmem {
   uint32_t q;
   unsigned char* ranges;  // int2 [128]
   FS_DEV explicit WgmmaSmem(unsigned char* raw) {
-    const uint32_t base = smem_u32(raw), aligned = (base + 1023u) & ~1023u;
+    const uint32_t base = smem_u32(raw), aligned = warp_uniform((base + 1023u) & ~1023u);
     q = aligned;
     ranges = raw + (aligned - base) + kBytes;
   }
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kWgmmaThreads, 1) prefill_wgmma(const __grid_c
   const CtaWork w = cta_of_block<S::kM>(p, h);
   if (!w.active) return;
   const Sm sm(smem_raw);
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, wg = warp / 4;
+  const int warp = int(warp_uniform(threadIdx.x / 32)), lane = int(threadIdx.x) % 32, wg = warp / 4;
   const int split = int(blockIdx.z);
   const SeqKv kv = seq_kv(p, w.b, h / p.group);
   const CtaKeys ck = cta_keys<kN>(p, w, kv, split);

@@ -191,13 +191,18 @@ constexpr int prefill_tma_box_rows(int kn, bool paged, int64_t block_size) {
   return paged && block_size < kn ? int(block_size) : kn;
 }
 
+// The consumers' wait pins of the TMA kernels (prefill_tma.cuh: consume_tiles): a float per
+// consumer thread.
+inline constexpr size_t kWaitPinBytes = 2 * 128 * 4;
+
 // Its dynamic shared memory: 1 KB of alignment slack, Q [128, D] + K [2, N, D] + V [2, N, Dv]
-// 16-bit (D and Dv padded to whole 64-channel blocks), the rows' key ranges (int2 [128]) and 9
-// mbarriers (prefill_tma.cuh: TmaSmem). 162 KB at D = 96 and 128, 194 KB at 256, 146 KB at 192,
-// 130 KB at 192/128, 82 KB at 64.
+// 16-bit (D and Dv padded to whole 64-channel blocks), the rows' key ranges (int2 [128]), the
+// wait pins and 9 mbarriers (prefill_tma.cuh: TmaSmem). 163 KB at D = 96 and 128, 195 KB at 256,
+// 147 KB at 192, 131 KB at 192/128, 83 KB at 64.
 constexpr size_t prefill_tma_smem_bytes(int64_t d, int64_t dv) {
   const int64_t n = wgmma_tile_keys(d, dv), wd = wgmma_tile_width(d), wdv = wgmma_tile_width(dv);
-  return 1024 + size_t(kWgmmaRowsPerCta * wd + 2 * n * wd + 2 * n * wdv) * 2 + size_t(kWgmmaRowsPerCta) * 8 + 9 * 8;
+  return 1024 + size_t(kWgmmaRowsPerCta * wd + 2 * n * wd + 2 * n * wdv) * 2 + size_t(kWgmmaRowsPerCta) * 8 +
+         kWaitPinBytes + 9 * 8;
 }
 
 // ---- the fp8 prefill kernel (prefill_fp8.cuh): sm_90a, prefill_tma's CTA on fp8 wgmma; q, k

@@ -38,19 +38,33 @@ FS_DEV uint64_t smem_desc_sw128(uint32_t addr, uint32_t lead_bytes, uint32_t str
          (uint64_t((stride_bytes >> 4) & 0x3FFFu) << 32) | (uint64_t(1) << 62);
 }
 
+// The descriptor of an operand `bytes` (a multiple of 16) further in shared memory than d's:
+// the start address field (bits 0-13) holds address >> 4, which stays below 2^14 for every
+// shared address (< 256 KB), so the add never carries into the other fields. Built from one
+// masked base per tile, the k steps' descriptors cost one integer add each (and stay in
+// uniform registers when the base is warp-uniform: warp_uniform), where a full build per
+// wgmma made its issue a dependent chain of ~9 instructions.
+FS_DEV uint64_t desc_plus(uint64_t d, uint32_t bytes) {
+  return (d & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(d) + (bytes >> 4));
+}
+
 // K-major operand rows [row0, row0 + 8 m) of a SwizzledTile<Rows> at `tile`, k16 step kk.
 template <int Rows>
 FS_DEV uint64_t desc_k_major(uint32_t tile, int row0, int kk) {
-  return smem_desc_sw128(tile + uint32_t(kk >> 2) * SwizzledTile<Rows>::kBlockBytes + uint32_t(row0) * 128u +
-                             uint32_t(kk & 3) * 32u,
-                         16u, 1024u);
+  return desc_plus(smem_desc_sw128(tile, 16u, 1024u), uint32_t(kk >> 2) * SwizzledTile<Rows>::kBlockBytes +
+                                                         uint32_t(row0) * 128u + uint32_t(kk & 3) * 32u);
 }
 
 // N-major operand (N = the tile's channels, K = its rows), rows [16 kk, 16 kk + 16).
 template <int Rows>
 FS_DEV uint64_t desc_n_major(uint32_t tile, int kk) {
-  return smem_desc_sw128(tile + uint32_t(kk) * 16u * 128u, SwizzledTile<Rows>::kBlockBytes, 1024u);
+  return desc_plus(smem_desc_sw128(tile, SwizzledTile<Rows>::kBlockBytes, 1024u), uint32_t(kk) * 16u * 128u);
 }
+
+// x as the compiler may keep in a uniform register: lane 0's value (every lane of the warp
+// must hold the same x and take part). Shared-memory addresses and warpgroup indices that feed
+// wgmma descriptors go through it.
+FS_DEV uint32_t warp_uniform(uint32_t x) { return __shfl_sync(0xFFFFFFFFu, x, 0); }
 
 FS_DEV void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 FS_DEV void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
