@@ -222,19 +222,43 @@ FS_DEV void produce(const TmaAttnParams& tp, const CtaWork& w, int64_t h, const 
   const int64_t sk = kv_len(p, w.b);
   const KeyRange cache = generic::cache_tokens(p, kv);
   const int seg = prefill_tma_box_rows(kN, p.paged, p.kv_dim1), g = int(kv.g);
+  // At 128-key tiles K runs a tile ahead of V: K(j + 1) waits only for S(j - 1) to release its
+  // stage, not behind V(j), whose stage P V(j - 2) frees half a period later (ncu, D = 128 S = 8k:
+  // the consumers' K-full wait 3.8% -> 1.4% of samples, the tensor pipe 71% -> 74% active, 6%
+  // less time); at 64-key tiles (D = 256) it measured 1.6% slower, so there K(j) precedes V(j).
+  constexpr bool kKAhead = kN >= 128;
+  struct Tile {
+    bool whole = false;
+    int row = 0, blk = 0;
+    int64_t n0 = 0;
+  };
+  const auto locate = [&](int j) {
+    Tile t;
+    t.n0 = ck.n_begin + int64_t(j) * kN;
+    t.whole = tma_tile<kN>(p, kv, cache, sk, t.n0, seg, lane, t.row, t.blk);
+    return t;
+  };
+  const auto parity = [](int j) { return uint32_t((j >> 1) & 1) ^ 1u; };
+  const auto load_k = [&](int j, const Tile& t) {
+    const int st = j & 1;
+    if (j >= 2) mbar_wait(sm.k_empty(st), parity(j));
+    if (t.whole) tma_stage<T, L, kN, kD>(&tp.k, sm.k(st), sm.k_full(st), Sm::kKBytes, seg, g, t.row, t.blk, lane);
+    else copy_tail<T, L, kN, kD / 8, true>(p, kv, sk, t.n0, sm.k(st), sm.k_full(st), lane);
+  };
+  if (ck.tiles <= 0) return;
+  Tile t = locate(0);  // tile j's location (the next one's block ids read a tile early)
+  if (kKAhead) load_k(0, t);
 #pragma unroll 1
   for (int j = 0; j < ck.tiles; ++j) {
+    Tile next;
+    if (j + 1 < ck.tiles) next = locate(j + 1);
+    if (!kKAhead) load_k(j, t);
+    else if (j + 1 < ck.tiles) load_k(j + 1, next);
     const int st = j & 1;
-    const uint32_t parity = uint32_t((j >> 1) & 1) ^ 1u;
-    const int64_t n0 = ck.n_begin + int64_t(j) * kN;
-    int row = 0, blk = 0;
-    const bool whole = tma_tile<kN>(p, kv, cache, sk, n0, seg, lane, row, blk);
-    if (j >= 2) mbar_wait(sm.k_empty(st), parity);
-    if (whole) tma_stage<T, L, kN, kD>(&tp.k, sm.k(st), sm.k_full(st), Sm::kKBytes, seg, g, row, blk, lane);
-    else copy_tail<T, L, kN, kD / 8, true>(p, kv, sk, n0, sm.k(st), sm.k_full(st), lane);
-    if (j >= 2) mbar_wait(sm.v_empty(st), parity);
-    if (whole) tma_stage<T, L, kN, kDv>(&tp.v, sm.v(st), sm.v_full(st), Sm::kVBytes, seg, g, row, blk, lane);
-    else copy_tail<T, L, kN, kDv / 8, false>(p, kv, sk, n0, sm.v(st), sm.v_full(st), lane);
+    if (j >= 2) mbar_wait(sm.v_empty(st), parity(j));
+    if (t.whole) tma_stage<T, L, kN, kDv>(&tp.v, sm.v(st), sm.v_full(st), Sm::kVBytes, seg, g, t.row, t.blk, lane);
+    else copy_tail<T, L, kN, kDv / 8, false>(p, kv, sk, t.n0, sm.v(st), sm.v_full(st), lane);
+    t = next;
   }
 }
 
