@@ -26,6 +26,25 @@ namespace fsgpu {
 
 namespace fs = flashserve;
 
+// A D = 128 prefill configuration with LSE, one split, a spare KV row and block-table column,
+// q/K/V/out of dtype t (the prefill tests' base; the fp8 one sets its quantization and out).
+inline fstest::CaseConfig prefill_case_config(fstest::KvMode mode, std::vector<int64_t> q_lens,
+                                              std::vector<int64_t> k_lens, int64_t H, int64_t H_kv,
+                                              flashserve::DType t) {
+  fstest::CaseConfig c;
+  c.mode = mode;
+  if (c.batched()) q_lens.assign(k_lens.size(), q_lens[0]);
+  c.H = H, c.H_kv = H_kv, c.D = c.Dv = 128;
+  c.q_dtype = c.kv_dtype = c.out_dtype = t;
+  c.q_lens = std::move(q_lens);
+  c.k_lens = std::move(k_lens);
+  c.lse = true;
+  c.num_splits = 1;
+  c.extra_kv_rows = 1;
+  c.extra_table_cols = 1;
+  return c;
+}
+
 // A device copy of h's storage; an empty storage gets no allocation (and no CUDA call).
 inline DeviceTensor mirror_storage(const fstest::HostTensor& h) {
   if (!h.bytes->empty()) return DeviceTensor::mirror(h);

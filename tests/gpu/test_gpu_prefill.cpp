@@ -34,18 +34,7 @@ namespace {
 // A bf16 D = 128 prefill configuration (the kernel's always-built case) with LSE.
 CaseConfig prefill_config(KvMode mode, std::vector<int64_t> q_lens, std::vector<int64_t> k_lens, int64_t H,
                           int64_t H_kv) {
-  CaseConfig c;
-  c.mode = mode;
-  if (c.batched()) q_lens.assign(k_lens.size(), q_lens[0]);
-  c.H = H, c.H_kv = H_kv, c.D = c.Dv = 128;
-  c.q_dtype = c.kv_dtype = c.out_dtype = DType::bf16;
-  c.q_lens = std::move(q_lens);
-  c.k_lens = std::move(k_lens);
-  c.lse = true;
-  c.num_splits = 1;
-  c.extra_kv_rows = 1;
-  c.extra_table_cols = 1;
-  return c;
+  return fsgpu::prefill_case_config(mode, std::move(q_lens), std::move(k_lens), H, H_kv, DType::bf16);
 }
 
 // The tensor-core prefill kernel the selection must pick for bf16 D = 128 on device 0.

@@ -28,19 +28,9 @@ namespace {
 
 // An fp8 q/k/v D = 128 prefill configuration with LSE, out bf16.
 CaseConfig fp8_config(KvMode mode, std::vector<int64_t> q_lens, std::vector<int64_t> k_lens, int64_t H, int64_t H_kv) {
-  CaseConfig c;
-  c.mode = mode;
-  if (c.batched()) q_lens.assign(k_lens.size(), q_lens[0]);
-  c.H = H, c.H_kv = H_kv, c.D = c.Dv = 128;
+  CaseConfig c = fsgpu::prefill_case_config(mode, std::move(q_lens), std::move(k_lens), H, H_kv, DType::f8e4m3);
   c.quant = fstest::QuantMode::fp8_qkv;
-  c.q_dtype = c.kv_dtype = DType::f8e4m3;
   c.out_dtype = DType::bf16;
-  c.q_lens = std::move(q_lens);
-  c.k_lens = std::move(k_lens);
-  c.lse = true;
-  c.num_splits = 1;
-  c.extra_kv_rows = 1;
-  c.extra_table_cols = 1;
   return c;
 }
 

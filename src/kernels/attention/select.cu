@@ -118,14 +118,21 @@ std::string take_prefill(AttnKernelId id, size_t smem, const DeviceProps& dev, c
   return {};
 }
 
+// What every sm_90a kernel needs: not disabled (FLASHSERVE_DISABLE_KERNELS), a build with
+// sm_90a code, a compute capability 9.0 device.
+std::string sm90_gate(AttnKernelId kernel, const DeviceProps& dev, const char* what) {
+  if (kernel_disabled(kernel)) return detail::cat(what, "disabled by FLASHSERVE_DISABLE_KERNELS");
+  if (!FLASHSERVE_SM90A) return detail::cat(what, "a build with sm_90a code (FLASHSERVE_CUDA_ARCHS)");
+  if (dev.cc_major != 9 || dev.cc_minor != 0)
+    return detail::cat(what, "compute capability 9.0, got ", dev.cc_major, ".", dev.cc_minor);
+  return {};
+}
+
 // The sm_90a wgmma prefill kernel (prefill_wgmma.cuh): the prefill scope with fp32 out too, on
 // compute capability 9.0 in builds with sm_90a code, (D, Dv) in kPrefillWgmmaConfigs.
 std::string try_prefill_wgmma(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
   const char* what = "prefill_wgmma kernel: ";
-  if (kernel_disabled(AttnKernelId::prefill_wgmma)) return detail::cat(what, "disabled by FLASHSERVE_DISABLE_KERNELS");
-  if (!FLASHSERVE_SM90A) return detail::cat(what, "a build with sm_90a code (FLASHSERVE_CUDA_ARCHS)");
-  if (dev.cc_major != 9 || dev.cc_minor != 0)
-    return detail::cat(what, "compute capability 9.0, got ", dev.cc_major, ".", dev.cc_minor);
+  if (std::string why = sm90_gate(AttnKernelId::prefill_wgmma, dev, what); !why.empty()) return why;
   std::string why = prefill_scope(pr, what, true);
   if (!why.empty()) return why;
   if (pr.alibi_slopes && pr.out.dtype == DType::f32)  // not instantiated (prefill_wgmma.cu)
@@ -167,10 +174,7 @@ std::string tma_scope(const detail::AttnProblem& pr, const char* what) {
 // 16-byte strides).
 std::string try_prefill_tma(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
   const char* what = "prefill_tma kernel: ";
-  if (kernel_disabled(AttnKernelId::prefill_tma)) return detail::cat(what, "disabled by FLASHSERVE_DISABLE_KERNELS");
-  if (!FLASHSERVE_SM90A) return detail::cat(what, "a build with sm_90a code (FLASHSERVE_CUDA_ARCHS)");
-  if (dev.cc_major != 9 || dev.cc_minor != 0)
-    return detail::cat(what, "compute capability 9.0, got ", dev.cc_major, ".", dev.cc_minor);
+  if (std::string why = sm90_gate(AttnKernelId::prefill_tma, dev, what); !why.empty()) return why;
   std::string why = prefill_scope(pr, what, true);
   if (!why.empty()) return why;
   if (pr.alibi_slopes && pr.out.dtype == DType::f32) return detail::cat(what, "no ALiBi with fp32 out");
@@ -184,10 +188,7 @@ std::string try_prefill_tma(const detail::AttnProblem& pr, const DeviceProps& de
 // f16/bf16/fp32, prefill_tma's operands and modifiers but ALiBi, (D, Dv) in kPrefillFp8Configs.
 std::string try_prefill_fp8(const detail::AttnProblem& pr, const DeviceProps& dev, AttnKernelChoice& c) {
   const char* what = "prefill_fp8 kernel: ";
-  if (kernel_disabled(AttnKernelId::prefill_fp8)) return detail::cat(what, "disabled by FLASHSERVE_DISABLE_KERNELS");
-  if (!FLASHSERVE_SM90A) return detail::cat(what, "a build with sm_90a code (FLASHSERVE_CUDA_ARCHS)");
-  if (dev.cc_major != 9 || dev.cc_minor != 0)
-    return detail::cat(what, "compute capability 9.0, got ", dev.cc_major, ".", dev.cc_minor);
+  if (std::string why = sm90_gate(AttnKernelId::prefill_fp8, dev, what); !why.empty()) return why;
   if (pr.q.dtype != DType::f8e4m3 || pr.k.dtype != DType::f8e4m3 || pr.v.dtype != DType::f8e4m3)
     return detail::cat(what, "q, k and v fp8 e4m3, got ", dtype_name(pr.q.dtype), "/", dtype_name(pr.k.dtype), "/",
                        dtype_name(pr.v.dtype));

@@ -112,6 +112,16 @@ constexpr int wgmma_tile_width(int64_t d) { return int((d + 63) / 64 * 64); }
 // Bytes of a swizzled tile's row of d channels of es bytes each: whole 128-byte column blocks.
 constexpr int tile_row_bytes(int64_t d, int64_t es) { return int((d * es + 127) / 128 * 128); }
 
+// Whether a table of sm_90a instantiations (kPrefillWgmmaConfigs, ...) holds (t, D, Dv): never
+// in a build without sm_90a code.
+template <size_t N>
+constexpr bool sm90_config_built(const PrefillConfig (&configs)[N], DType t, int64_t d, int64_t dv) {
+  if (!FLASHSERVE_SM90A) return false;
+  for (const PrefillConfig& c : configs)
+    if (c.dtype == t && c.head_dim == d && c.dv() == dv) return true;
+  return false;
+}
+
 // D 64/128/256 (the benchmark's), 96 and 192 (D = Dv), and MLA prefill's 192/128; the dev set
 // (three instantiations each, ~3 s of nvcc apiece) is the bf16 half: every head size, no f16.
 // prefill_tma serves contiguous caches and paged ones of its block sizes; this kernel the other
@@ -129,10 +139,7 @@ inline constexpr PrefillConfig kPrefillWgmmaConfigs[] = {
 #endif
 
 constexpr bool prefill_wgmma_config_built(DType t, int64_t d, int64_t dv) {
-  if (!FLASHSERVE_SM90A) return false;
-  for (const PrefillConfig& c : kPrefillWgmmaConfigs)
-    if (c.dtype == t && c.head_dim == d && c.dv() == dv) return true;
-  return false;
+  return sm90_config_built(kPrefillWgmmaConfigs, t, d, dv);
 }
 
 // Dynamic shared memory of the wgmma kernel: 1 KB of alignment slack (the swizzled tiles sit
@@ -171,10 +178,7 @@ constexpr bool tma_dim_ok(int64_t n, int64_t stride_elems, int64_t elem_bytes) {
 }
 
 constexpr bool prefill_tma_config_built(DType t, int64_t d, int64_t dv) {
-  if (!FLASHSERVE_SM90A) return false;
-  for (const PrefillConfig& c : kPrefillTmaConfigs)
-    if (c.dtype == t && c.head_dim == d && c.dv() == dv) return true;
-  return false;
+  return sm90_config_built(kPrefillTmaConfigs, t, d, dv);
 }
 
 // The paged block sizes it serves: P a multiple of 16 (a page segment starts on a 2 KB, so
@@ -211,10 +215,7 @@ constexpr size_t prefill_tma_smem_bytes(int64_t d, int64_t dv) {
 inline constexpr PrefillConfig kPrefillFp8Configs[] = {{DType::f8e4m3, 128}};
 
 constexpr bool prefill_fp8_config_built(DType t, int64_t d, int64_t dv) {
-  if (!FLASHSERVE_SM90A) return false;
-  for (const PrefillConfig& c : kPrefillFp8Configs)
-    if (c.dtype == t && c.head_dim == d && c.dv() == dv) return true;
-  return false;
+  return sm90_config_built(kPrefillFp8Configs, t, d, dv);
 }
 
 // Its dynamic shared memory: 1 KB of alignment slack, Q [128, D] + K [2, N, D] + V raw and V
