@@ -74,6 +74,9 @@ __global__ void __launch_bounds__(kCombineThreads) split_combine(const __grid_co
   const float ws = apply_sink(p, h, lse);
   if (c < dv) {
     // Four independent sums (split s into acc[s % 4]) so that 32 loads are in flight per thread.
+    // The tail keeps that assignment, so trailing empty splits (weight 0, partial 0) change no
+    // bit: a CUDA graph captured with more splits than an eager plan of the same keys (the
+    // granule cap) combines the same non-empty splits in the same order.
     const float* o_s = p.o_partial + partial_index(p, 0, r, h) * dv + c;
     const int64_t step = split_stride * dv;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -83,7 +86,7 @@ __global__ void __launch_bounds__(kCombineThreads) split_combine(const __grid_co
 #pragma unroll
       for (int k = 0; k < 4; ++k) acc[k] = fmaf(w[s + k], o_s[(s + k) * step], acc[k]);
     }
-    for (; s < splits; ++s) acc[0] = fmaf(w[s], o_s[s * step], acc[0]);
+    for (; s < splits; ++s) acc[s & 3] = fmaf(w[s], o_s[s * step], acc[s & 3]);
     float o = (acc[0] + acc[1]) + (acc[2] + acc[3]);
     if (lse != lse) o = NAN;
     store_out(p, seq.qb, seq.q_row(r, p.batched), h, c, o * ws);
