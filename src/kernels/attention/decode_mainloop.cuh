@@ -15,15 +15,37 @@ FS_DEV PackedIdx packed_idx(const AttnParams& p, int64_t g, int64_t g0, int j) {
   return {(g0 + j) / p.group, g * p.group + (g0 + j) % p.group};
 }
 
+// Packed row j's aligned global position and its visible local keys within the split's range,
+// bounded to the cache.
+FS_DEV int64_t row_pos(const AttnParams& p, const DecodeSeq& s, int64_t g0, int j) {
+  return (g0 + j) / p.group + s.sk_global - s.rows.sq();
+}
+FS_DEV KeyRange row_keys(const AttnParams& p, const DecodeSeq& s, int64_t pos) {
+  const KeyRange vis = make_visibility(p)(pos, s.sk_global);
+  return generic::bound_to_cache({imax(vis.lo, s.range.begin), imin(vis.hi, s.range.end)}, s.cache);
+}
+
+// The union of the keys of rows [0, nrows) of the group at g0 (empty rows skipped), as
+// rows_key_union over their RowMeta, computed without it: every thread, before q is staged.
+FS_DEV KeyRange group_key_union(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows) {
+  KeyRange u{s.range.end, s.range.begin};
+  for (int j = 0; j < nrows; ++j) {
+    const KeyRange k = row_keys(p, s, row_pos(p, s, g0, j));
+    if (k.lo >= k.hi) continue;
+    u.lo = imin(u.lo, k.lo);
+    u.hi = imax(u.hi, k.hi);
+  }
+  return u;
+}
+
 // Packed row j's metadata (inactive when j >= nrows; qk_scale 1).
 FS_DEV RowMeta row_meta(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows, int j) {
   RowMeta m{0, 0, 0, 0.0f, 0, 1.0f};
   if (j >= nrows) return m;
   const PackedIdx pi = packed_idx(p, g, g0, j);
   m.active = 1;
-  m.pos = pi.i + s.sk_global - s.rows.sq();
-  const KeyRange vis = make_visibility(p)(m.pos, s.sk_global);
-  const KeyRange k = generic::bound_to_cache({imax(vis.lo, s.range.begin), imin(vis.hi, s.range.end)}, s.cache);
+  m.pos = row_pos(p, s, g0, j);
+  const KeyRange k = row_keys(p, s, m.pos);
   m.lo = k.lo;
   m.hi = k.hi;
   if (p.alibi.data) m.slope = load_f32_2d(p.alibi, s.rows.b, pi.h, 0.0f);
@@ -109,25 +131,57 @@ FS_DEV void stage_rows_int8(const AttnParams& p, const DecodeSeq& s, int64_t g, 
   }
 }
 
-// Fills meta [kRows] and q [kRows, kD] (q's 16-bit type, f16 for fp8 K/V, int8 for int8 K;
-// rows kQStride bytes apart; zeros for inactive rows) of the row group; the union of the
-// active rows' keys is returned (the same in every thread). Ends synchronized.
+// 16-bit q (K/V of its type): 16-byte copies, all of a thread's loads issued before its stores
+// (one global round trip for the setup, not one per element); element-wise when q's base or
+// strides are not 16-byte multiples.
 template <class S>
-FS_DEV KeyRange setup_rows(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows,
+FS_DEV void stage_rows_16(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows,
+                          unsigned char* q, RowMeta* meta) {
+  if (int(threadIdx.x) < S::kRows) meta[threadIdx.x] = row_meta(p, s, g, g0, nrows, int(threadIdx.x));
+  constexpr int kCh = S::kDim * 2 / kDecodeChunk;  // chunks per row
+  constexpr int kPer = S::kRows * kCh / S::kThreads;
+  static_assert(S::kRows * kCh % S::kThreads == 0, "whole chunks per thread");
+  const bool vec = reinterpret_cast<uintptr_t>(p.q.data) % kDecodeChunk == 0 &&
+                   (p.q.stride[0] | p.q.stride[1] | p.q.stride[2]) % (kDecodeChunk / 2) == 0;
+  if (vec) {
+    uint4 v[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int idx = int(threadIdx.x) + i * S::kThreads, j = idx / kCh, c = idx % kCh;
+      v[i] = make_uint4(0u, 0u, 0u, 0u);
+      if (j < nrows) {
+        const PackedIdx pi = packed_idx(p, g, g0, j);
+        const int64_t q_row = s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
+        const int64_t off = s.rows.qb * p.q.stride[0] + q_row * p.q.stride[1] + pi.h * p.q.stride[2];
+        v[i] = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.q.data) + off + c * (kDecodeChunk / 2));
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int idx = int(threadIdx.x) + i * S::kThreads, j = idx / kCh, c = idx % kCh;
+      *reinterpret_cast<uint4*>(q + j * S::kQStride + c * kDecodeChunk) = v[i];
+    }
+    return;
+  }
+  for (int idx = int(threadIdx.x); idx < S::kRows * S::kDim; idx += S::kThreads) {
+    const int j = idx / S::kDim, d = idx % S::kDim;
+    store_from_float(q + j * S::kQStride, d, p.q.dtype, q_elem(p, s, g, g0, nrows, j, d));  // exact: q's own type
+  }
+}
+
+// Fills meta [kRows] and q [kRows, kD] (q's 16-bit type, f16 for fp8 K/V, int8 for int8 K;
+// rows kQStride bytes apart; zeros for inactive rows) of the row group. Ends synchronized.
+template <class S>
+FS_DEV void setup_rows(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows,
                            unsigned char* q, RowMeta* meta) {
   if constexpr (S::kInt8) {
     stage_rows_int8<S>(p, s, g, g0, nrows, q, meta);
   } else if constexpr (S::kKb == 1) {
     stage_rows_fp8<S>(p, s, g, g0, nrows, q, meta);
   } else {
-    if (int(threadIdx.x) < S::kRows) meta[threadIdx.x] = row_meta(p, s, g, g0, nrows, int(threadIdx.x));
-    for (int idx = int(threadIdx.x); idx < S::kRows * S::kDim; idx += S::kThreads) {
-      const int j = idx / S::kDim, d = idx % S::kDim;
-      store_from_float(q + j * S::kQStride, d, p.q.dtype, q_elem(p, s, g, g0, nrows, j, d));  // exact: q's own type
-    }
+    stage_rows_16<S>(p, s, g, g0, nrows, q, meta);
   }
   __syncthreads();
-  return rows_key_union(meta, nrows, s.range);
 }
 
 // Where key t0 + lane % 16 of a tile lives, before its offsets: the block-table entry (paged)
@@ -243,41 +297,66 @@ FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st,
 }
 
 // The warp's tiles w, w + W, ... of keys [u.lo, u.hi) (tiles aligned to the split's start, as
-// the CPU reference), through an S::kStages-deep ring of cp.async groups; the block-table entries
-// of the tile after the one being issued wait in registers (`ahead`). consume(stage, t0) takes
-// each tile once its copies have landed.
-template <class S, class Consume>
-FS_DEV void stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* warp_base, KeyRange u,
+// the CPU reference), through an S::kStages-deep ring of cp.async groups. For 16-bit K the
+// first kStages - 1 tiles are issued before anything else (their block-table entries read
+// together), then setup() runs (the row group's q and meta: a global round trip that overlaps
+// the copies; H200: 1-4% faster at B=64..256) and returns the consumer; 8-bit K runs setup()
+// first. The block-table entries of the tile after the one being issued wait in registers
+// (`ahead`). consume(c, stage, t0) takes each tile once its copies have landed; the consumer is
+// returned.
+template <class S, class Setup, class Consume>
+FS_DEV auto stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* warp_base, KeyRange u, Setup&& setup,
                         Consume&& consume) {
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  constexpr int kTile = S::kTile;
+  constexpr int kTile = S::kTile, kAhead = S::kStages - 1;
   TokenLoc* loc = reinterpret_cast<TokenLoc*>(warp_base + S::kStages * S::kStageBytes);
   const int64_t base = s.range.begin + (u.lo - s.range.begin) / kTile * kTile;
-  const int64_t tiles = (u.hi - base + kTile - 1) / kTile;
+  const int64_t tiles = u.lo < u.hi ? (u.hi - base + kTile - 1) / kTile : 0;
   const int64_t mine = tiles > warp ? (tiles - warp + S::kWarps - 1) / S::kWarps : 0;
   auto tile_start = [&](int64_t k) { return base + (warp + k * S::kWarps) * kTile; };
-  TileKey ahead = tile_key<kTile>(p, s.kv, tile_start(0), u.lo, u.hi, lane);  // tile 0 (skipped if past u.hi)
   int issue_stage = 0, consume_stage = 0;  // ring positions of the next issue / consume
-  auto issue = [&](int64_t k) {  // tile k (its key is `ahead`), then read tile k + 1's entries
-    issue_tile<S>(p, s.kv, Stage<S>(warp_base, issue_stage), loc, ahead, lane);
+  auto issue_key = [&](const TileKey& key) {
+    issue_tile<S>(p, s.kv, Stage<S>(warp_base, issue_stage), loc, key, lane);
     issue_stage = issue_stage + 1 == S::kStages ? 0 : issue_stage + 1;
-    if (k + 1 < mine) ahead = tile_key<kTile>(p, s.kv, tile_start(k + 1), u.lo, u.hi, lane);
   };
+  TileKey ahead;
+  auto prologue = [&] {
+    TileKey first[kAhead];  // the prologue's tiles (skipped past u.hi)
 #pragma unroll
-  for (int k = 0; k < S::kStages - 1; ++k) {
-    if (k < mine) issue(k);
-    cp_async_commit();
+    for (int k = 0; k < kAhead; ++k) first[k] = tile_key<kTile>(p, s.kv, tile_start(k), u.lo, u.hi, lane);
+#pragma unroll
+    for (int k = 0; k < kAhead; ++k) {
+      if (k < mine) issue_key(first[k]);
+      cp_async_commit();
+    }
+    ahead = tile_key<kTile>(p, s.kv, tile_start(kAhead), u.lo, u.hi, lane);
+  };
+  auto run = [&](auto& c) {
+    for (int64_t k = 0; k < mine; ++k) {
+      if (k + kAhead < mine) {  // tile k + kAhead (its key is `ahead`), then read the next one's entries
+        issue_key(ahead);
+        if (k + kAhead + 1 < mine) ahead = tile_key<kTile>(p, s.kv, tile_start(k + kAhead + 1), u.lo, u.hi, lane);
+      }
+      cp_async_commit();
+      cp_async_wait<S::kStages - 1>();
+      __syncwarp();
+      consume(c, Stage<S>(warp_base, consume_stage), tile_start(k));
+      consume_stage = consume_stage + 1 == S::kStages ? 0 : consume_stage + 1;
+      __syncwarp();  // the stage is free for the next issue
+    }
+    cp_async_wait<0>();
+  };
+  if constexpr (S::kKb == 1) {  // 8-bit K: setup first (the copies first measured 1-5% slower there)
+    auto c = setup();
+    prologue();
+    run(c);
+    return c;
+  } else {
+    prologue();
+    auto c = setup();
+    run(c);
+    return c;
   }
-  for (int64_t k = 0; k < mine; ++k) {
-    if (k + S::kStages - 1 < mine) issue(k + S::kStages - 1);
-    cp_async_commit();
-    cp_async_wait<S::kStages - 1>();
-    __syncwarp();
-    consume(Stage<S>(warp_base, consume_stage), tile_start(k));
-    consume_stage = consume_stage + 1 == S::kStages ? 0 : consume_stage + 1;
-    __syncwarp();  // the stage is free for the next issue
-  }
-  cp_async_wait<0>();
 }
 
 // Merges the warps' states of each row (shared memory, reusing the warps' area) and writes
@@ -335,10 +414,14 @@ FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, in
                           unsigned char* q, RowMeta* meta, unsigned char* warps_base) {
   const int lane = int(threadIdx.x) % 32;
   unsigned char* warp_base = warps_base + size_t(threadIdx.x / 32) * S::kWarpBytes;
-  const KeyRange u = setup_rows<S>(p, s, g, g0, nrows, q, meta);
-  MmaWarp<kKv, S> w(q, meta, lane);
-  if (u.lo < u.hi)
-    stream_keys<S>(p, s, warp_base, u, [&](const Stage<S>& st, int64_t t0) { w.consume(p, st, t0, lane); });
+  const KeyRange u = group_key_union(p, s, g0, nrows);
+  MmaWarp<kKv, S> w = stream_keys<S>(
+      p, s, warp_base, u,
+      [&] {
+        setup_rows<S>(p, s, g, g0, nrows, q, meta);
+        return MmaWarp<kKv, S>(q, meta, lane);
+      },
+      [&](MmaWarp<kKv, S>& c, const Stage<S>& st, int64_t t0) { c.consume(p, st, t0, lane); });
   merge_and_store<S>(p, s, g, g0, nrows, split, warps_base, w);
 }
 
