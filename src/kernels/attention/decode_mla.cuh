@@ -13,8 +13,8 @@
 //   the rows' visible keys; each tile [32 keys, 576] = [k | v] is loaded ONCE per CTA into a
 //   2-stage cp.async ring (16-byte chunks, rows padded by 16 B so ldmatrix rows hit distinct
 //   banks; out-of-range keys become zero rows and their bits in the tile's bad mask, so the
-//   rows that see them come out NaN, nothing out of bounds is read). Warp 0 locates the keys
-//   of the tile two ahead (block-table reads) while the others run the softmax.
+//   rows that see them come out NaN, nothing out of bounds is read). Warp 0 reads the block
+//   table for the tile two ahead before S and locates its keys after the softmax.
 //   1. S [kM, 32] = Q [k|v]^T: warp w takes m-block w / (W / (kM/16)) and a slice of 8 (kM=16)
 //      or 16 (kM=64) keys, over the full 576 contraction; Q and K fragments by ldmatrix from
 //      shared memory; S (fp32) to shared memory. Barrier.
@@ -680,11 +680,28 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
       if (sub >= nsub) break;  // CTA-uniform
       const size_t off = size_t(st) * S::kStageBytes + size_t(h) * kN * S::kKvRow;
       if (h > 0) __syncthreads();  // every warp is done with the previous compute tile's P and alpha
+      // warp 0: the block-table reads of load tile k + 2 in flight during S and the softmax
+      // (located after the softmax: the entries stay int32 until then, so nothing waits on
+      // them); kM = 64 (8 warps at 255 registers) reads and locates after the softmax.
+      constexpr bool kEarly = S::kM == 16;
+      decode::TileKey next[S::kSub];
+      if (kEarly && h == 0 && warp == 0 && k + 2 < nload) {
+#pragma unroll
+        for (int hh = 0; hh < S::kSub; ++hh)
+          next[hh] = decode::tile_key<kN>(p, s.kv, base + (k + 2) * kL + hh * kN, u.lo, u.hi, lane);
+      }
       if constexpr (S::kFp8) compute_s_fp8<S, S::kKvDt>(q, kv + uint32_t(off), sbuf, warp, lane, s.kv.k_desc, s.kv.v_desc);
       else compute_s<S>(q, kv + uint32_t(off), sbuf, warp, lane);
       __syncthreads();  // S complete; load tile k + 1's locations are read
       softmax_rows<S>(p, sbuf, rscale, bad[st * S::kSub + h], base + sub * kN, rr, row, part);
-      if (h == 0 && warp == 0 && k + 2 < nload) locate_load(base + (k + 2) * kL);
+      if (h == 0 && warp == 0 && k + 2 < nload) {
+        if constexpr (kEarly) {
+#pragma unroll
+          for (int hh = 0; hh < S::kSub; ++hh) loc[hh * 32 + lane] = decode::tile_loc(p, s.kv, next[hh]);
+        } else {
+          locate_load(base + (k + 2) * kL);
+        }
+      }
       __syncthreads();  // P and alpha complete
       accumulate_pv<S, S::kKvDt>(kvp + off, sbuf, rscale, warp, lane, o);
     }
