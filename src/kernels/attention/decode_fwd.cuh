@@ -22,6 +22,16 @@
 // (table load, copies, mma, shuffles), so throughput scales with resident warps: the planner
 // splits decode shapes until (B x H_kv x splits) fills 2 CTAs per SM for ~2 waves, splits of
 // >= 1024 keys (plan.cpp, stream_splits), e.g. B=16, L=8k: 4 splits of 2048 keys (512 CTAs).
+//
+// Where the time goes (H200, bf16, B=64 L=4k, 2026-11-25: %globaltimer at each CTA's phases,
+// bench/RESULTS.md): the stream itself runs at ~4.1-4.2 TB/s (time grows 65 us per 1k keys);
+// the rest is per-CTA and per-wave. Each CTA spent ~5 us staging q (one dependent 2-byte load
+// per element, now 16-byte loads issued together) and ~4-6 us before its first tile landed
+// (block-table read, then the copies; now issued before the q setup), ~1.3 us merging. CTA
+// durations spread 94-158 us (first wave 118-158): the SMs of the smaller GPCs stream ~12%
+// faster, so the second wave ends over ~60 us and the last ~25 us run with fewer than half the
+// CTAs. What would move it: persistent CTAs taking (sequence, KV head, key chunk) work from a
+// counter, the next item's first tiles issued while the current one drains.
 #pragma once
 
 #include <cstdint>

@@ -309,13 +309,12 @@ FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st,
 }
 
 // The warp's tiles w, w + W, ... of keys [u.lo, u.hi) (tiles aligned to the split's start, as
-// the CPU reference), through an S::kStages-deep ring of cp.async groups. For 16-bit K the
-// first kStages - 1 tiles are issued before anything else (their block-table entries read
-// together), then setup() runs (the row group's q and meta: a global round trip that overlaps
-// the copies; H200: 1-4% faster at B=64..256) and returns the consumer; 8-bit K runs setup()
-// first. The block-table entries of the tile after the one being issued wait in registers
-// (`ahead`). consume(c, stage, t0) takes each tile once its copies have landed; the consumer is
-// returned.
+// the CPU reference), through an S::kStages-deep ring of cp.async groups. The first
+// kStages - 1 tiles are issued before anything else (their block-table entries read together),
+// then setup() runs (the row group's q and meta: a global round trip that overlaps the copies;
+// H200: 1-4% faster at B=64..256) and returns the consumer. The block-table entries of the tile
+// after the one being issued wait in registers (`ahead`). consume(c, stage, t0) takes each tile
+// once its copies have landed; the consumer is returned.
 template <class S, class Setup, class Consume>
 FS_DEV auto stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* warp_base, KeyRange u, Setup&& setup,
                         Consume&& consume) {
@@ -331,44 +330,30 @@ FS_DEV auto stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* 
     issue_tile<S>(p, s.kv, Stage<S>(warp_base, issue_stage), loc, key, lane);
     issue_stage = issue_stage + 1 == S::kStages ? 0 : issue_stage + 1;
   };
-  TileKey ahead;
-  auto prologue = [&] {
-    TileKey first[kAhead];  // the prologue's tiles (skipped past u.hi)
+  TileKey first[kAhead];  // the prologue's tiles (skipped past u.hi)
 #pragma unroll
-    for (int k = 0; k < kAhead; ++k) first[k] = tile_key<kTile>(p, s.kv, tile_start(k), u.lo, u.hi, lane);
+  for (int k = 0; k < kAhead; ++k) first[k] = tile_key<kTile>(p, s.kv, tile_start(k), u.lo, u.hi, lane);
 #pragma unroll
-    for (int k = 0; k < kAhead; ++k) {
-      if (k < mine) issue_key(first[k]);
-      cp_async_commit();
-    }
-    ahead = tile_key<kTile>(p, s.kv, tile_start(kAhead), u.lo, u.hi, lane);
-  };
-  auto run = [&](auto& c) {
-    for (int64_t k = 0; k < mine; ++k) {
-      if (k + kAhead < mine) {  // tile k + kAhead (its key is `ahead`), then read the next one's entries
-        issue_key(ahead);
-        if (k + kAhead + 1 < mine) ahead = tile_key<kTile>(p, s.kv, tile_start(k + kAhead + 1), u.lo, u.hi, lane);
-      }
-      cp_async_commit();
-      cp_async_wait<S::kStages - 1>();
-      __syncwarp();
-      consume(c, Stage<S>(warp_base, consume_stage), tile_start(k));
-      consume_stage = consume_stage + 1 == S::kStages ? 0 : consume_stage + 1;
-      __syncwarp();  // the stage is free for the next issue
-    }
-    cp_async_wait<0>();
-  };
-  if constexpr (S::kKb == 1) {  // 8-bit K: setup first (the copies first measured 1-5% slower there)
-    auto c = setup();
-    prologue();
-    run(c);
-    return c;
-  } else {
-    prologue();
-    auto c = setup();
-    run(c);
-    return c;
+  for (int k = 0; k < kAhead; ++k) {
+    if (k < mine) issue_key(first[k]);
+    cp_async_commit();
   }
+  TileKey ahead = tile_key<kTile>(p, s.kv, tile_start(kAhead), u.lo, u.hi, lane);
+  auto c = setup();
+  for (int64_t k = 0; k < mine; ++k) {
+    if (k + kAhead < mine) {  // tile k + kAhead (its key is `ahead`), then read the next one's entries
+      issue_key(ahead);
+      if (k + kAhead + 1 < mine) ahead = tile_key<kTile>(p, s.kv, tile_start(k + kAhead + 1), u.lo, u.hi, lane);
+    }
+    cp_async_commit();
+    cp_async_wait<S::kStages - 1>();
+    __syncwarp();
+    consume(c, Stage<S>(warp_base, consume_stage), tile_start(k));
+    consume_stage = consume_stage + 1 == S::kStages ? 0 : consume_stage + 1;
+    __syncwarp();  // the stage is free for the next issue
+  }
+  cp_async_wait<0>();
+  return c;
 }
 
 // Merges the warps' states of each row (shared memory, reusing the warps' area) and writes
