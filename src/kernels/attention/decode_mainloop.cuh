@@ -2,6 +2,8 @@
 // setup, the per-warp cp.async key stream, the cross-warp merge and the epilogue.
 #pragma once
 
+#include <type_traits>
+
 #include "kernels/attention/decode_mma.cuh"
 
 namespace flashserve::kernels::decode {
@@ -412,14 +414,22 @@ FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, in
   const int lane = int(threadIdx.x) % 32;
   unsigned char* warp_base = warps_base + size_t(threadIdx.x / 32) * S::kWarpBytes;
   const KeyRange u = group_key_union(p, s, g0, nrows);
-  MmaWarp<kKv, S> w = stream_keys<S>(
-      p, s, warp_base, u,
-      [&] {
-        setup_rows<S>(p, s, g, g0, nrows, q, meta);
-        return MmaWarp<kKv, S>(q, meta, lane);
-      },
-      [&](MmaWarp<kKv, S>& c, const Stage<S>& st, int64_t t0) { c.consume(p, st, t0, lane); });
-  merge_and_store<S>(p, s, g, g0, nrows, split, warps_base, w);
+  // The main loop once per P rounding (fp32 outputs split P, MmaWarp::accumulate): a CTA-uniform
+  // choice outside the loop, so neither copy carries the other's instructions or registers.
+  auto run = [&](auto split_p) {
+    MmaWarp<kKv, S> w = stream_keys<S>(
+        p, s, warp_base, u,
+        [&] {
+          setup_rows<S>(p, s, g, g0, nrows, q, meta);
+          return MmaWarp<kKv, S>(q, meta, lane);
+        },
+        [&](MmaWarp<kKv, S>& c, const Stage<S>& st, int64_t t0) {
+          c.template consume<decltype(split_p)::value>(p, st, t0, lane);
+        });
+    merge_and_store<S>(p, s, g, g0, nrows, split, warps_base, w);
+  };
+  if (p.out.dtype == DType::f32) run(std::true_type{});
+  else run(std::false_type{});
 }
 
 // Two CTAs per SM by shared memory for the tensor-core path and kRows <= 8 (decode_config.hpp),

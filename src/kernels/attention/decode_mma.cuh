@@ -336,13 +336,16 @@ struct MmaWarp {
 
   // O += P V over the tile's keys, one k-step of 16 keys at a time. P is rounded to 16 bits for
   // the mma; with `split_p` (fp32 outputs, which promise full precision) the rounding residue
-  // goes through a second mma, leaving P with ~16 significant bits.
-  FS_DEV void accumulate(const Stage<S>& st, int lane, const float (&pr)[kSTiles][4], bool split_p) {
+  // goes through a second mma, leaving P with ~16 significant bits. A template parameter: as a
+  // runtime flag the residue mma was issued predicated off on every tile (H200 ncu: 48 HMMA per
+  // 16-key bf16 tile for 32 useful), each one after its accumulator's first mma.
+  template <bool split_p>
+  FS_DEV void accumulate(const Stage<S>& st, int lane, const float (&pr)[kSTiles][4]) {
 #pragma unroll
     for (int kk = 0; kk < kTile / 16; ++kk) {
       uint32_t a[4], r[4];
       p_fragment<T, kTile>(pr, kk, a);
-      if (split_p) p_residue<T, kTile>(pr, kk, a, r);
+      if constexpr (split_p) p_residue<T, kTile>(pr, kk, a, r);
       if constexpr (kV8) {
         constexpr int kLaneBytes = S::kDim / 8;  // one byte per n-tile
         uint32_t w[4][kLaneBytes / 4];           // keys 16 kk + (2t, 2t+1, 2t+8, 2t+9)
@@ -368,7 +371,7 @@ struct MmaWarp {
               const int n = 4 * c + 2 * h + e;
               const uint32_t b0 = v8x2_to_f16x2(lo >> (16 * e)), b1 = v8x2_to_f16x2(hi >> (16 * e));
               mma_16816<T>(o[n], a, b0, b1);
-              if (split_p) mma_16816<T>(o[n], r, b0, b1);
+              if constexpr (split_p) mma_16816<T>(o[n], r, b0, b1);
             }
           }
       } else {
@@ -380,7 +383,7 @@ struct MmaWarp {
           ldmatrix_x4_trans(b, vbase + uint32_t(n2 * 32));
           mma_16816<T>(o[2 * n2], a, b[0], b[1]);
           mma_16816<T>(o[2 * n2 + 1], a, b[2], b[3]);
-          if (split_p) {
+          if constexpr (split_p) {
             mma_16816<T>(o[2 * n2], r, b[0], b[1]);
             mma_16816<T>(o[2 * n2 + 1], r, b[2], b[3]);
           }
@@ -395,12 +398,14 @@ struct MmaWarp {
     else return fp8x2_to_f16x2<S::kVDtype>(two);
   }
 
+  // One tile; kSplitP: fp32 outputs (accumulate), chosen once per CTA by the caller.
+  template <bool kSplitP>
   FS_DEV void consume(const AttnParams& p, const Stage<S>& st, int64_t t0, int lane) {
     const uint32_t bad = *st.bad;
     float s[kSTiles][4];
     scores(st, lane, s);
     softmax(p, t0, bad, lane, s);
-    accumulate(st, lane, s, p.out.dtype == DType::f32);
+    accumulate<kSplitP>(st, lane, s);
   }
 
   // The warp's state into the merge area: mo [kWarps, kRows, kD], ms [kWarps, kRows, 2].
