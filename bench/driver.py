@@ -210,9 +210,22 @@ def all_configs() -> list[Config]:
             peers = (("fa4",) if bs in FA4_BLOCKS else ()) + (("flex_paged",) if bs >= 16 else ())
             out.append(Config(name=f"decode_b{b}_l{_k(l)}_bs{bs}", family="small_pages", B=b, L=l, block=bs,
                               peers=peers, quick=b == 64, **common))
-    for b, l in decode_shapes:
+    # Short contexts (per-CTA setup and the split combine weigh most) and GQA ratios 1 and 16;
+    # flashserve only, their fp8 rows below pair with them.
+    short_shapes = ((64, 256), (256, 64))
+    for b, l in short_shapes:
+        out.append(Config(name=f"decode_b{b}_l{_k(l)}_bs16", family="paged_decode", B=b, L=l, block=16, quick=True,
+                          **common))
+    for hkv in (32, 2):
+        out.append(Config(name=f"decode_g{32 // hkv}_b64_l4k_bs16", family="paged_decode", B=64, L=4096, block=16,
+                          op="decode", H=32, Hkv=hkv, D=128, quick=True))
+    # fp8 (vs_bf16: the bf16 row's time / this row's; issue 15: <= 0.55x the time, never slower),
+    # at block 16, block 1 and the short contexts.
+    for b, l in decode_shapes + short_shapes:
         out.append(Config(name=f"decode_fp8_b{b}_l{_k(l)}_bs16", family="fp8_decode", B=b, L=l, block=16,
-                          kv="fp8", quick=b == 64, **common))
+                          kv="fp8", quick=b == 64 or (b, l) in short_shapes, **common))
+    out.append(Config(name="decode_fp8_b64_l4k_bs1", family="fp8_decode", B=64, L=4096, block=1, kv="fp8", quick=True,
+                      **common))
     # Speculative verify (q_len 2-8, causal) over the decode shapes' caches; vs_decode: the q_len-1
     # row's time / this row's (the same KV bytes: issue 15 wants >= 0.9 at q_len 4). flashserve only.
     for kv in ("bf16", "fp8"):
