@@ -74,14 +74,20 @@ FS_DEV void stage_rows_fp8(const AttnParams& p, const DecodeSeq& s, int64_t g, i
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const bool q_fp8 = is_fp8(p.q.dtype);
   const float desc = s.kv.k_desc * (q_fp8 ? load_f32_2d(p.q_descale, s.rows.b, g, 1.0f) : 1.0f);
-  for (int j = warp; j < S::kRows; j += S::kWarps) {
-    float x[S::kChan];
+  constexpr int kPerWarp = S::kRows / S::kWarps;
+  static_assert(S::kRows % S::kWarps == 0, "whole rows per warp");
+  float xs[kPerWarp][S::kChan];  // every load of the warp's rows issued before any is used
+#pragma unroll
+  for (int i = 0; i < kPerWarp; ++i)
+#pragma unroll
+    for (int k = 0; k < S::kChan; ++k) xs[i][k] = q_elem(p, s, g, g0, nrows, warp + i * S::kWarps, lane + 32 * k);
+#pragma unroll
+  for (int i = 0; i < kPerWarp; ++i) {
+    const int j = warp + i * S::kWarps;
+    const float* x = xs[i];
     float amax = 0.0f;
 #pragma unroll
-    for (int k = 0; k < S::kChan; ++k) {
-      x[k] = q_elem(p, s, g, g0, nrows, j, lane + 32 * k);
-      amax = fmaxf(amax, fabsf(x[k]));
-    }
+    for (int k = 0; k < S::kChan; ++k) amax = fmaxf(amax, fabsf(x[k]));
     int shift = 0;
     if (p.q.dtype == DType::bf16) {
 #pragma unroll
