@@ -218,7 +218,7 @@ def all_configs() -> list[Config]:
                           **common))
     for hkv in (32, 2):
         out.append(Config(name=f"decode_g{32 // hkv}_b64_l4k_bs16", family="paged_decode", B=64, L=4096, block=16,
-                          op="decode", H=32, Hkv=hkv, D=128, quick=True))
+                          quick=True, **{**common, "Hkv": hkv}))
     # fp8 (vs_bf16: the bf16 row's time / this row's; issue 15: <= 0.55x the time, never slower),
     # at block 16, block 1 and the short contexts.
     for b, l in decode_shapes + short_shapes:

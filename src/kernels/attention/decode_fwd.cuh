@@ -62,18 +62,24 @@ struct RowMeta {
 };
 static_assert(sizeof(RowMeta) == kDecodeRowMetaBytes, "decode_config.hpp sizes shared memory with it");
 
-// Union of the visible keys of rows [0, nrows) (meta in shared memory; empty rows skipped):
-// the keys a row group streams, the same in every thread.
-FS_DEV KeyRange rows_key_union(const RowMeta* meta, int nrows, const KvRange& range) {
+// Union of rows [0, nrows)'s visible keys, keys(j) giving row j's (empty rows skipped): the keys
+// a row group streams, the same in every thread.
+template <class Keys>
+FS_DEV KeyRange key_union(int nrows, const KvRange& range, Keys&& keys) {
   KeyRange u{range.end, range.begin};
   for (int j = 0; j < nrows; ++j) {
-    const RowMeta& m = meta[j];
-    if (m.lo >= m.hi) continue;
-    u.lo = imin(u.lo, m.lo);
-    u.hi = imax(u.hi, m.hi);
+    const KeyRange k = keys(j);
+    if (k.lo >= k.hi) continue;
+    u.lo = imin(u.lo, k.lo);
+    u.hi = imax(u.hi, k.hi);
   }
   return u;
 }
+// The union over the rows' metadata in shared memory.
+FS_DEV KeyRange rows_key_union(const RowMeta* meta, int nrows, const KvRange& range) {
+  return key_union(nrows, range, [&](int j) { return KeyRange{meta[j].lo, meta[j].hi}; });
+}
+
 static_assert(sizeof(TokenLoc) * kTile == decode_loc_bytes(kDecodeBf16) &&
                   2 * decode_loc_bytes(kDecodeBf16) == decode_loc_bytes(kDecodeFp8),
               "decode_config.hpp sizes shared memory with it");

@@ -27,17 +27,10 @@ FS_DEV KeyRange row_keys(const AttnParams& p, const DecodeSeq& s, int64_t pos) {
   return generic::bound_to_cache({imax(vis.lo, s.range.begin), imin(vis.hi, s.range.end)}, s.cache);
 }
 
-// The union of the keys of rows [0, nrows) of the group at g0 (empty rows skipped), as
-// rows_key_union over their RowMeta, computed without it: every thread, before q is staged.
+// The union of the keys of rows [0, nrows) of the group at g0, as rows_key_union over their
+// RowMeta, computed without it: every thread, before q is staged.
 FS_DEV KeyRange group_key_union(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows) {
-  KeyRange u{s.range.end, s.range.begin};
-  for (int j = 0; j < nrows; ++j) {
-    const KeyRange k = row_keys(p, s, row_pos(p, s, g0, j));
-    if (k.lo >= k.hi) continue;
-    u.lo = imin(u.lo, k.lo);
-    u.hi = imax(u.hi, k.hi);
-  }
-  return u;
+  return key_union(nrows, s.range, [&](int j) { return row_keys(p, s, row_pos(p, s, g0, j)); });
 }
 
 // Packed row j's metadata (inactive when j >= nrows; qk_scale 1).
@@ -54,13 +47,17 @@ FS_DEV RowMeta row_meta(const AttnParams& p, const DecodeSeq& s, int64_t g, int6
   return m;
 }
 
+// Element offset of packed row j's q (its channel 0).
+FS_DEV int64_t q_offset(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int j) {
+  const PackedIdx pi = packed_idx(p, g, g0, j);
+  const int64_t q_row = s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
+  return s.rows.qb * p.q.stride[0] + q_row * p.q.stride[1] + pi.h * p.q.stride[2];
+}
+
 // Element d of packed row j's q as float (0 past nrows).
 FS_DEV float q_elem(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows, int j, int d) {
   if (j >= nrows) return 0.0f;
-  const PackedIdx pi = packed_idx(p, g, g0, j);
-  const int64_t q_row = s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
-  return load_as_float(p.q.data, s.rows.qb * p.q.stride[0] + q_row * p.q.stride[1] + pi.h * p.q.stride[2] + d,
-                       p.q.dtype);
+  return load_as_float(p.q.data, q_offset(p, s, g, g0, j) + d, p.q.dtype);
 }
 
 // fp8 K/V: the row group's q as f16 in the channel order of decode_mma.cuh (fp8_q_column), one
@@ -165,12 +162,9 @@ FS_DEV void stage_rows_16(const AttnParams& p, const DecodeSeq& s, int64_t g, in
     for (int i = 0; i < kPer; ++i) {
       const int idx = int(threadIdx.x) + i * S::kThreads, j = idx / kCh, c = idx % kCh;
       v[i] = make_uint4(0u, 0u, 0u, 0u);
-      if (j < nrows) {
-        const PackedIdx pi = packed_idx(p, g, g0, j);
-        const int64_t q_row = s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
-        const int64_t off = s.rows.qb * p.q.stride[0] + q_row * p.q.stride[1] + pi.h * p.q.stride[2];
-        v[i] = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.q.data) + off + c * (kDecodeChunk / 2));
-      }
+      if (j < nrows)
+        v[i] = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.q.data) + q_offset(p, s, g, g0, j) +
+                                               c * (kDecodeChunk / 2));
     }
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
@@ -216,11 +210,6 @@ struct TileKey {
                   // the bf16 decode's stall samples on the H200)
   int32_t state;
 };
-FS_DEV int32_t load_i32_opaque(const int32_t* ptr) {
-  int32_t v;
-  asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(ptr));
-  return v;
-}
 FS_DEV int64_t tile_key_d0(const AttnParams& p, const TileKey& k) { return p.paged ? int64_t(k.blk) : k.d0; }
 
 // a / b and a % b for 0 <= a, 1 <= b, in 32 bits when both fit (the usual case).
@@ -249,9 +238,7 @@ FS_DEV TileKey tile_key(const AttnParams& p, const SeqKv& kv, int64_t t0, int64_
   int64_t col;
   div_mod(key, p.kv_dim1, col, k.d1);
   if (col >= p.max_blocks) k.state = kTokenBad;
-  else  // an opaque load: the compiler would otherwise widen the entry right after it (an int64 load)
-    k.blk = load_i32_opaque(static_cast<const int32_t*>(p.block_table.data) + kv.b * p.block_table.stride[0] +
-                            col * p.block_table.stride[1]);
+  else k.blk = load_index2_deferred(p.block_table, kv.b, col);
   return k;
 }
 

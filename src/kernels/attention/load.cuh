@@ -61,6 +61,15 @@ FS_DEV int64_t load_index(const StridedRef& r, int64_t i) {
 FS_DEV int64_t load_index2(const StridedRef& r, int64_t i, int64_t j) {
   return static_cast<const int32_t*>(r.data)[i * r.stride[0] + j * r.stride[1]];
 }
+// load_index2 for a value used much later (the decode's block-table read a tile ahead): an
+// opaque load, so the compiler cannot widen it to 64 bits right after the read (which makes
+// the next instruction wait for memory).
+FS_DEV int32_t load_index2_deferred(const StridedRef& r, int64_t i, int64_t j) {
+  const int32_t* at = static_cast<const int32_t*>(r.data) + i * r.stride[0] + j * r.stride[1];
+  int32_t v;
+  asm volatile("ld.global.s32 %0, [%1];" : "=r"(v) : "l"(at));
+  return v;
+}
 // Element (i, j) of a 2-D f32 tensor, or `absent` when the tensor is absent.
 FS_DEV float load_f32_2d(const StridedRef& r, int64_t i, int64_t j, float absent) {
   return r.data ? static_cast<const float*>(r.data)[i * r.stride[0] + j * r.stride[1]] : absent;
