@@ -47,18 +47,24 @@ bool eligible(int64_t granules, int64_t n) { return n == 1 || ceil_div(granules,
 // Decode-like shapes on a GPU (at most kStreamRows packed query rows per (sequence, KV head))
 // are memory streams: a unit reads its KV once with little arithmetic per byte, so an SM runs
 // several at once (kStreamSlotsPerSm resident units) and only keeps HBM busy with many bytes
-// in flight. They split until units x splits reach kStreamWaves waves of resident slots (full
-// slots, a short tail), each split keeping at least kStreamMinSplitKeys keys. A CTA's fixed
-// costs (row setup, pipeline fill, the cross-warp merge, its share of the combine) favour
-// few long splits: on an H200 (bf16 decode, GQA 32/8) 2 waves and 1024 keys beat 4 waves and
-// 512 keys at every batch size measured (B=64 L=4k 3.39 -> 3.64 TB/s, B=16 L=8k 2.87 -> 3.17,
-// B=1 L=32k 1.07 -> 1.82); 256 keys halved B=1. Re-checked after the combine was parallelized
-// (B=1 L=32k, GB/s): 1024 keys 2433, 512 keys 1986 (4 waves: 1987, and B=64 3635 -> 3382),
-// 2048 keys 1712.
+// in flight. They split until units x splits fill one wave of resident slots (a short tail),
+// each split keeping at least kStreamMinSplitKeys keys. A CTA's fixed costs (row setup,
+// pipeline fill, the cross-warp merge, its share of the combine) favour few long splits: on an
+// H200 (bf16 decode, GQA 32/8) 2 waves and 1024 keys beat 4 waves and 512 keys at every batch
+// size measured (B=64 L=4k 3.39 -> 3.64 TB/s, B=16 L=8k 2.87 -> 3.17, B=1 L=32k 1.07 -> 1.82);
+// 256 keys halved B=1. Re-checked after the combine was parallelized (B=1 L=32k, GB/s): 1024
+// keys 2433, 512 keys 1986 (4 waves: 1987, and B=64 3635 -> 3382), 2048 keys 1712. One wave
+// against two (2026-11-25, every split count of GQA 4/8/16 x (B, L) = (1, 32k), (4, 16k),
+// (16, 8k), (64, 4k); bench/RESULTS.md): one wave is as fast or faster everywhere, GQA 8 B=64
+// 161.1 -> 148.1 us (1 split, not 2), GQA 16 B=64 104.8 -> 97.0 (2, not 4), GQA 8 B=16
+// 91.5 -> 86.8, GQA 4 B=4 L=16k 87.3 -> 84.5; the rest within 1%. MLA's absorbed decode
+// already aimed at one wave (H = 16 B = 64 L = 4k: 126 us in 4 splits, 140 us in 8).
 constexpr int64_t kStreamRows = 16;
 constexpr int64_t kStreamSlotsPerSm = 2;
-constexpr int64_t kStreamWaves = 2;
+constexpr int64_t kStreamWaves = 1;
 constexpr int64_t kStreamMinSplitKeys = 1024;
+// max_split_rows: the workspace bound (split partial rows) counts 4 waves of slots' rows.
+constexpr int64_t kSplitRowsBoundWaves = 4;
 
 // The least keys per split of a decode-like shape: kStreamMinSplitKeys, measured for GQA with
 // D = Dv = 128 (256 K and V elements per key and KV head). MLA's absorbed decode (Dv > D: one
@@ -70,12 +76,6 @@ int64_t stream_min_split_keys(const ProblemShape& s, int64_t g) {
   const int64_t keys = kStreamMinSplitKeys * 256 / (s.head_dim + s.head_dim_v);
   return std::max(g, (keys + g - 1) / g * g);
 }
-
-// Waves of resident slots a decode-like shape's splits aim for: kStreamWaves; one for MLA's
-// absorbed decode (Dv > D), whose split partials are 4x GQA's per key byte (Dv = 512 for 576
-// bytes of latent) and whose CTAs hold two 37 KB tiles in flight: H = 16 B = 64 L = 4k took
-// 126 us in 4 splits (one wave) and 140 us in 8 (two; attn_bench splits= on the H200).
-int64_t stream_waves(const ProblemShape& s) { return planner::is_mla_decode(s.head_dim, s.head_dim_v) ? 1 : kStreamWaves; }
 
 // Splits of units (sequence, KV head) for a decode-like shape: of the eligible counts up to
 // the cap, the first within 5% of the best score, score = wave efficiency x target filled.
@@ -99,7 +99,7 @@ int stream_splits(int64_t units, int64_t granules, int64_t cap, int64_t g, int64
 }  // namespace
 
 int64_t max_split_rows(const DeviceProps& dev) {
-  return 2 * kStreamWaves * kStreamSlotsPerSm * std::max(1, dev.num_sms) * kStreamRows;
+  return kSplitRowsBoundWaves * kStreamSlotsPerSm * std::max(1, dev.num_sms) * kStreamRows;
 }
 
 int64_t max_invariant_split_rows(const DeviceProps& dev) { return 8 * max_split_rows(dev); }
@@ -135,8 +135,7 @@ int choose_unbounded(const ProblemShape& s, const DeviceProps& dev, int requeste
   const int64_t sms = std::max(1, dev.num_sms);
   if (s.batch * s.num_kv_heads == 0 || granules < 2) return 1;
   if (dev.device.type == DeviceType::cuda && packed <= kStreamRows)
-    return stream_splits(s.batch * s.num_kv_heads, granules, cap, g, sms, stream_min_split_keys(s, g),
-                         stream_waves(s));
+    return stream_splits(s.batch * s.num_kv_heads, granules, cap, g, sms, stream_min_split_keys(s, g), kStreamWaves);
   const bool packs_heads = packed <= kStreamRows || planner::is_mla_decode(s.head_dim, s.head_dim_v);
   const int64_t units =
       packs_heads ? s.batch * s.num_kv_heads * ceil_div(packed, planner::kDecodePackedRows)

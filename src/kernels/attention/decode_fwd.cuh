@@ -20,8 +20,8 @@
 // per SM, so ~1 us of latency needs ~33 KB in flight per SM. Two CTAs (8 warps) per SM, each
 // warp with 2 tiles of 8 KB in flight: 128 KB per SM. A warp's tile is a dependent chain
 // (table load, copies, mma, shuffles), so throughput scales with resident warps: the planner
-// splits decode shapes until (B x H_kv x splits) fills 2 CTAs per SM for ~2 waves, splits of
-// >= 1024 keys (plan.cpp, stream_splits), e.g. B=16, L=8k: 4 splits of 2048 keys (512 CTAs).
+// splits decode shapes until (B x H_kv x splits) fills 2 CTAs per SM for one wave, splits of
+// >= 1024 keys (plan.cpp, stream_splits), e.g. B=16, L=8k: 2 splits of 4096 keys (256 CTAs).
 //
 // Where the time goes (H200, bf16, B=64 L=4k, 2026-11-25: %globaltimer at each CTA's phases,
 // bench/RESULTS.md): the stream itself runs at ~4.1-4.2 TB/s (time grows 65 us per 1k keys);
