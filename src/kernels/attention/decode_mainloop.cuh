@@ -203,14 +203,12 @@ FS_DEV void setup_rows(const AttnParams& p, const DecodeSeq& s, int64_t g, int64
 // a tile's copy issue. state: kTokenSkip (outside [lo, hi): a zero row), kTokenBad (column past
 // max_blocks) or kTokenValid (d0, d1 still to be bounds-checked by tile_loc).
 struct TileKey {
-  int64_t d0;     // contiguous: the cache row
   int64_t d1;     // slot in the block or token in the row
-  int32_t blk;    // paged: the raw block-table entry, widened only by tile_key_d0 when the tile is
-                  // issued (a widening here made the next instruction wait for the load: 27% of
-                  // the bf16 decode's stall samples on the H200)
+  int32_t d0;     // cache block (paged: the raw table entry) or row; int32 until tile_loc widens
+                  // it, a tile later (widened at the load, the next instruction waited for the
+                  // read: 27% of the bf16 decode's stall samples on the H200)
   int32_t state;
 };
-FS_DEV int64_t tile_key_d0(const AttnParams& p, const TileKey& k) { return p.paged ? int64_t(k.blk) : k.d0; }
 
 // a / b and a % b for 0 <= a, 1 <= b, in 32 bits when both fit (the usual case).
 FS_DEV void div_mod(int64_t a, int64_t b, int64_t& q, int64_t& r) {
@@ -227,18 +225,18 @@ FS_DEV void div_mod(int64_t a, int64_t b, int64_t& q, int64_t& r) {
 template <int kTileKeys>
 FS_DEV TileKey tile_key(const AttnParams& p, const SeqKv& kv, int64_t t0, int64_t lo, int64_t hi, int lane) {
   const int64_t key = t0 + lane % kTileKeys;
-  TileKey k{0, 0, 0, kTokenSkip};
+  TileKey k{0, 0, kTokenSkip};
   if (key < lo || key >= hi) return k;
   k.state = kTokenValid;
   if (!p.paged) {
-    k.d0 = kv.kb;
+    k.d0 = int32_t(kv.kb);  // a batch index or cache_batch_idx entry (int32)
     k.d1 = kv.k_begin + key;
     return k;
   }
   int64_t col;
   div_mod(key, p.kv_dim1, col, k.d1);
   if (col >= p.max_blocks) k.state = kTokenBad;
-  else k.blk = load_index2_deferred(p.block_table, kv.b, col);
+  else k.d0 = load_index2_deferred(p.block_table, kv.b, col);
   return k;
 }
 
@@ -247,7 +245,7 @@ FS_DEV TileKey tile_key(const AttnParams& p, const SeqKv& kv, int64_t t0, int64_
 FS_DEV TokenLoc tile_loc(const AttnParams& p, const SeqKv& kv, const TileKey& k) {
   TokenLoc L{0, 0, 0.0f, k.state};
   if (k.state != kTokenValid) return L;
-  const int64_t d0 = tile_key_d0(p, k);
+  const int64_t d0 = k.d0;
   if (d0 < 0 || d0 >= p.kv_dim0 || k.d1 < 0 || k.d1 >= p.kv_dim1) {
     L.state = kTokenBad;
     return L;
@@ -272,7 +270,7 @@ FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st,
     if (lane < S::kTile) {
       const StridedRef& ks = p.k_scale_cache;
       const bool ok = L.state == kTokenValid;
-      const int64_t off = ok ? tile_key_d0(p, key) * ks.stride[0] + key.d1 * ks.stride[1] + kv.g * ks.stride[2] : 0;
+      const int64_t off = ok ? int64_t(key.d0) * ks.stride[0] + key.d1 * ks.stride[1] + kv.g * ks.stride[2] : 0;
       cp_async_4(smem_u32(st.kscale + lane), static_cast<const float*>(ks.data) + off, ok);
     }
   }
