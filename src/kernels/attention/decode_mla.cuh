@@ -339,9 +339,11 @@ FS_DEV void compute_s_fp8(uint32_t q, uint32_t kv, unsigned char* sbuf, int warp
       uint32_t a[4];
       ldmatrix_x4(a, qa + uint32_t((4 * c + j) * 32));
 #pragma unroll
-      for (int n = 0; n < kNb; ++n)
-        mma_16816<__half>(acc[kNb == 2 ? n : j % 2], a, decode::fp8x2_to_f16x2<kKv>(w[n][j]),
-                          decode::fp8x2_to_f16x2<kKv>(w[n][j] >> 16));
+      for (int n = 0; n < kNb; ++n) {
+        uint32_t b0, b1;
+        decode::fp8x4_to_f16x2x2<kKv>(w[n][j], b0, b1);
+        mma_16816<__half>(acc[kNb == 2 ? n : j % 2], a, b0, b1);
+      }
     }
   };
   static_assert(kMlaD == 64, "chunk 0 is k");
@@ -497,10 +499,14 @@ FS_DEV void accumulate_pv(const unsigned char* kvp, const unsigned char* sbuf, c
       for (int i = 0; i < kW; ++i) {
         const uint32_t ab[2] = {decode::prmt(w[0][i], w[1][i], 0x5140u), decode::prmt(w[0][i], w[1][i], 0x7362u)};
         const uint32_t cd[2] = {decode::prmt(w[2][i], w[3][i], 0x5140u), decode::prmt(w[2][i], w[3][i], 0x7362u)};
+        uint32_t fab[4], fcd[4];  // j -> the f16x2 of ab / cd's key pair j
+        decode::fp8x4_to_f16x2x2<kKv>(ab[0], fab[0], fab[1]);
+        decode::fp8x4_to_f16x2x2<kKv>(ab[1], fab[2], fab[3]);
+        decode::fp8x4_to_f16x2x2<kKv>(cd[0], fcd[0], fcd[1]);
+        decode::fp8x4_to_f16x2x2<kKv>(cd[1], fcd[2], fcd[3]);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const uint32_t b0 = decode::fp8x2_to_f16x2<kKv>(ab[j / 2] >> (16 * (j % 2)));
-          const uint32_t b1 = decode::fp8x2_to_f16x2<kKv>(cd[j / 2] >> (16 * (j % 2)));
+          const uint32_t b0 = fab[j], b1 = fcd[j];
 #pragma unroll
           for (int mb = 0; mb < S::kMBlocks; ++mb) mma_16816<__half>(o[mb][4 * i + j], a[mb], b0, b1);
         }

@@ -97,6 +97,19 @@ FS_DEV uint32_t i8x2_biased_to_f16x2(uint32_t two) {
   return d;
 }
 
+// Four fp8 values (bytes 0-3) as two f16x2 registers (bytes 0-1 -> lo, 2-3 -> hi), exact. One
+// PTX block, so ptxas reads the upper half in place (F2FP ... R.H1) instead of shifting it down
+// first (fp8x2_to_f16x2(w >> 16): one SHF per conversion, 64 per 32-key tile at D = 128).
+template <DType kKv>
+FS_DEV void fp8x4_to_f16x2x2(uint32_t four, uint32_t& lo, uint32_t& hi) {
+  if constexpr (kKv == DType::f8e4m3)
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi) : "r"(four));
+  else
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e5m2x2 %0, l;\n cvt.rn.f16x2.e5m2x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi) : "r"(four));
+}
+
 // Two fp8 values (low byte first) as an f16x2 register (low half first), exact.
 template <DType kKv>
 FS_DEV uint32_t fp8x2_to_f16x2(uint32_t two) {
@@ -239,7 +252,9 @@ struct MmaWarp {
         for (int ks = 0; ks < kKSteps; ++ks) {
           uint32_t a[4];
           q_fragment(ks, lane, a);
-          mma_16816<T>(s[n], a, fp8x2_to_f16x2<kKv>(w[ks]), fp8x2_to_f16x2<kKv>(w[ks] >> 16));
+          uint32_t b0, b1;
+          fp8x4_to_f16x2x2<kKv>(w[ks], b0, b1);
+          mma_16816<T>(s[n], a, b0, b1);
         }
       }
       return;
@@ -366,10 +381,18 @@ struct MmaWarp {
           for (int h = 0; h < 2; ++h) {            // n-tiles 4c + 2h, 4c + 2h + 1
             const uint32_t sel = h == 0 ? 0x5140u : 0x7362u;  // the two keys' bytes 2h, 2h + 1
             const uint32_t lo = prmt(w[0][c], w[1][c], sel), hi = prmt(w[2][c], w[3][c], sel);
+            uint32_t bl[2], bh[2];  // lo's and hi's two key pairs as f16x2
+            if constexpr (kInt8) {
+              bl[0] = v8x2_to_f16x2(lo), bl[1] = v8x2_to_f16x2(lo >> 16);
+              bh[0] = v8x2_to_f16x2(hi), bh[1] = v8x2_to_f16x2(hi >> 16);
+            } else {
+              fp8x4_to_f16x2x2<S::kVDtype>(lo, bl[0], bl[1]);
+              fp8x4_to_f16x2x2<S::kVDtype>(hi, bh[0], bh[1]);
+            }
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int n = 4 * c + 2 * h + e;
-              const uint32_t b0 = v8x2_to_f16x2(lo >> (16 * e)), b1 = v8x2_to_f16x2(hi >> (16 * e));
+              const uint32_t b0 = bl[e], b1 = bh[e];
               mma_16816<T>(o[n], a, b0, b1);
               if constexpr (split_p) mma_16816<T>(o[n], r, b0, b1);
             }
