@@ -108,6 +108,20 @@ TEST(GpuPrefill, VarlenUnevenLengthsCausalAndGqa) {
   expect_prefill_matches(c, 2);
 }
 
+// Many sequences: the CTA's row-tile lookup (prefill_common.cuh, tile_sequence) tests 32
+// sequences per round, so 33 and 40 take two rounds and 1100 three; zero-length sequences
+// (several sequences sharing a tile base) and sequences of 1 to 3 row tiles among them.
+TEST(GpuPrefill, VarlenManySequences) {
+  for (int64_t B : {33, 40, 1100}) {
+    std::vector<int64_t> q(size_t(B), 0);
+    for (int64_t i = 0; i < B; ++i)
+      if (i % 7 != 3) q[size_t(i)] = (i * 37) % 53 + 1 + (i % 11 == 0 ? 130 : 0) + (i % 29 == 0 ? 128 : 0);
+    CaseConfig c = prefill_config(B == 40 ? KvMode::varlen_paged : KvMode::varlen_contiguous, q, q, 4, 2);
+    c.causal = B != 33;
+    expect_prefill_matches(c, 20 + uint64_t(B));
+  }
+}
+
 // Block sizes 1 and 80 stay on prefill_wgmma, 16 and 64 (and 32) go to prefill_tma on Hopper
 // (expect_prefill_matches checks the kernel through hopper_kernel).
 TEST(GpuPrefill, PagedAnyBlockSize) {
