@@ -145,20 +145,17 @@ FS_DEV void transpose_v(uint32_t raw, uint32_t vt, int w) {
     }
 }
 
-// The producer warpgroup: warp 8 loads Q once and K and raw V of every tile (prefill_tma's
-// loads: TMA where tma_tile allows, else copy_tail); all four warps transpose tile j - 1 after
-// warp 8 issued tile j's loads, so loads run about two tiles ahead of the consumers.
+// The producer warpgroup (the kernel's thread 0 loads Q: load_q): warp 8 loads K and raw V of
+// every tile (prefill_tma's loads: TMA where tma_tile allows, else copy_tail); all four warps
+// transpose tile j - 1 after warp 8 issued tile j's loads, so loads run about two tiles ahead of
+// the consumers.
 template <class T, int kD, int kDv>
-FS_DEV void produce_fp8(const TmaAttnParams& tp, const CtaWork& w, int64_t h, const SeqKv& kv, const CtaKeys& ck,
+FS_DEV void produce_fp8(const TmaAttnParams& tp, const CtaWork& w, const SeqKv& kv, const CtaKeys& ck,
                         const Fp8Smem<kD, kDv>& sm, int warp, int lane) {
   using Sm = Fp8Smem<kD, kDv>;
   using L = typename Sm::KvL;
   constexpr int kN = Sm::kN;
   const AttnParams& p = tp.p;
-  if (warp == 0 && lane == 0) {
-    mbar_arrive_expect_tx(sm.q_full(), Sm::kQBytes);
-    tma_load_4d(sm.q, &tp.q, sm.q_full(), 0, int(h), int(w.q_row0), int(w.qb));
-  }
   const int64_t sk = kv_len(p, w.b);
   const KeyRange cache = generic::cache_tokens(p, kv);
   const int seg = prefill_tma_box_rows(kN, p.paged, p.kv_dim1), g = int(kv.g);
@@ -228,15 +225,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_fp8(const __grid_const
   using T16 = std::conditional_t<std::is_same_v<TOut, float>, __nv_bfloat16, TOut>;  // store_rows' staging type
   const AttnParams& p = tp.p;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  int64_t h;
-  const CtaWork w = cta_of_block<S::kM>(p, h);
-  if (!w.active) return;
   const Sm sm(smem_raw);
-  const int warp = int(warp_uniform(threadIdx.x / 32)), lane = int(threadIdx.x) % 32, wg = warp / 4;
-  const int split = int(blockIdx.z);
-  const SeqKv kv = seq_kv(p, w.b, h / p.group);
-  const CtaKeys ck = cta_keys<kN>(p, w, kv, split);
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0) {  // before the CTA's work lookup, which waits for device metadata
+    tma_prefetch_desc(&tp.q);
     mbar_init(sm.q_full(), 1);
     for (int st = 0; st < 2; ++st) {
       mbar_init(sm.k_full(st), kFullArrivals);
@@ -248,10 +239,18 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_fp8(const __grid_const
     }
     mbar_init_fence();
   }
+  int64_t h;
+  const CtaWork w = cta_of_block<S::kM>(p, h);
+  if (!w.active) return;
+  if (threadIdx.x == 0) load_q<T, kD>(tp, sm, w, h);  // overlaps the KV metadata reads below
+  const int warp = int(warp_uniform(threadIdx.x / 32)), lane = int(threadIdx.x) % 32, wg = warp / 4;
+  const int split = int(blockIdx.z);
+  const SeqKv kv = seq_kv(p, w.b, h / p.group);
+  const CtaKeys ck = cta_keys<kN>(p, w, kv, split);
   __syncthreads();
   if (wg == 2) {
     regs_dealloc<kTmaProducerRegs>();
-    produce_fp8<T, kD, kDv>(tp, w, h, kv, ck, sm, warp - 8, lane);
+    produce_fp8<T, kD, kDv>(tp, w, kv, ck, sm, warp - 8, lane);
     return;
   }
   regs_alloc<kTmaConsumerRegs>();

@@ -204,14 +204,15 @@ FS_DEV void tma_stage(const CUtensorMap* map, uint32_t dst, uint32_t full, uint3
     tma_load_4d(at + uint32_t(c) * L::kBlockBytes, map, full, c * (128 / int(sizeof(T))), g, row, blk);
 }
 
-// The CTA's Q tile (128 rows of head h) by TMA, completing q_full. One thread.
-template <int kD, class Sm>
+// The CTA's Q tile (128 rows of head h, kW channels of T: one box per 128-byte column block) by
+// TMA, completing q_full. One thread, as soon as the row tile is known (prefill_tma, prefill_fp8).
+template <class T, int kW, class Sm>
 FS_DEV void load_q(const TmaAttnParams& tp, const Sm& sm, const CtaWork& w, int64_t h) {
   mbar_arrive_expect_tx(sm.q_full(), Sm::kQBytes);
 #pragma unroll
-  for (int c = 0; c < wgmma_tile_width(kD) / 64; ++c)
-    tma_load_4d(sm.q + uint32_t(c) * Sm::QL::kBlockBytes, &tp.q, sm.q_full(), 64 * c, int(h), int(w.q_row0),
-                int(w.qb));
+  for (int c = 0; c < kW * int(sizeof(T)) / 128; ++c)
+    tma_load_4d(sm.q + uint32_t(c) * Sm::QL::kBlockBytes, &tp.q, sm.q_full(), c * (128 / int(sizeof(T))), int(h),
+                int(w.q_row0), int(w.qb));
 }
 
 // The producer warp: K and V of every tile into the stage (j % 2) its consumers released, by TMA
@@ -384,7 +385,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_const
   const CtaWork w = cta_of_block<S::kM>(p, h);
   if (!w.active) return;
   // Q as soon as the row tile is known: its ~1.1 us (H200) overlaps the KV metadata reads below.
-  if (threadIdx.x == 0) load_q<kD>(tp, sm, w, h);
+  if (threadIdx.x == 0) load_q<T, wgmma_tile_width(kD)>(tp, sm, w, h);
   const int warp = int(warp_uniform(threadIdx.x / 32)), lane = int(threadIdx.x) % 32, wg = warp / 4;
   const int split = int(blockIdx.z);
   const SeqKv kv = seq_kv(p, w.b, h / p.group);
