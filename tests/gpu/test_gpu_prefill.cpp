@@ -265,6 +265,51 @@ TEST(GpuPrefill, HeadDims64To256AndF16) {
     }
 }
 
+// D = 64 on prefill_tma: 192-row CTAs (three consumer warpgroups, select.hpp:
+// prefill_tma_rows: sequences of up to max_q rows where 192-row tiles pad them little), so
+// sequences of 191, 192, 193 and 385 rows end inside, at and just past a row tile, the varlen
+// lookup counts tiles of 192, and the 128-row instantiations (fp32 out; short sequences) run
+// beside it. Causal and not, GQA 4, batched and varlen, splits, paged (blocks of 16 and 256),
+// soft-cap and a window, sinks, ALiBi.
+TEST(GpuPrefill, ThreeWarpgroupTilesAtD64) {
+  using fs::kernels::prefill_tma_rows;
+  EXPECT_EQ(prefill_tma_rows(64, 64, false, 2048), 192);
+  EXPECT_EQ(prefill_tma_rows(64, 64, false, 385), 192);
+  EXPECT_EQ(prefill_tma_rows(64, 64, false, 128), 128);
+  EXPECT_EQ(prefill_tma_rows(64, 64, false, 256), 128);
+  EXPECT_EQ(prefill_tma_rows(64, 64, true, 2048), 128);
+  EXPECT_EQ(prefill_tma_rows(128, 128, false, 2048), 128);
+  const auto check = [](const CaseConfig& c, uint64_t salt) {
+    auto rng = fstest::make_rng(salt);
+    fstest::AttentionCase ac = fstest::build_case(c, rng);
+    std::string kernel;
+    EXPECT_EQ(run_and_check(ac, kernel), "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
+    if (head_dims_kernel(c) == "prefill_tma") EXPECT_EQ(kernel, "prefill_tma") << fstest::describe(c);
+  };
+  const std::vector<int64_t> q = {1, 191, 192, 193, 385, 40};
+  for (int variant = 0; variant < 6; ++variant) {
+    CaseConfig c = prefill_config(variant == 2 || variant == 5 ? KvMode::varlen_paged : KvMode::varlen_contiguous, q,
+                                  {1, 191, 200, 900, 385, 700}, 8, 2);
+    c.D = c.Dv = 64;
+    c.causal = variant % 2 == 0;
+    if (variant == 1) c.num_splits = 3;
+    if (variant == 2) c.block_size = 16;
+    if (variant == 3) c.softcap = 30.0f, c.window = {150, 0};
+    if (variant == 4) c.out_dtype = DType::f32;
+    if (variant == 5) c.block_size = 256, c.sinks = true;
+    check(c, 40 + uint64_t(variant));
+  }
+  CaseConfig short_rows = prefill_config(KvMode::varlen_contiguous, {100, 128, 1}, {300, 128, 50}, 8, 2);
+  short_rows.D = short_rows.Dv = 64;
+  short_rows.causal = true;
+  check(short_rows, 46);  // 128-row CTAs (max_seqlen_q 128)
+  CaseConfig b = prefill_config(KvMode::batched_contiguous, {760, 760}, {760, 760}, 4, 4);
+  b.D = b.Dv = 64;
+  b.causal = true;
+  b.alibi = 1;
+  check(b, 47);
+}
+
 // D = 96 and 192 (D == Dv) and MLA prefill's D = 192, Dv = 128, bf16, on prefill_tma (contiguous,
 // and the paged variants' blocks of 16 and 64) on Hopper, the generic kernel elsewhere. Uneven varlen lengths
 // with tail tiles (333 keys: 2 whole 128-key tiles or 5 of 64, then a tail the producer copies;

@@ -32,15 +32,15 @@ bool with_prefill_config(DType t, int64_t d, int64_t dv, F&& f) {
       });
 }
 
-// kKernel over the CTA schedule of prefill_common.cuh: 128-row tiles (varlen: total_q / 128 +
-// B + 1, enough for every sequence's ceil(sq_b / 128); batched: B * ceil(sq / 128)) x heads x
-// splits. All of the unified L1 as shared memory.
-// `arg` is what the kernel takes (p itself, or a struct holding it: prefill_tma's).
-template <auto kKernel, class Arg = AttnParams>
+// kKernel over the CTA schedule of prefill_common.cuh: kM-row tiles (varlen: total_q / kM +
+// B + 1, enough for every sequence's ceil(sq_b / kM); batched: B * ceil(sq / kM)) x heads x
+// splits; kM = 128 but for prefill_tma's three-warpgroup CTAs (192). All of the unified L1 as
+// shared memory. `arg` is what the kernel takes (p itself, or a struct holding it: prefill_tma's).
+template <auto kKernel, class Arg = AttnParams, int kM = 128>
 void launch_row_tiles(const AttnParams& p, size_t smem, int threads, cudaStream_t stream, const Arg* arg = nullptr) {
-  static_assert(kPrefillRowsPerCta == 128 && kWgmmaRowsPerCta == 128, "one schedule");
+  static_assert(kPrefillRowsPerCta == 128 && kWgmmaRowsPerCta == 128, "the default schedule");
   ensure_smem_limit<kKernel>(smem, true);
-  constexpr int64_t m = 128;
+  constexpr int64_t m = kM;
   const int64_t tiles = p.batched ? p.batch * ((p.q_rows + m - 1) / m) : p.q_rows / m + p.batch + 1;
   const dim3 grid(unsigned(tiles), unsigned(p.num_heads), unsigned(p.num_splits));
   if constexpr (std::is_same_v<Arg, AttnParams>) kKernel<<<grid, threads, smem, stream>>>(p);

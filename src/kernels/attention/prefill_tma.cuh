@@ -13,7 +13,14 @@
 // TileShape and epilogue of prefill_wgmma) + the producer warpgroup 2 (one warp works, 40
 // registers; the consumers take 232 with setmaxnreg). The CTA schedule (prefill_common.cuh:
 // 128 query rows of one sequence x head x split) and the epilogue (store_rows, through the
-// warp's own Q rows) are prefill_wgmma's.
+// warp's own Q rows) are prefill_wgmma's. At D = 64 (select.hpp: prefill_tma_rows) a CTA may
+// take 192 rows instead: three consumer warpgroups in a ping-pong round robin, 512 threads, 160
+// registers each and 32 for the producer (FlashAttention-3's D = 64 tile). There a warpgroup's
+// GEMMs of a 128-key tile take 512 clk of the tensor pipe while its softmax (64 MUFU
+// exponentials and ~420 instructions per thread, one warp per SM sub-partition) takes longer:
+// with two warpgroups a tile measured ~2700 clk (D = 64 S = 2k: 23.8 us per 16-tile CTA), about
+// two softmaxes back to back; with three, two softmaxes run while one warpgroup's GEMMs do
+// (H200: D = 64 S = 2k 735 -> 666 us, S = 8k 2812 -> 2475, paged blocks of 16 637 -> 546).
 //
 // Pipelines (mbarriers, 2 stages each): K full / empty, V full / empty, and Q full. A full
 // barrier completes on the producer warp's 32 arrivals plus the TMA bytes; an empty one on one arrival
@@ -48,6 +55,11 @@ inline constexpr int kTmaThreads = 384;
 // setmaxnreg moves registers within the CTA's launch allocation (168 x 384 = 64512): 232 x 256 +
 // 40 x 128 uses all of it; a producer at 48 leaves the consumers' increase waiting forever.
 inline constexpr int kTmaConsumerRegs = 232, kTmaProducerRegs = 40;
+// With three consumer warpgroups (prefill_tma_rows 192: 512 threads, 128 x 512 = 65536):
+// 160 x 384 + 32 x 128, FlashAttention-3's split at D = 64.
+constexpr int tma_threads(int wgs) { return 128 * (wgs + 1); }
+constexpr int tma_consumer_regs(int wgs) { return wgs == 2 ? kTmaConsumerRegs : 160; }
+constexpr int tma_producer_regs(int wgs) { return wgs == 2 ? kTmaProducerRegs : 32; }
 
 // The kernel's parameters: the operands' tensor maps next to AttnParams.
 struct TmaAttnParams {
@@ -58,23 +70,24 @@ struct TmaAttnParams {
 // Shared memory: prefill_wgmma's [Q | K 0, 1 | V 0, 1] (two V stages: the empty barriers order
 // the reuse), then the rows' key ranges (int2 [128]), the wait pins (consume_tiles) and the
 // mbarriers.
-template <int kD, int kDv>
+template <int kD, int kDv, int kM = kWgmmaRowsPerCta>
 struct TmaSmem {
   static constexpr int kN = wgmma_tile_keys(kD, kDv);
-  using QL = SwizzledTile<kWgmmaRowsPerCta>;
+  using QL = SwizzledTile<kM>;
   using KvL = SwizzledTile<kN>;
-  static constexpr uint32_t kQBytes = kWgmmaRowsPerCta * wgmma_tile_width(kD) * 2;
+  static constexpr uint32_t kQBytes = kM * wgmma_tile_width(kD) * 2;
   static constexpr uint32_t kKBytes = kN * wgmma_tile_width(kD) * 2, kVBytes = kN * wgmma_tile_width(kDv) * 2;
   static constexpr uint32_t kTiles = kQBytes + 2 * kKBytes + 2 * kVBytes;
-  static constexpr uint32_t kBytes = 1024 + kTiles + kWgmmaRowsPerCta * 8 + kWaitPinBytes + 9 * 8;
+  static constexpr uint32_t kPinBytes = wait_pin_bytes(kM);
+  static constexpr uint32_t kBytes = 1024 + kTiles + kM * 8 + kPinBytes + 9 * 8;
   uint32_t q, pins, bars;
   unsigned char* ranges;
   FS_DEV explicit TmaSmem(unsigned char* raw) {
     const uint32_t base = smem_u32(raw), aligned = warp_uniform((base + 1023u) & ~1023u);
     q = aligned;
     ranges = raw + (aligned - base) + kTiles;
-    pins = aligned + kTiles + kWgmmaRowsPerCta * 8;
-    bars = pins + kWaitPinBytes;
+    pins = aligned + kTiles + kM * 8;
+    bars = pins + kPinBytes;
   }
   FS_DEV uint32_t k(int st) const { return q + kQBytes + uint32_t(st) * kKBytes; }
   FS_DEV uint32_t v(int st) const { return q + kQBytes + 2 * kKBytes + uint32_t(st) * kVBytes; }
@@ -89,20 +102,20 @@ struct TmaSmem {
 // of kN keys, or one page of a paged cache with fewer keys (the kernel loads a tile as its page
 // segments; paged, dim 0 is the block id and dim 1 the row in it). prefill_tma's and
 // prefill_fp8's.
-template <int kD, int kDv>
+template <int kD, int kDv, int kM = kWgmmaRowsPerCta>
 TmaAttnParams tma_params(const AttnParams& p) {
   const int box = prefill_tma_box_rows(wgmma_tile_keys(kD, kDv), p.paged, p.kv_dim1);
   TmaAttnParams tp;
   tp.p = p;
-  tp.q = make_tma_map(p.q, p.q_batches, p.q_rows, p.num_heads, kD, kWgmmaRowsPerCta, "q");
+  tp.q = make_tma_map(p.q, p.q_batches, p.q_rows, p.num_heads, kD, kM, "q");
   tp.k = make_tma_map(p.k, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kD, box, "k");
   tp.v = make_tma_map(p.v, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kDv, box, "v");
   return tp;
 }
 
-template <int kD, int kDv>
+template <int kD, int kDv, int kM = kWgmmaRowsPerCta>
 constexpr size_t prefill_tma_smem_bytes_of() {
-  return TmaSmem<kD, kDv>::kBytes;
+  return TmaSmem<kD, kDv, kM>::kBytes;
 }
 
 // The producer's cp.async copy of one tile (kC 16-byte chunks per row of K (kKeys) or V) for
@@ -217,10 +230,9 @@ FS_DEV void load_q(const TmaAttnParams& tp, const Sm& sm, const CtaWork& w, int6
 
 // The producer warp: K and V of every tile into the stage (j % 2) its consumers released, by TMA
 // where tma_tile allows, else copy_tail (the kernel's thread 0 loads Q: load_q).
-template <class T, int kD, int kDv>
-FS_DEV void produce(const TmaAttnParams& tp, const CtaWork& w, const SeqKv& kv, const CtaKeys& ck,
-                    const TmaSmem<kD, kDv>& sm, int lane) {
-  using Sm = TmaSmem<kD, kDv>;
+template <class T, int kD, int kDv, class Sm>
+FS_DEV void produce(const TmaAttnParams& tp, const CtaWork& w, const SeqKv& kv, const CtaKeys& ck, const Sm& sm,
+                    int lane) {
   using L = typename Sm::KvL;
   constexpr int kN = Sm::kN;
   const AttnParams& p = tp.p;
@@ -267,15 +279,16 @@ FS_DEV void produce(const TmaAttnParams& tp, const CtaWork& w, const SeqKv& kv, 
   }
 }
 
-// Ping-pong: warpgroup wg waits for its turn (named barrier 1 + wg) before issuing its GEMMs
-// and hands the turn over after (the other warpgroup's barrier). Both walk the same tiles, so
-// with warpgroup 1 opening warpgroup 0's first turn and skipping its last hand-over, every
-// barrier sees as many arrivals as waits.
+// Ping-pong (a round robin of kWgs consumer warpgroups): warpgroup wg waits for its turn (named
+// barrier 1 + wg) before issuing its GEMMs and hands the turn over after (the next warpgroup's
+// barrier). All walk the same tiles, so with the last warpgroup opening warpgroup 0's first turn
+// and skipping its last hand-over, every barrier sees as many arrivals as waits.
+template <int kWgs>
 struct PingPong {
   int wg;
   FS_DEV void my_turn() const { named_sync(1 + wg, 2 * 128); }
   FS_DEV void hand_over(bool last) const {
-    if (!(wg == 1 && last)) named_arrive(2 - wg, 2 * 128);
+    if (!(wg == kWgs - 1 && last)) named_arrive(1 + (wg + 1 == kWgs ? 0 : wg + 1), 2 * 128);
   }
 };
 
@@ -314,14 +327,14 @@ FS_DEV void pin_wait(uint32_t pin, float x) {
 // issue the GEMMs over stage st (a commit group each) into them, softmax(j) runs on the
 // completed S and returns a value that depends on all of it (pin_wait), rescale() scales O by
 // the softmax's alpha, pack() makes P(j) from S.
-template <bool kPin, int kNS, int kNO, class Qk, class Pv, class Softmax, class Rescale, class Pack>
+template <bool kPin, int kNS, int kNO, int kWgs = 2, class Qk, class Pv, class Softmax, class Rescale, class Pack>
 FS_DEV void consume_tiles(int tiles, int wg, int lane, const StageBars& b, float (&s)[kNS][4], float (&o)[kNO][4],
                           const Qk& qk, const Pv& pv, const Softmax& softmax, const Rescale& rescale,
                           const Pack& pack) {
   if (tiles <= 0) return;
-  const PingPong turn{wg};
+  const PingPong<kWgs> turn{wg};
   const auto parity = [](int j) { return uint32_t((j >> 1) & 1); };
-  if (wg == 1) named_arrive(1, 2 * 128);  // opens warpgroup 0's first turn
+  if (wg == kWgs - 1) named_arrive(1, 2 * 128);  // opens warpgroup 0's first turn
   mbar_wait(b.k_full, 0);
   turn.my_turn();
   qk(0);
@@ -357,11 +370,12 @@ FS_DEV void consume_tiles(int tiles, int wg, int lane, const StageBars& b, float
   fence_operands(o);
 }
 
-template <class T, int kD, int kDv, bool kF32Out, bool kAlibi>
-__global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_constant__ TmaAttnParams tp) {
+template <class T, int kD, int kDv, bool kF32Out, bool kAlibi, int kWgs = 2>
+__global__ void __launch_bounds__(tma_threads(kWgs), 1) prefill_tma(const __grid_constant__ TmaAttnParams tp) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = Wgmma90<kD, kDv>;
-  using Sm = TmaSmem<kD, kDv>;
+  static_assert(kWgs == 2 || (kWgs == 3 && prefill_tma_max_consumer_wgs(kD, kDv, kF32Out) == 3), "built shapes");
+  using S = Wgmma90<kD, kDv, 64 * kWgs>;
+  using Sm = TmaSmem<kD, kDv, S::kM>;
   using QL = typename Sm::QL;
   constexpr int kN = S::kN, kDo = wgmma_tile_width(kDv);
   // D = 96: the second box's channels past D load as zeros (tma_map.cuh); copy_tail leaves them
@@ -391,12 +405,12 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_const
   const SeqKv kv = seq_kv(p, w.b, h / p.group);
   const CtaKeys ck = cta_keys<kN>(p, w, kv, split);
   __syncthreads();
-  if (wg == 2) {  // the producer warpgroup
-    regs_dealloc<kTmaProducerRegs>();
-    if (warp == 8) produce<T, kD, kDv>(tp, w, kv, ck, sm, lane);
+  if (wg == kWgs) {  // the producer warpgroup
+    regs_dealloc<tma_producer_regs(kWgs)>();
+    if (warp == 4 * kWgs) produce<T, kD, kDv>(tp, w, kv, ck, sm, lane);
     return;
   }
-  regs_alloc<kTmaConsumerRegs>();
+  regs_alloc<tma_consumer_regs(kWgs)>();
   const WarpKeys<S> wk(ck.rows, ck.n_begin, w.rows, warp, lane, reinterpret_cast<int2*>(sm.ranges));
   const ScoreLog2 score(p);
   const ScoreBias<kAlibi> bias = make_score_bias<kAlibi>(p, w.b, h, score);
@@ -407,10 +421,10 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_tma(const __grid_const
   uint32_t pl[kF32Out ? kN / 16 : 1][4];
   float m[1][2] = {{kNegInf, kNegInf}}, l[1][2] = {}, alpha[2];
   mbar_wait(sm.q_full(), 0);
-  consume_tiles<kN == 128>(
+  consume_tiles<kN == 128, kN / 8, kDo / 8, kWgs>(
       ck.tiles, wg, lane,
       StageBars{sm.k_full(0), sm.k_empty(0), sm.v_full(0), sm.v_empty(0), sm.pins + 4 * threadIdx.x}, s, o[0],
-      [&](int st) { issue_qk<T, kD, kN>(sm.q, sm.k(st), wg, s); },
+      [&](int st) { issue_qk<T, kD, kN, S::kM>(sm.q, sm.k(st), wg, s); },
       [&](int st) { issue_pv<T, kDo, kN, kF32Out>(pa, pl, sm.v(st), o[0]); },
       [&](int j) {
         prefill::softmax_tile<S, kN>(wk, score, bias, d0, j, warp, lane, s, m[0], l[0], alpha);

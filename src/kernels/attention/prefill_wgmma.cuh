@@ -49,8 +49,9 @@
 
 namespace flashserve::kernels::prefill {
 
-template <int kD, int kDv>
-using Wgmma90 = TileShape<kWgmmaRowsPerCta, wgmma_tile_keys(kD, kDv), kWgmmaWarps, 64>;
+// kM rows: 64 per warpgroup (prefill_tma: 128 or 192).
+template <int kD, int kDv, int kM = kWgmmaRowsPerCta>
+using Wgmma90 = TileShape<kM, wgmma_tile_keys(kD, kDv), kM / 16, 64>;
 
 // Shared memory: [Q | K stage 0, 1 | V stage 0, 1, 2 | rows' key ranges], the tiles
 // SwizzledTile (wgmma.cuh) from a 1024-byte-aligned base. V has a third stage: P V of tile j - 1
@@ -79,14 +80,15 @@ struct WgmmaSmem {
 
 FS_DEV int mod3_next(int vs) { return vs == 2 ? 0 : vs + 1; }
 
-// Issues S = Q K^T of the warpgroup's 64 rows (wg) over the K tile at k_s (one commit group).
-template <class T, int kD, int kN>
+// Issues S = Q K^T of the warpgroup's 64 rows (wg) over the K tile at k_s (one commit group);
+// Q a swizzled tile of kM rows.
+template <class T, int kD, int kN, int kM = kWgmmaRowsPerCta>
 FS_DEV void issue_qk(uint32_t q_s, uint32_t k_s, int wg, float (&s)[kN / 8][4]) {
   fence_operands(s);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk)
-    wgmma_ss<T, kN>(s, desc_k_major<kWgmmaRowsPerCta>(q_s, 64 * wg, kk), desc_k_major<kN>(k_s, 0, kk), kk > 0);
+    wgmma_ss<T, kN>(s, desc_k_major<kM>(q_s, 64 * wg, kk), desc_k_major<kN>(k_s, 0, kk), kk > 0);
   wgmma_commit();
 }
 

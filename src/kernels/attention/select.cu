@@ -161,7 +161,7 @@ std::string tma_scope(const detail::AttnProblem& pr, const char* what) {
                        wgmma_tile_keys(pr.head_dim, pr.head_dim_v), "-key tile or divided by it, got ", pr.k.size(1),
                        " (other block sizes: prefill_wgmma)");
   const int64_t rows_k = pr.k.size(1), n_tiles = rows_k + 4 * 128;
-  if (pr.q.size(1) >= INT_MAX - 128 || n_tiles >= INT_MAX || pr.k.size(0) >= INT_MAX || pr.q.size(0) >= INT_MAX)
+  if (pr.q.size(1) >= INT_MAX - 256 || n_tiles >= INT_MAX || pr.k.size(0) >= INT_MAX || pr.q.size(0) >= INT_MAX)
     return detail::cat(what, "TMA coordinates in int32");
   if (!tma_sizes_ok(pr.q) || !tma_sizes_ok(pr.k) || !tma_sizes_ok(pr.v))
     return detail::cat(what, "q, k, v TMA can map (non-empty dims, strides below 2^40 bytes)");
@@ -181,7 +181,12 @@ std::string try_prefill_tma(const detail::AttnProblem& pr, const DeviceProps& de
   if (!prefill_tma_config_built(pr.q.dtype, pr.head_dim, pr.head_dim_v))
     return detail::cat(what, "D/Dv in the built configurations, got ", pr.head_dim, "/", pr.head_dim_v);
   if (std::string why_tma = tma_scope(pr, what); !why_tma.empty()) return why_tma;
-  return take_prefill(AttnKernelId::prefill_tma, prefill_tma_smem_bytes(pr.head_dim, pr.head_dim_v), dev, what, pr, c);
+  const int64_t max_q = pr.batched ? pr.q.size(1) : (pr.params->max_seqlen_q > 0 ? pr.params->max_seqlen_q : pr.total_q);
+  const int rows = prefill_tma_rows(pr.head_dim, pr.head_dim_v, pr.out.dtype == DType::f32, max_q);
+  why = take_prefill(AttnKernelId::prefill_tma, prefill_tma_smem_bytes(pr.head_dim, pr.head_dim_v, rows), dev, what,
+                     pr, c);
+  if (why.empty()) c.rows_per_cta = rows;
+  return why;
 }
 
 // The sm_90a fp8 prefill kernel (prefill_fp8.cuh): q, k, v fp8 e4m3 with descales, out

@@ -196,17 +196,34 @@ constexpr int prefill_tma_box_rows(int kn, bool paged, int64_t block_size) {
 }
 
 // The consumers' wait pins of the TMA kernels (prefill_tma.cuh: consume_tiles): a float per
-// consumer thread.
-inline constexpr size_t kWaitPinBytes = 2 * 128 * 4;
+// consumer thread (128 per warpgroup of 64 rows).
+constexpr size_t wait_pin_bytes(int64_t rows) { return size_t(rows) * 2 * 4; }
 
-// Its dynamic shared memory: 1 KB of alignment slack, Q [128, D] + K [2, N, D] + V [2, N, Dv]
-// 16-bit (D and Dv padded to whole 64-channel blocks), the rows' key ranges (int2 [128]), the
-// wait pins and 9 mbarriers (prefill_tma.cuh: TmaSmem). 163 KB at D = 96 and 128, 195 KB at 256,
-// 147 KB at 192, 131 KB at 192/128, 83 KB at 64.
-constexpr size_t prefill_tma_smem_bytes(int64_t d, int64_t dv) {
+// prefill_tma's consumer warpgroups (64 query rows each): up to three at D = Dv = 64
+// (FlashAttention-3's 192-row tile there: a warpgroup's softmax takes about as long as its
+// GEMMs, so with two the tensor pipe idles while each waits for the other's; with three, two
+// softmaxes overlap one warpgroup's GEMMs), else two. fp32 out keeps two: its P residues need
+// the registers. Where three are built, prefill_tma_rows picks per call.
+constexpr int prefill_tma_max_consumer_wgs(int64_t d, int64_t dv, bool f32_out) {
+  return d <= 64 && dv <= 64 && !f32_out ? 3 : 2;
+}
+// Query rows per prefill_tma CTA for sequences of up to max_q rows: 192 where three warpgroups
+// are built and the rows padded to whole 192-row tiles are at most 15% more than to 128-row ones
+// (H200, D = 64: 192-row CTAs 5-16% faster per row at S >= 512; S = 128 sequences 13% slower in
+// them, a third of each tile empty), else 128.
+constexpr int prefill_tma_rows(int64_t d, int64_t dv, bool f32_out, int64_t max_q) {
+  if (prefill_tma_max_consumer_wgs(d, dv, f32_out) < 3 || max_q <= 0) return 128;
+  const int64_t pad192 = (max_q + 191) / 192 * 192, pad128 = (max_q + 127) / 128 * 128;
+  return 100 * pad192 <= 115 * pad128 ? 192 : 128;
+}
+
+// Its dynamic shared memory: 1 KB of alignment slack, Q [M, D] + K [2, N, D] + V [2, N, Dv]
+// 16-bit (D and Dv padded to whole 64-channel blocks; M = prefill_tma_rows: 128 or 192), the
+// rows' key ranges (int2 [M]), the wait pins and 9 mbarriers (prefill_tma.cuh: TmaSmem). 163 KB
+// at D = 96 and 128, 195 KB at 256, 147 KB at 192, 131 KB at 192/128, 83 / 92 KB at 64.
+constexpr size_t prefill_tma_smem_bytes(int64_t d, int64_t dv, int64_t m) {
   const int64_t n = wgmma_tile_keys(d, dv), wd = wgmma_tile_width(d), wdv = wgmma_tile_width(dv);
-  return 1024 + size_t(kWgmmaRowsPerCta * wd + 2 * n * wd + 2 * n * wdv) * 2 + size_t(kWgmmaRowsPerCta) * 8 +
-         kWaitPinBytes + 9 * 8;
+  return 1024 + size_t(m * wd + 2 * n * wd + 2 * n * wdv) * 2 + size_t(m) * 8 + wait_pin_bytes(m) + 9 * 8;
 }
 
 // ---- the fp8 prefill kernel (prefill_fp8.cuh): sm_90a, prefill_tma's CTA on fp8 wgmma; q, k
