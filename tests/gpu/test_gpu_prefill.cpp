@@ -267,7 +267,7 @@ TEST(GpuPrefill, HeadDims64To256AndF16) {
 
 // D = 64 on prefill_tma: 192-row CTAs (three consumer warpgroups, select.hpp:
 // prefill_tma_rows: sequences of up to max_q rows where 192-row tiles pad them little), so
-// sequences of 191, 192, 193 and 385 rows end inside, at and just past a row tile, the varlen
+// sequences of 191, 192, 193 and 576 rows end inside, at and just past a row tile, the varlen
 // lookup counts tiles of 192, and the 128-row instantiations (fp32 out; short sequences) run
 // beside it. Causal and not, GQA 4, batched and varlen, splits, paged (blocks of 16 and 256),
 // soft-cap and a window, sinks, ALiBi.
@@ -275,6 +275,9 @@ TEST(GpuPrefill, ThreeWarpgroupTilesAtD64) {
   using fs::kernels::prefill_tma_rows;
   EXPECT_EQ(prefill_tma_rows(64, 64, false, 2048), 192);
   EXPECT_EQ(prefill_tma_rows(64, 64, false, 385), 192);
+  EXPECT_EQ(prefill_tma_rows(64, 64, false, 512, true), 128);
+  EXPECT_EQ(prefill_tma_rows(64, 64, false, 2048, true), 192);
+  EXPECT_EQ(prefill_tma_rows(64, 64, false, 576, true), 192);
   EXPECT_EQ(prefill_tma_rows(64, 64, false, 128), 128);
   EXPECT_EQ(prefill_tma_rows(64, 64, false, 256), 128);
   EXPECT_EQ(prefill_tma_rows(64, 64, true, 2048), 128);
@@ -286,10 +289,10 @@ TEST(GpuPrefill, ThreeWarpgroupTilesAtD64) {
     EXPECT_EQ(run_and_check(ac, kernel), "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
     if (head_dims_kernel(c) == "prefill_tma") EXPECT_EQ(kernel, "prefill_tma") << fstest::describe(c);
   };
-  const std::vector<int64_t> q = {1, 191, 192, 193, 385, 40};
+  const std::vector<int64_t> q = {1, 191, 192, 193, 576, 40};  // max 576: 192 rows, causal too
   for (int variant = 0; variant < 6; ++variant) {
     CaseConfig c = prefill_config(variant == 2 || variant == 5 ? KvMode::varlen_paged : KvMode::varlen_contiguous, q,
-                                  {1, 191, 200, 900, 385, 700}, 8, 2);
+                                  {1, 191, 200, 900, 600, 700}, 8, 2);
     c.D = c.Dv = 64;
     c.causal = variant % 2 == 0;
     if (variant == 1) c.num_splits = 3;

@@ -182,7 +182,7 @@ std::string try_prefill_tma(const detail::AttnProblem& pr, const DeviceProps& de
     return detail::cat(what, "D/Dv in the built configurations, got ", pr.head_dim, "/", pr.head_dim_v);
   if (std::string why_tma = tma_scope(pr, what); !why_tma.empty()) return why_tma;
   const int64_t max_q = pr.batched ? pr.q.size(1) : (pr.params->max_seqlen_q > 0 ? pr.params->max_seqlen_q : pr.total_q);
-  const int rows = prefill_tma_rows(pr.head_dim, pr.head_dim_v, pr.out.dtype == DType::f32, max_q);
+  const int rows = prefill_tma_rows(pr.head_dim, pr.head_dim_v, pr.out.dtype == DType::f32, max_q, pr.params->causal);
   why = take_prefill(AttnKernelId::prefill_tma, prefill_tma_smem_bytes(pr.head_dim, pr.head_dim_v, rows), dev, what,
                      pr, c);
   if (why.empty()) c.rows_per_cta = rows;

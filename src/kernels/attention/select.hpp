@@ -208,13 +208,15 @@ constexpr int prefill_tma_max_consumer_wgs(int64_t d, int64_t dv, bool f32_out) 
   return d <= 64 && dv <= 64 && !f32_out ? 3 : 2;
 }
 // Query rows per prefill_tma CTA for sequences of up to max_q rows: 192 where three warpgroups
-// are built and the rows padded to whole 192-row tiles are at most 15% more than to 128-row ones
-// (H200, D = 64: 192-row CTAs 5-16% faster per row at S >= 512; S = 128 sequences 13% slower in
-// them, a third of each tile empty), else 128.
-constexpr int prefill_tma_rows(int64_t d, int64_t dv, bool f32_out, int64_t max_q) {
+// are built and the rows padded to whole 192-row tiles are at most 15% more than to 128-row ones,
+// 5% when causal (H200, D = 64, bench/RESULTS.md 2026-11-25 09:45: 192-row CTAs 3-16% faster at
+// S >= 2k and 5% at S = 512 (12.5% more rows), but S = 512 causal 2.5% slower, where a taller
+// tile also computes more of the masked triangle; S = 128 sequences 13% slower, a third of each
+// tile empty), else 128.
+constexpr int prefill_tma_rows(int64_t d, int64_t dv, bool f32_out, int64_t max_q, bool causal = false) {
   if (prefill_tma_max_consumer_wgs(d, dv, f32_out) < 3 || max_q <= 0) return 128;
   const int64_t pad192 = (max_q + 191) / 192 * 192, pad128 = (max_q + 127) / 128 * 128;
-  return 100 * pad192 <= 115 * pad128 ? 192 : 128;
+  return 100 * pad192 <= (causal ? 105 : 115) * pad128 ? 192 : 128;
 }
 
 // Its dynamic shared memory: 1 KB of alignment slack, Q [M, D] + K [2, N, D] + V [2, N, Dv]
