@@ -68,8 +68,8 @@ struct TmaAttnParams {
 };
 
 // Shared memory: prefill_wgmma's [Q | K 0, 1 | V 0, 1] (two V stages: the empty barriers order
-// the reuse), then the rows' key ranges (int2 [128]), the wait pins (consume_tiles) and the
-// mbarriers.
+// the reuse; Q of kM = 128 or 192 rows), then the rows' key ranges (int2 [kM]), the wait pins
+// (consume_tiles: one float per consumer thread) and the mbarriers.
 template <int kD, int kDv, int kM = kWgmmaRowsPerCta>
 struct TmaSmem {
   static constexpr int kN = wgmma_tile_keys(kD, kDv);
