@@ -7,6 +7,7 @@
 // Reproduce a fuzz failure with FLASHSERVE_SEED=<seed> FLASHSERVE_FUZZ_CASE=<case>.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -140,13 +141,24 @@ void into_prefill_scope(CaseConfig& c, const fs::kernels::PrefillConfig& e) {
   c.q_pad = whole(c.q_pad), c.out_pad = whole(c.out_pad), c.kv_pad = whole(c.kv_pad);
 }
 
+// Every fourth D = 64 case of a varlen batch: its first sequence stretched to 129-187 query rows
+// (and at least as many keys), so that max_seqlen_q (with the fuzz's slack of up to 5) picks
+// prefill_tma's 192-row CTAs (select.hpp: prefill_tma_rows) on Hopper: the three-warpgroup
+// instantiation under the fuzz's layouts and modifiers, not only test_gpu_prefill's cases.
+void stretch_for_tall_tiles(CaseConfig& c, int i, size_t table_size) {
+  if (c.D != 64 || c.Dv != 64 || c.batched() || c.q_lens.empty() || (size_t(i) / table_size) % 4 != 1) return;
+  c.q_lens[0] = 129 + (int64_t(i) * 37) % 59;
+  c.k_lens[0] = std::max(c.k_lens[0], c.q_lens[0]) + (i % 3) * 17;
+}
+
 }  // namespace
 
 // The tensor-core prefill kernels' instantiations (each head size of the device's table, plain
 // and ALiBi) under the fuzz's random batches and score modifiers (soft-cap,
 // ALiBi linear and sqrt, causal, window, chunk, sinks, splits): 300 configurations drawn as the
 // fuzz draws them and pulled into the kernels' scope, each served by a tensor-core kernel (or
-// decode) and checked as the fuzz checks.
+// decode) and checked as the fuzz checks; at D = 64 some with a sequence of one 192-row tile
+// (stretch_for_tall_tiles).
 TEST(GpuAttentionFuzz, PrefillKernelsMatchOracleAndReference) {
   const std::vector<fs::kernels::PrefillConfig> table = prefill_table();
   if (table.empty()) GTEST_SKIP() << "no tensor-core prefill kernel on this device";
@@ -155,6 +167,7 @@ TEST(GpuAttentionFuzz, PrefillKernelsMatchOracleAndReference) {
     auto rng = fstest::make_rng((kSalt ^ 0x7e5f11ull) + uint64_t(i) * 0x9e3779b97f4a7c15ull);
     CaseConfig cfg = fstest::random_case_config(rng);
     into_prefill_scope(cfg, table[size_t(i) % table.size()]);
+    stretch_for_tall_tiles(cfg, i, table.size());
     fstest::AttentionCase ac = fstest::build_case(cfg, rng);
     const std::string kernel = fs::attention_kernel_name(ac.params, cfg.batched(), fs::kernels::cuda_device_props(0));
     if (kernel == "generic" && generic++ < kMaxReported)
