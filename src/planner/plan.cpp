@@ -79,9 +79,8 @@ int64_t stream_min_split_keys(const ProblemShape& s, int64_t g) {
 
 // Splits of units (sequence, KV head) for a decode-like shape: of the eligible counts up to
 // the cap, the first within 5% of the best score, score = wave efficiency x target filled.
-int stream_splits(int64_t units, int64_t granules, int64_t cap, int64_t g, int64_t sms, int64_t min_keys,
-                  int64_t waves) {
-  const int64_t slots = kStreamSlotsPerSm * sms, target = waves * slots;
+int stream_splits(int64_t units, int64_t granules, int64_t cap, int64_t g, int64_t sms, int64_t min_keys) {
+  const int64_t slots = kStreamSlotsPerSm * sms, target = kStreamWaves * slots;
   const int64_t max_s = std::min(cap, std::max<int64_t>(1, granules * g / min_keys));
   if (units >= target || max_s < 2) return 1;
   std::array<double, kMaxSplits + 1> score{};
@@ -135,7 +134,7 @@ int choose_unbounded(const ProblemShape& s, const DeviceProps& dev, int requeste
   const int64_t sms = std::max(1, dev.num_sms);
   if (s.batch * s.num_kv_heads == 0 || granules < 2) return 1;
   if (dev.device.type == DeviceType::cuda && packed <= kStreamRows)
-    return stream_splits(s.batch * s.num_kv_heads, granules, cap, g, sms, stream_min_split_keys(s, g), kStreamWaves);
+    return stream_splits(s.batch * s.num_kv_heads, granules, cap, g, sms, stream_min_split_keys(s, g));
   const bool packs_heads = packed <= kStreamRows || planner::is_mla_decode(s.head_dim, s.head_dim_v);
   const int64_t units =
       packs_heads ? s.batch * s.num_kv_heads * ceil_div(packed, planner::kDecodePackedRows)
