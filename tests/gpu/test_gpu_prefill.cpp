@@ -66,13 +66,19 @@ std::string run_and_check(fstest::AttentionCase& ac, std::string& kernel, int sp
   return fsgpu::check_prefill_case(ac, kernel, 1e-2, false, split_granularity);
 }
 
-// Checks the case; bf16 D = 128 cases must be served by the expected tensor-core kernel
-// (prefill_mma declines fp32 out, which needs P to fp32 precision: the generic kernel serves it).
-void expect_prefill_matches(const CaseConfig& c, uint64_t salt) {
+// Builds the case from `salt`, checks it (run_and_check) and returns the kernel that served it.
+std::string expect_case_matches(const CaseConfig& c, uint64_t salt) {
   auto rng = fstest::make_rng(salt);
   fstest::AttentionCase ac = fstest::build_case(c, rng);
   std::string kernel;
   EXPECT_EQ(run_and_check(ac, kernel), "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
+  return kernel;
+}
+
+// Checks the case; bf16 D = 128 cases must be served by the expected tensor-core kernel
+// (prefill_mma declines fp32 out, which needs P to fp32 precision: the generic kernel serves it).
+void expect_prefill_matches(const CaseConfig& c, uint64_t salt) {
+  const std::string kernel = expect_case_matches(c, salt);
   const std::string expected = expected_prefill_kernel();
   if (c.q_dtype == DType::bf16 && c.D == 128 && (c.out_dtype == c.q_dtype || expected == "prefill_wgmma"))
     EXPECT_EQ(kernel, expected == "prefill_wgmma" ? hopper_kernel(c) : expected) << fstest::describe(c);
@@ -283,10 +289,7 @@ TEST(GpuPrefill, ThreeWarpgroupTilesAtD64) {
   EXPECT_EQ(prefill_tma_rows(64, 64, true, 2048), 128);
   EXPECT_EQ(prefill_tma_rows(128, 128, false, 2048), 128);
   const auto check = [](const CaseConfig& c, uint64_t salt) {
-    auto rng = fstest::make_rng(salt);
-    fstest::AttentionCase ac = fstest::build_case(c, rng);
-    std::string kernel;
-    EXPECT_EQ(run_and_check(ac, kernel), "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
+    const std::string kernel = expect_case_matches(c, salt);
     if (head_dims_kernel(c) == "prefill_tma") EXPECT_EQ(kernel, "prefill_tma") << fstest::describe(c);
   };
   const std::vector<int64_t> q = {1, 191, 192, 193, 576, 40};  // max 576: 192 rows, causal too
@@ -333,10 +336,7 @@ TEST(GpuPrefill, HeadDims96And192AndMla) {
       if (variant == 3) c.alibi = 1, c.alibi_sqrt = hd.D == 96, c.chunk = 128;
       if (variant == 4) c.q_pad = 8, c.kv_pad = 16, c.extra_kv_rows = 3;
       if (variant == 5) c.mode = KvMode::varlen_paged, c.block_size = 64, c.random_block_ids = true;
-      auto rng = fstest::make_rng(50 + uint64_t(hd.D + hd.Dv + variant));
-      fstest::AttentionCase ac = fstest::build_case(c, rng);
-      std::string kernel;
-      EXPECT_EQ(run_and_check(ac, kernel), "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
+      const std::string kernel = expect_case_matches(c, 50 + uint64_t(hd.D + hd.Dv + variant));
       EXPECT_EQ(kernel, head_dims_kernel(c)) << fstest::describe(c);
     }
 }
