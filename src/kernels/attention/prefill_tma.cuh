@@ -51,15 +51,23 @@
 
 namespace flashserve::kernels::prefill {
 
-inline constexpr int kTmaThreads = 384;
-// setmaxnreg moves registers within the CTA's launch allocation (168 x 384 = 64512): 232 x 256 +
-// 40 x 128 uses all of it; a producer at 48 leaves the consumers' increase waiting forever.
-inline constexpr int kTmaConsumerRegs = 232, kTmaProducerRegs = 40;
-// With three consumer warpgroups (prefill_tma_rows 192: 512 threads, 128 x 512 = 65536):
-// 160 x 384 + 32 x 128, FlashAttention-3's split at D = 64.
+// The CTA of wgs consumer warpgroups and one producer warpgroup, and their setmaxnreg split.
+// setmaxnreg moves registers within the CTA's launch allocation (65536 / threads per thread,
+// rounded down to 8): two consumer warpgroups (384 threads, 168 x 384 = 64512) take 232 x 256 +
+// 40 x 128, all of it (a producer at 48 leaves the consumers' increase waiting forever); three
+// (prefill_tma_rows 192: 512 threads, 128 x 512 = 65536) 160 x 384 + 32 x 128, FlashAttention-3's
+// split at D = 64.
 constexpr int tma_threads(int wgs) { return 128 * (wgs + 1); }
-constexpr int tma_consumer_regs(int wgs) { return wgs == 2 ? kTmaConsumerRegs : 160; }
-constexpr int tma_producer_regs(int wgs) { return wgs == 2 ? kTmaProducerRegs : 32; }
+constexpr int tma_consumer_regs(int wgs) { return wgs == 2 ? 232 : 160; }
+constexpr int tma_producer_regs(int wgs) { return wgs == 2 ? 40 : 32; }
+constexpr bool tma_regs_fit(int wgs) {
+  return 128 * (wgs * tma_consumer_regs(wgs) + tma_producer_regs(wgs)) <= 65536 / tma_threads(wgs) / 8 * 8 *
+                                                                               tma_threads(wgs);
+}
+static_assert(tma_regs_fit(2) && tma_regs_fit(3), "setmaxnreg within the launch allocation");
+// The two-warpgroup CTA (prefill_tma's default, prefill_fp8's).
+inline constexpr int kTmaThreads = tma_threads(2);
+inline constexpr int kTmaConsumerRegs = tma_consumer_regs(2), kTmaProducerRegs = tma_producer_regs(2);
 
 // The kernel's parameters: the operands' tensor maps next to AttnParams.
 struct TmaAttnParams {
