@@ -32,13 +32,13 @@ namespace fs = flashserve;
 namespace {
 
 // Whether `kernel` (attention_kernel_name) is one of the MLA decode kernels: decode_mla
-// (mma.sync, sm80+) or decode_mla_wgmma (sm_90a, 64 rows of a 16-bit latent cache; the ctest
-// entries prefixed "mma80." take it out of the selection, so the mma.sync kernel serves those
-// rows on Hopper too).
+// (mma.sync, sm80+) or decode_mla_wgmma (sm_90a, 16 or 64 rows of a 16-bit latent cache: the
+// kernels of decode_mla_wgmma.cuh and decode_mla_heads.cuh; the ctest entries prefixed "mma80."
+// take it out of the selection, so the mma.sync kernel serves those rows on Hopper too).
 bool mla_kernel(const std::string& kernel) { return kernel == "decode_mla" || kernel == "decode_mla_wgmma"; }
 
-// The kernel that serves 64 rows of a 16-bit latent cache on this device.
-std::string mla_kernel_64_rows() {
+// The kernel that serves a 16-bit latent cache on this device (16 or 64 rows).
+std::string mla_kernel_16_bit() {
   const fs::DeviceProps dev = fs::kernels::cuda_device_props(0);
   const bool wgmma = FLASHSERVE_SM90A && dev.cc_major == 9 && dev.cc_minor == 0 &&
                      !fs::kernels::kernel_disabled(fs::kernels::AttnKernelId::decode_mla_wgmma);
@@ -313,7 +313,7 @@ TEST(GpuDecodeMla, UnderstatedMaxSeqlenQ) {
 }
 
 // A block index outside the cache is never read: exactly the rows that see its keys are NaN
-// (16 rows: decode_mla; 64 rows: the wgmma kernel on Hopper).
+// (the wgmma kernels on Hopper, 16 and 64 rows).
 TEST(GpuDecodeMla, BadBlockIndexGivesNanRows) {
   for (int64_t H : {16, 128})
     for (int splits : {1, 3})
@@ -325,7 +325,7 @@ TEST(GpuDecodeMla, BadBlockIndexGivesNanRows) {
         c.window = {20, 0};  // sequence 1 sees keys 49..69, not block 1 (16..31)
         c.num_splits = splits;
         fstest::AttentionCase ac = fstest::build_case(c, rng);
-        fsgpu::expect_bad_block_nan_rows(ac, H == 16 ? "decode_mla" : mla_kernel_64_rows(), bad_id, splits);
+        fsgpu::expect_bad_block_nan_rows(ac, mla_kernel_16_bit(), bad_id, splits);
       }
 }
 
@@ -346,17 +346,18 @@ std::string mla_why(const CaseConfig& c, fs::kernels::AttnKernelChoice& choice) 
 TEST(GpuDecodeMla, Selection) {
   auto rng = fstest::make_rng(9);
   struct Want { int64_t H, q_len; int rows, slices; };
-  // 64 rows of a 16-bit cache: the wgmma kernel on the H200 in builds with sm_90a code.
-  const bool wgmma = FLASHSERVE_SM90A && !fs::kernels::kernel_disabled(fs::kernels::AttnKernelId::decode_mla_wgmma);
+  // A 16-bit cache: the wgmma kernels on the H200 in builds with sm_90a code (16 rows:
+  // decode_mla_heads.cuh's shared memory, 64: decode_mla_wgmma.cuh's).
+  const bool wg = FLASHSERVE_SM90A && !fs::kernels::kernel_disabled(fs::kernels::AttnKernelId::decode_mla_wgmma);
   for (Want w : {Want{1, 1, 16, 1}, Want{16, 1, 16, 1}, Want{16, 2, 64, 1}, Want{128, 1, 64, 2}, Want{128, 4, 64, 8}}) {
     const CaseConfig c = mla_config(2, 100, w.H, w.q_len, rng);
     fs::kernels::AttnKernelChoice choice;
     EXPECT_EQ(mla_why(c, choice), "") << "H " << w.H << " q_len " << w.q_len;
-    const bool wg = wgmma && w.rows == 64;
     EXPECT_EQ(choice.kernel, wg ? fs::kernels::AttnKernelId::decode_mla_wgmma : fs::kernels::AttnKernelId::decode_mla);
     EXPECT_EQ(choice.rows_per_cta, w.rows);
     EXPECT_EQ(choice.head_slices, w.slices);
-    EXPECT_EQ(choice.smem_bytes, wg ? fs::kernels::mla_wgmma_smem_bytes() : fs::kernels::mla_smem_bytes(w.rows));
+    const size_t wg_smem = w.rows == 64 ? fs::kernels::mla_wgmma_smem_bytes() : fs::kernels::mla_heads_smem_bytes();
+    EXPECT_EQ(choice.smem_bytes, wg ? wg_smem : fs::kernels::mla_smem_bytes(w.rows));
   }
   {  // fp32 out (a DCP rank's partial output) as well
     CaseConfig c = mla_config(2, 100, 16, 1, rng);

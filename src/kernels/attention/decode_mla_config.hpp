@@ -93,6 +93,22 @@ constexpr size_t mla_wgmma_smem_bytes() {
 }
 static_assert(mla_wgmma_smem_bytes() <= 232448, "one CTA per H100/H200 SM");
 
+// The sm_90a kernel for 16 rows of a 16-bit latent cache (decode_mla_heads.cuh: the rows as
+// wgmma's N, 64-key tiles as its M): Q [16, 576] | kMlaHeadsStages KV stages [64, 576] | P^T
+// [16, 64] (all 128-byte-swizzled tiles) | partial S^T [2, 64 x 16] fp32 | column partials
+// [2, 5, 16] fp32 | RowMeta / scale [16] | TokenLoc 2 x [64] | bad masks; plus 1024 bytes to
+// align the tiles. 177.3 KB: one CTA per SM.
+inline constexpr int kMlaHeadsRows = 16;
+inline constexpr int kMlaHeadsTileKeys = 64;
+inline constexpr int kMlaHeadsStages = 2;
+constexpr size_t mla_heads_smem_bytes() {
+  return size_t(kMlaHeadsRows + kMlaHeadsStages * kMlaHeadsTileKeys) * kMlaWidth * 2 + kMlaHeadsRows * 128 +
+         2 * kMlaHeadsTileKeys * kMlaHeadsRows * 4 + 2 * 5 * kMlaHeadsRows * 4 + kMlaHeadsRows * (kMlaRowMetaBytes + 4) +
+         2 * kMlaHeadsTileKeys * 24 +
+         kMlaHeadsStages * (kMlaHeadsTileKeys / 32) * 4 + 1024;
+}
+static_assert(mla_heads_smem_bytes() <= 232448, "one CTA per H100/H200 SM");
+
 // The MLA decode candidate of select_attention_kernel (decode_mla_select.cu): fills `c` (kernel
 // decode_mla, or decode_mla_wgmma for 64 rows of 16-bit KV on sm_90a; rows_per_cta 16/64; head_slices = CTAs per sequence in y, each looping over the
 // row groups y, y + gridDim.y, ...) and returns "" when it serves the problem, else the reason.

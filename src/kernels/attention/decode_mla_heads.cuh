@@ -1,0 +1,440 @@
+// The sm_90a MLA absorbed-decode kernel for 16 packed rows (H = 16 decode, q_len x H <= 16) with a
+// 16-bit latent cache: the rows are wgmma's N dimension and the keys its M ("heads as columns"),
+// so that a 64-key tile is one m64n16 MMA chain with no padded rows. decode_mla.cuh's scheme
+// otherwise (row groups, token location, masks and modifiers, sinks, split partials).
+//
+// CTA = (sequence, row slice, split) as decode_mla; two warpgroups (256 threads), one CTA per SM.
+// Shared memory (1024-byte aligned): Q [16, 576] SwizzledTile<16> | 2 KV stages [64 keys, 576]
+// SwizzledTile<64> ([k | v]: column block 0 is k, blocks 1-8 the latent) | P^T [16, 64]
+// SwizzledTile<16> | partial S^T [2, 8, 128] fp32 | column partials [2, 5, 16] | RowMeta [16] |
+// row scale [16] | TokenLoc 2 x [64] | bad masks 2 x 2. Per 64-key tile k:
+//   1. S^T [64 keys, 16] = [k | v] Q^T: warpgroup w issues the k16 steps 2 j + w (18 wgmma
+//      m64n16k16, A = the tile K-major, B = Q K-major) into its partial; waited; the partials
+//      exchanged through shared memory (barrier), so both warpgroups hold the same S^T.
+//   2. softmax down the columns, in both warpgroups alike: each thread holds 2 keys x 4
+//      columns; column maxima over the warp's 16 keys by shuffles, over the warpgroup's 4 warps
+//      through shared memory (barrier); alpha stays in registers (a thread's O^T columns are the
+//      same 4); warpgroup 0 stores P^T (16-bit, stmatrix.trans). Barrier (P^T complete).
+//   3. O^T [512, 16] = O^T alpha + V^T P^T: warpgroup w takes latent blocks 4 w .. 4 w + 3, 4
+//      wgmma m64n16k16 each (A = the block M-major: wgmma_ss_ta; B = P^T K-major); waited,
+//      barrier (the stage is free), then the copies of tile k + 2 into it: two tiles in flight
+//      while the CTA waits for tile k + 1.
+//   Five barriers per 64-key tile.
+//
+// Per 64-key tile (73.7 KB of KV): S 64 x 16 x 576 + P V 512 x 16 x 64 = 1.11 M MAC, 68 wgmma
+// m64n16k16; the tensor cores read 68 x 2 KB of A (each tile byte once per GEMM) and 68 x 512 B
+// of B from shared memory, the copies write 72 KB: ~250 KB, ~2000 clk at 128 B/clk. 85% of the
+// copy ceiling needs a tile every ~4900 clk per SM (3.64 TB/s = ~15 B/clk per SM at 1.83 GHz).
+// Measured (H200, bench/RESULTS.md 2026-11-25 13:00): H = 16, B = 64, L = 4k 116.8 us at the
+// planner's 4 splits (decode_mla: 120.2), 107.7 at 2 (2.80 TB/s, 65%); B = 1, L = 32k 38.8 us
+// (49.6). Not the stream but each CTA's chain binds: ~2.9 us per tile even with 8 CTAs on the
+// GPU (~24 KB/us per SM); ncu: 2 warps per scheduler, 0.3 eligible, issue ~23% busy, stalls
+// spread over the barriers, the wgmma issue and the softmax. A warpgroup per stage (FlashMLA's
+// ping-pong: one warpgroup's softmax under the other's MMAs) is the next step; the planner
+// still sizes splits for two CTAs per SM (4 splits at B = 64 where 2 are 8% faster: the plan
+// does not know the KV dtype, and fp8 MLA runs decode_mla at two CTAs per SM).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/attention/decode_mla.cuh"
+#include "kernels/common/wgmma.cuh"
+
+namespace flashserve::kernels::mla {
+
+template <DType kDt>
+struct HeadsShape {
+  using T = std::conditional_t<kDt == DType::bf16, __nv_bfloat16, __half>;
+  using QT = T;
+  static constexpr bool kFp8 = false;
+  static constexpr int kM = kMlaHeadsRows;  // packed rows: the wgmma N
+  static constexpr int kN = kMlaHeadsTileKeys;  // keys per tile: the wgmma M
+  static constexpr int kWgs = 2;  // warpgroups: halves of S's contraction, of P V's channels
+  static constexpr int kThreads = 128 * kWgs;
+  static constexpr int kStages = kMlaHeadsStages;
+  static constexpr int kKSteps = kMlaWidth / 16;  // 36
+  using QL = SwizzledTile<kM>;
+  using KvL = SwizzledTile<kN>;
+  using PL = SwizzledTile<kM>;
+  static constexpr size_t kStageBytes = size_t(kN) * kMlaWidth * 2;
+  static constexpr size_t kQOff = 0;
+  static constexpr size_t kKvOff = size_t(kM) * kMlaWidth * 2;
+  static constexpr size_t kPOff = kKvOff + kStages * kStageBytes;
+  static constexpr size_t kSOff = kPOff + PL::kBlockBytes;  // the warpgroups' partial S^T [kWgs, 8, 128] fp32
+  static constexpr size_t kRedOff = kSOff + size_t(kWgs) * kN * kM * sizeof(float);
+  // per warpgroup: its 4 warps' column partials + the maxima [5, kM] fp32
+  static constexpr size_t kMetaOff = kRedOff + size_t(kWgs) * 5 * kM * sizeof(float);
+  static constexpr size_t kScaleOff = kMetaOff + kM * sizeof(RowMeta);
+  static constexpr size_t kLocOff = kScaleOff + kM * sizeof(float);
+  static constexpr size_t kBadOff = kLocOff + 2 * kN * sizeof(TokenLoc);
+  static constexpr size_t kBytes = kBadOff + kStages * (kN / 32) * sizeof(uint32_t);
+  static_assert(kBytes + 1024 == mla_heads_smem_bytes(), "decode_mla_config.hpp sizes shared memory with it");
+  static_assert(kKvOff % 1024 == 0 && kStageBytes % 1024 == 0 && kPOff % 1024 == 0, "swizzle atoms 1024-aligned");
+  static_assert(kM == 16 && kN == 64 && kWgs == 2, "the fragment layout below: 4 warps x 16 keys, n16, 2 warpgroups");
+  static FS_DEV uint32_t q_at(int j, int c) { return QL::at(j, c); }
+};
+
+// The copies of a located tile (64 keys) into a stage: thread t takes rows t / 8 + 32 i and
+// 16-byte chunks t % 8 + 8 j of each (j = 0: k; 1-8: the latent, 128 bytes further per block).
+// Skipped and bad keys as zero rows; warp 0 sets the stage's two bad masks (keys 0-31, 32-63).
+template <class S>
+FS_DEV void issue_kv_heads(const AttnParams& p, const TokenLoc* loc, uint32_t* bad, uint32_t stage) {
+  const int tid = int(threadIdx.x), c = tid % 8;
+  if (tid < 32) {
+#pragma unroll
+    for (int h = 0; h < S::kN / 32; ++h) {
+      const uint32_t m = __ballot_sync(kFullMask, loc[32 * h + tid].state == kTokenBad);
+      if (tid == 0) bad[h] = m;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < S::kN * 8 / S::kThreads; ++i) {
+    const int r = tid / 8 + S::kThreads / 8 * i;
+    const TokenLoc& L = loc[r];
+    const bool ok = L.state == kTokenValid;
+    const char* kg = static_cast<const char*>(p.k.data) + (ok ? L.k_off * 2 : 0) + c * 16;
+    const char* vg = static_cast<const char*>(p.v.data) + (ok ? L.v_off * 2 : 0) + c * 16;
+    const uint32_t dst = stage + S::KvL::at(r, c);
+    cp_async_16(dst, kg, ok);
+#pragma unroll
+    for (int j = 1; j <= 8; ++j) cp_async_16(dst + uint32_t(j) * S::KvL::kBlockBytes, vg + (j - 1) * 128, ok);
+  }
+}
+
+// The thread's 4 columns (packed rows) 8 n + 2 (lane % 4) + b, n, b in {0, 1}: index 2 n + b.
+FS_DEV int heads_col(int lane, int i) { return 8 * (i / 2) + 2 * (lane % 4) + i % 2; }
+
+// max(a, b), NaN when either is (softmax.cuh's nan_max in one instruction).
+FS_DEV float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// stmatrix.x4.trans: four 8 x 8 16-bit matrices stored transposed: lane (g, t)'s register m
+// holds elements (g, 2t), (g, 2t + 1) of matrix m, whose memory row r (the address of lane
+// 8 m + r) receives column r (elements 0..7 of it, 16 bytes).
+FS_DEV void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// The per-column online-softmax state of the thread's 4 columns (the same in both warpgroups).
+struct ColState {
+  float m[4];  // running max (natural units), the same in every thread holding the column
+  float l[4];  // this thread's partial sum
+};
+
+// Step 2 on S^T (x: [column][key half] of the m64n16 fragment, keys 16 ww + lane / 4 (+ 8) of the
+// tile at t0; both warpgroups hold the same S^T and compute the same softmax): P^T (16-bit) to
+// pbuf by warpgroup 0, the columns' alpha to al. `plain`: every key of the tile visible and good
+// for every row, no modifier (CTA-uniform). red: the warpgroup's [5, kM].
+template <class S>
+FS_DEV void softmax_cols(const AttnParams& p, float (&x)[4][2], const RowMeta* meta, float* red, uint32_t pbuf,
+                         uint32_t bad0, uint32_t bad1, int64_t t0, bool plain, ColState& cs, float (&al)[4], int wg,
+                         int ww, int lane) {
+  using T = typename S::T;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const ScoreTransform score = make_score_transform(p);
+  const int kr = 16 * ww + lane / 4;  // tile keys kr, kr + 8
+  if (plain) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) x[i][h] *= score.scale;
+  } else {
+    const uint32_t bad = ww < 2 ? bad0 : bad1;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const RowMeta& m = meta[heads_col(lane, i)];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int kt = kr + 8 * h;
+        const int64_t key = t0 + kt;
+        x[i][h] = key < m.lo || key >= m.hi ? kNegInf
+                  : (bad >> (kt % 32)) & 1u ? nan_value()
+                                            : score(x[i][h], m.pos, key, m.slope);
+      }
+    }
+  }
+  // Column maxima: the warp's 16 keys (lanes of one lane % 4), then the warpgroup's 4 warps.
+  float mx[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    mx[i] = max_nan(x[i][0], x[i][1]);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) mx[i] = max_nan(mx[i], __shfl_xor_sync(kFullMask, mx[i], o));
+    if (lane < 4) red[ww * S::kM + heads_col(lane, i)] = mx[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = heads_col(lane, i);
+    mx[i] = max_nan(max_nan(red[c], red[S::kM + c]), max_nan(red[2 * S::kM + c], red[3 * S::kM + c]));
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float new_m = max_nan(cs.m[i], mx[i]);
+    al[i] = 1.0f;
+    if (new_m == kNegInf) {  // nothing visible yet: p = 0, state unchanged
+      x[i][0] = x[i][1] = 0.0f;
+      continue;
+    }
+    const float mb = new_m * kLog2e;
+    x[i][0] = fast_exp2(fmaf(x[i][0], kLog2e, -mb));  // -inf -> 0, NaN stays
+    x[i][1] = fast_exp2(fmaf(x[i][1], kLog2e, -mb));
+    al[i] = cs.m[i] == new_m ? 1.0f : fast_exp2(fmaf(cs.m[i], kLog2e, -mb));  // m = -inf -> 0; NaN -> NaN
+    cs.l[i] = cs.l[i] * al[i] + (x[i][0] + x[i][1]);
+    cs.m[i] = new_m;
+  }
+  // P^T [column][key] (K-major B operand of O^T += V^T P^T): matrix (n, h) = columns 8 n .. +8 x
+  // keys 16 ww + 8 h .. +8, stored transposed (a memory row per column).
+  if (wg == 0) {
+    const int m = lane / 8, n = m / 2, h = m % 2;
+    stmatrix_x4_trans(pbuf + S::PL::at(8 * n + lane % 8, 2 * ww + h), pack2<T>(x[0][0], x[1][0]),
+                      pack2<T>(x[0][1], x[1][1]), pack2<T>(x[2][0], x[3][0]), pack2<T>(x[2][1], x[3][1]));
+  }
+}
+
+// Issues the warpgroup's partial S^T = [k | v] Q^T over its half of the contraction (k16 steps
+// 2 j + wg; one commit group).
+template <class S>
+FS_DEV void issue_s_heads(uint32_t q, uint32_t stage, int wg, float (&acc)[2][4]) {
+  using T = typename S::T;
+  const uint64_t da = desc_k_major<S::kN>(stage, 0, wg), db = desc_k_major<S::kM>(q, 0, wg);
+  const uint32_t alo = warp_uniform(uint32_t(da)), ahi = warp_uniform(uint32_t(da >> 32));
+  const uint32_t blo = warp_uniform(uint32_t(db)), bhi = warp_uniform(uint32_t(db >> 32));
+  fence_operands(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int j = 0; j < S::kKSteps / 2; ++j) {
+    // k16 step 2 j (+ wg, in the base): column block j / 2, 64 bytes into it for odd j
+    const uint32_t oa = ((j >> 1) * S::KvL::kBlockBytes + (j & 1) * 64) >> 4;
+    const uint32_t ob = ((j >> 1) * S::QL::kBlockBytes + (j & 1) * 64) >> 4;
+    wgmma_ss<T, S::kM>(acc, (uint64_t(ahi) << 32) | (alo + oa), (uint64_t(bhi) << 32) | (blo + ob), j > 0);
+  }
+  wgmma_commit();
+}
+
+// O^T = O^T alpha, then issues O^T += V^T P^T over the warpgroup's 4 latent blocks (one commit
+// group).
+template <class S>
+FS_DEV void issue_pv_heads(uint32_t pbuf, uint32_t stage, int wg, const float (&al)[4], float (&o)[4][2][4]) {
+  using T = typename S::T;
+  if (__any_sync(kFullMask, al[0] != 1.0f || al[1] != 1.0f || al[2] != 1.0f || al[3] != 1.0f)) {
+#pragma unroll
+    for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mb][n][e] *= al[2 * n + e % 2];
+  }
+  const uint64_t da = desc_n_major<S::kN>(stage + uint32_t(1 + 4 * wg) * S::KvL::kBlockBytes, 0);
+  const uint64_t db = desc_k_major<S::kM>(pbuf, 0, 0);
+  const uint32_t alo = warp_uniform(uint32_t(da)), ahi = warp_uniform(uint32_t(da >> 32));
+  const uint32_t blo = warp_uniform(uint32_t(db)), bhi = warp_uniform(uint32_t(db >> 32));
+#pragma unroll
+  for (int mb = 0; mb < 4; ++mb) fence_operands(o[mb]);
+  wgmma_fence();
+#pragma unroll
+  for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+    for (int kk = 0; kk < S::kN / 16; ++kk) {
+      const uint32_t oa = (mb * S::KvL::kBlockBytes + kk * 16 * 128) >> 4;  // block 1 + 4 wg + mb, keys 16 kk
+      const uint32_t ob = (kk * 32) >> 4;
+      wgmma_ss_ta<T, S::kM>(o[mb], (uint64_t(ahi) << 32) | (alo + oa), (uint64_t(bhi) << 32) | (blo + ob), 1);
+    }
+  wgmma_commit();
+}
+
+// Epilogue: per column, 1 / l (times the sink's weight) and the LSE (or the split's partial
+// LSE) from warpgroup 0's state, then out (or the split's fp32 partial) = O^T's column x that
+// scale, each warpgroup its 256 channels.
+template <class S>
+FS_DEV void finish_cols(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split, float* red,
+                        float* rscale, ColState& cs, const float (&o)[4][2][4], int wg, int ww, int lane) {
+  const int tid = int(threadIdx.x);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) cs.l[i] += __shfl_xor_sync(kFullMask, cs.l[i], off);
+    if (wg == 0 && lane < 4) {
+      red[ww * S::kM + heads_col(lane, i)] = cs.l[i];
+      if (ww == 0) red[4 * S::kM + heads_col(lane, i)] = cs.m[i];
+    }
+  }
+  __syncthreads();
+  if (tid < S::kM) {
+    const int c = tid;
+    const float l = red[c] + red[S::kM + c] + red[2 * S::kM + c] + red[3 * S::kM + c];
+    float lse = l == 0.0f ? kNegInf : red[4 * S::kM + c] + logf(l);  // apply_sink may move it
+    float scale = l == 0.0f ? 0.0f : 1.0f / l;
+    if (c < nrows) {
+      const PackedIdx pi = decode::packed_idx(p, 0, g0, c);
+      const int64_t r = s.rows.row_begin + pi.i;
+      if (p.num_splits > 1) {
+        p.lse_partial[partial_index(p, split, r, pi.h)] = lse;
+      } else {
+        scale *= apply_sink(p, pi.h, lse);
+        store_lse(p, s.rows.qb, s.rows.q_row(r, p.batched), pi.h, lse);
+      }
+    }
+    rscale[c] = scale;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = heads_col(lane, i);
+    if (c >= nrows) continue;
+    const float sc = rscale[c];
+    const PackedIdx pi = decode::packed_idx(p, 0, g0, c);
+    const int64_t r = s.rows.row_begin + pi.i;
+    float* part = p.num_splits > 1 ? p.o_partial + partial_index(p, split, r, pi.h) * kMlaDv : nullptr;
+    const int64_t q_row = s.rows.q_row(r, p.batched);
+#pragma unroll
+    for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int ch = 64 * (4 * wg + mb) + 16 * ww + lane / 4 + 8 * h;
+        const float v = o[mb][i / 2][2 * h + i % 2] * sc;
+        if (part) part[ch] = v;
+        else store_out(p, s.rows.qb, q_row, pi.h, ch, v);
+      }
+  }
+}
+
+// S^T from the two warpgroups' partials: each stores its 8 fragment values ([value][thread]
+// fp32, conflict-free), barrier, then adds the other's (a + b == b + a: both hold the same sum).
+template <class S>
+FS_DEV void sum_partial_s(const float (&acc)[2][4], float* spart, int wg, float (&x)[4][2]) {
+  const int t = int(threadIdx.x) % 128;
+  float* mine = spart + wg * 8 * 128;
+  const float* other = spart + (1 - wg) * 8 * 128;
+#pragma unroll
+  for (int v = 0; v < 8; ++v) mine[v * 128 + t] = acc[v / 4][v % 4];
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int v = 4 * (i / 2) + 2 * h + i % 2;  // acc[i / 2][2 h + i % 2]
+      x[i][h] = acc[v / 4][v % 4] + other[v * 128 + t];
+    }
+}
+
+// One row group: packed rows [g0, g0 + nrows) of the CTA's sequence.
+template <class S>
+FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split,
+                           unsigned char* sm) {
+  constexpr int kN = S::kN, kStages = S::kStages;
+  const int tid = int(threadIdx.x), warp = tid / 32, lane = tid % 32, ww = warp % 4;
+  const int wg = int(warp_uniform(uint32_t(tid / 128)));  // descriptors on the uniform datapath
+  const uint32_t q = smem_u32(sm + S::kQOff), kv = smem_u32(sm + S::kKvOff), pbuf = smem_u32(sm + S::kPOff);
+  float* spart = reinterpret_cast<float*>(sm + S::kSOff);
+  float* red = reinterpret_cast<float*>(sm + S::kRedOff) + wg * 5 * S::kM;
+  RowMeta* meta = reinterpret_cast<RowMeta*>(sm + S::kMetaOff);
+  float* rscale = reinterpret_cast<float*>(sm + S::kScaleOff);
+  TokenLoc* loc = reinterpret_cast<TokenLoc*>(sm + S::kLocOff);
+  uint32_t* bad = reinterpret_cast<uint32_t*>(sm + S::kBadOff);
+  const KeyRange u = start_rows<S>(p, s, g0, nrows, q, meta);
+  // The keys every row sees (tiles inside it take the softmax's plain path).
+  int64_t all_lo = u.lo, all_hi = u.hi;
+  for (int j = 0; j < nrows; ++j) all_lo = imax(all_lo, meta[j].lo), all_hi = imin(all_hi, meta[j].hi);
+  const bool plain_rows = make_score_transform(p).plain();
+  ColState cs;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) cs.m[i] = kNegInf, cs.l[i] = 0.0f;
+  float o[4][2][4];
+#pragma unroll
+  for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mb][n][e] = 0.0f;
+  float acc[2][4];
+
+  // Tiles of kN keys from base (aligned to the split's start, as decode_mla); tile k in stage
+  // k % kStages, its locations in loc[k % 2] (two 32-key halves per lane of warp 0).
+  const int64_t base = s.range.begin + (u.lo - s.range.begin) / kN * kN;
+  const int64_t n = u.lo < u.hi ? (u.hi - base + kN - 1) / kN : 0;
+  const auto stage = [&](int64_t k) { return kv + uint32_t(k % kStages) * uint32_t(S::kStageBytes); };
+  const auto key_of = [&](int64_t k, int h) {
+    return decode::tile_key<32>(p, s.kv, base + k * kN + 32 * h, u.lo, u.hi, lane);
+  };
+  const auto locate_tile = [&](int64_t k) {
+#pragma unroll
+    for (int h = 0; h < kN / 32; ++h) loc[(k & 1) * kN + 32 * h + lane] = decode::tile_loc(p, s.kv, key_of(k, h));
+  };
+  const auto issue_tile = [&](int64_t k) {
+    issue_kv_heads<S>(p, loc + (k & 1) * kN, bad + (k % kStages) * (kN / 32), stage(k));
+  };
+  if (warp == 0) {
+    if (n > 0) locate_tile(0);
+    if (n > 1) locate_tile(1);
+  }
+  __syncthreads();
+  if (n > 0) issue_tile(0);
+  cp_async_commit();  // Q + tile 0
+  if (n > 1) issue_tile(1);
+  cp_async_commit();
+  if (n > 2) {
+    __syncthreads();  // tile 0's locations are read
+    if (warp == 0) locate_tile(2);
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    landed_barrier<1>();  // tile k (and Q); tile k + 1 may be in flight; tile k + 2's locations written
+    const uint32_t st = stage(k);
+    issue_s_heads<S>(q, st, wg, acc);
+    // warp 0: the block-table reads of tile k + 3 in flight during S and the softmax
+    decode::TileKey next[kN / 32];
+    if (warp == 0 && k + 3 < n) {
+#pragma unroll
+      for (int h = 0; h < kN / 32; ++h) next[h] = key_of(k + 3, h);
+    }
+    wgmma_wait<0>();
+    fence_operands(acc);
+    float x[4][2];
+    sum_partial_s<S>(acc, spart, wg, x);
+    const int64_t t0 = base + k * kN;
+    const uint32_t* b = bad + (k % kStages) * 2;
+    const bool plain = plain_rows && t0 >= all_lo && t0 + kN <= all_hi && (b[0] | b[1]) == 0u;
+    float al[4];
+    softmax_cols<S>(p, x, meta, red, pbuf, b[0], b[1], t0, plain, cs, al, wg, ww, lane);
+    if (warp == 0 && k + 3 < n) {
+#pragma unroll
+      for (int h = 0; h < kN / 32; ++h) loc[((k + 3) & 1) * kN + 32 * h + lane] = decode::tile_loc(p, s.kv, next[h]);
+    }
+    fence_proxy_async_shared();  // P^T, written by stmatrix, read by wgmma
+    __syncthreads();             // P^T complete; the column maxima and the partial S^T read
+    issue_pv_heads<S>(pbuf, st, wg, al, o);
+    wgmma_wait<0>();
+#pragma unroll
+    for (int mb = 0; mb < 4; ++mb) fence_operands(o[mb]);
+    __syncthreads();  // every warp's P V of tile k done: its stage and P^T are free
+    if (k + 2 < n) issue_tile(k + 2);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+  finish_cols<S>(p, s, g0, nrows, split, red - wg * 5 * S::kM, rscale, cs, o, wg, ww, lane);
+}
+
+template <DType kDt>
+__global__ void __launch_bounds__(256, 1) decode_mla_heads(const __grid_constant__ AttnParams p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using S = HeadsShape<kDt>;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* sm = smem_raw + ((1024u - smem_u32(smem_raw) % 1024u) % 1024u);
+  const int split = int(blockIdx.z);
+  const DecodeSeq s = decode::decode_sequence(p, blockIdx.x, 0, split);
+  const int64_t packed = s.rows.sq() * p.group;
+  for (int64_t g0 = int64_t(blockIdx.y) * S::kM; g0 < packed; g0 += int64_t(gridDim.y) * S::kM) {
+    const int nrows = int(imin(S::kM, packed - g0));
+    __syncthreads();  // the previous row group is done with shared memory
+    run_rows_heads<S>(p, s, g0, nrows, split, sm);
+  }
+#endif
+}
+
+}  // namespace flashserve::kernels::mla
