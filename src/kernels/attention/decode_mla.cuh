@@ -535,6 +535,25 @@ FS_DEV void accumulate_pv(const unsigned char* kvp, const unsigned char* sbuf, c
   }
 }
 
+// Packed row j's output scale, num / l times the sink's weight (0 when l = 0), with its LSE
+// m + log l stored (or the split's partial LSE) when j < nrows (MLA kernels' epilogues).
+FS_DEV float finish_row(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split, int j, float m,
+                        float l, float num) {
+  float lse = l == 0.0f ? kNegInf : m + logf(l);  // apply_sink may move it
+  float scale = l == 0.0f ? 0.0f : num / l;
+  if (j < nrows) {
+    const PackedIdx pi = decode::packed_idx(p, 0, g0, j);
+    const int64_t r = s.rows.row_begin + pi.i;
+    if (p.num_splits > 1) {
+      p.lse_partial[partial_index(p, split, r, pi.h)] = lse;
+    } else {
+      scale *= apply_sink(p, pi.h, lse);
+      store_lse(p, s.rows.qb, s.rows.q_row(r, p.batched), pi.h, lse);
+    }
+  }
+  return scale;
+}
+
 // Epilogue, part 1: per row, v_descale / l (times the sink's weight) into rscale and the LSE
 // out (or the split's partial LSE). Every warp is past its last P V when it returns.
 template <class S>
@@ -543,21 +562,7 @@ FS_DEV void finish_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int
 #pragma unroll
   for (int o2 = 1; o2 < S::kTpr; o2 <<= 1) rr.l += __shfl_xor_sync(kFullMask, rr.l, o2);
   __syncthreads();  // every warp is done reading alpha
-  if (part == 0) {
-    float lse = rr.l == 0.0f ? kNegInf : rr.m + logf(rr.l);  // apply_sink may move it
-    float scale = rr.l == 0.0f ? 0.0f : (S::kFp8 ? s.kv.v_desc : 1.0f) / rr.l;
-    if (row < nrows) {
-      const PackedIdx pi = decode::packed_idx(p, 0, g0, row);
-      const int64_t r = s.rows.row_begin + pi.i;
-      if (p.num_splits > 1) {
-        p.lse_partial[partial_index(p, split, r, pi.h)] = lse;
-      } else {
-        scale *= apply_sink(p, pi.h, lse);
-        store_lse(p, s.rows.qb, s.rows.q_row(r, p.batched), pi.h, lse);
-      }
-    }
-    rscale[row] = scale;
-  }
+  if (part == 0) rscale[row] = finish_row(p, s, g0, nrows, split, row, rr.m, rr.l, S::kFp8 ? s.kv.v_desc : 1.0f);
   __syncthreads();
 }
 
@@ -718,19 +723,29 @@ FS_DEV void run_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nr
 }
 
 // kM = 16: two CTAs per SM (shared memory); kM = 64: one, 8 warps (<= 255 registers).
-template <DType kDt, DType kKv, int kM>
-__global__ void __launch_bounds__(32 * mla_warps(kM), kM == 16 ? 2 : 1)
-    decode_mla_fwd(const __grid_constant__ AttnParams p) {
-  using S = Shape<kDt, kKv, kM>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+// The CTA's row groups of kM packed rows (y, y + gridDim.y, ...) of its sequence and split:
+// run(s, g0, nrows, split) for each, after a barrier (the previous group is done with shared
+// memory). Every MLA kernel's body.
+template <int kM, class Run>
+FS_DEV void for_row_groups(const AttnParams& p, Run&& run) {
   const int split = int(blockIdx.z);
   const DecodeSeq s = decode::decode_sequence(p, blockIdx.x, 0, split);
   const int64_t packed = s.rows.sq() * p.group;
   for (int64_t g0 = int64_t(blockIdx.y) * kM; g0 < packed; g0 += int64_t(gridDim.y) * kM) {
     const int nrows = int(imin(kM, packed - g0));
-    __syncthreads();  // the previous row group is done with shared memory
-    run_rows<S>(p, s, g0, nrows, split, smem_raw);
+    __syncthreads();
+    run(s, g0, nrows, split);
   }
+}
+
+template <DType kDt, DType kKv, int kM>
+__global__ void __launch_bounds__(32 * mla_warps(kM), kM == 16 ? 2 : 1)
+    decode_mla_fwd(const __grid_constant__ AttnParams p) {
+  using S = Shape<kDt, kKv, kM>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  for_row_groups<kM>(p, [&](const DecodeSeq& s, int64_t g0, int nrows, int split) {
+    run_rows<S>(p, s, g0, nrows, split, smem_raw);
+  });
 }
 
 }  // namespace flashserve::kernels::mla

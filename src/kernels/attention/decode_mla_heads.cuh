@@ -269,19 +269,7 @@ FS_DEV void finish_cols(const AttnParams& p, const DecodeSeq& s, int64_t g0, int
   if (tid < S::kM) {
     const int c = tid;
     const float l = red[c] + red[S::kM + c] + red[2 * S::kM + c] + red[3 * S::kM + c];
-    float lse = l == 0.0f ? kNegInf : red[4 * S::kM + c] + logf(l);  // apply_sink may move it
-    float scale = l == 0.0f ? 0.0f : 1.0f / l;
-    if (c < nrows) {
-      const PackedIdx pi = decode::packed_idx(p, 0, g0, c);
-      const int64_t r = s.rows.row_begin + pi.i;
-      if (p.num_splits > 1) {
-        p.lse_partial[partial_index(p, split, r, pi.h)] = lse;
-      } else {
-        scale *= apply_sink(p, pi.h, lse);
-        store_lse(p, s.rows.qb, s.rows.q_row(r, p.batched), pi.h, lse);
-      }
-    }
-    rscale[c] = scale;
+    rscale[c] = finish_row(p, s, g0, nrows, split, c, red[4 * S::kM + c], l, 1.0f);
   }
   __syncthreads();
 #pragma unroll
@@ -426,14 +414,9 @@ __global__ void __launch_bounds__(256, 1) decode_mla_heads(const __grid_constant
   using S = HeadsShape<kDt>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* sm = smem_raw + ((1024u - smem_u32(smem_raw) % 1024u) % 1024u);
-  const int split = int(blockIdx.z);
-  const DecodeSeq s = decode::decode_sequence(p, blockIdx.x, 0, split);
-  const int64_t packed = s.rows.sq() * p.group;
-  for (int64_t g0 = int64_t(blockIdx.y) * S::kM; g0 < packed; g0 += int64_t(gridDim.y) * S::kM) {
-    const int nrows = int(imin(S::kM, packed - g0));
-    __syncthreads();  // the previous row group is done with shared memory
+  for_row_groups<S::kM>(p, [&](const DecodeSeq& s, int64_t g0, int nrows, int split) {
     run_rows_heads<S>(p, s, g0, nrows, split, sm);
-  }
+  });
 #endif
 }
 

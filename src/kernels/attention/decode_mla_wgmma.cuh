@@ -235,14 +235,9 @@ __global__ void __launch_bounds__(256, 1) decode_mla_wgmma(const __grid_constant
   using S = WgShape<kDt>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* sm = smem_raw + ((1024u - smem_u32(smem_raw) % 1024u) % 1024u);
-  const int split = int(blockIdx.z);
-  const DecodeSeq s = decode::decode_sequence(p, blockIdx.x, 0, split);
-  const int64_t packed = s.rows.sq() * p.group;
-  for (int64_t g0 = int64_t(blockIdx.y) * S::kM; g0 < packed; g0 += int64_t(gridDim.y) * S::kM) {
-    const int nrows = int(imin(S::kM, packed - g0));
-    __syncthreads();  // the previous row group is done with shared memory
+  for_row_groups<S::kM>(p, [&](const DecodeSeq& s, int64_t g0, int nrows, int split) {
     run_rows_wgmma<S>(p, s, g0, nrows, split, sm);
-  }
+  });
 #endif
 }
 
