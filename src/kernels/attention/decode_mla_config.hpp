@@ -94,20 +94,29 @@ constexpr size_t mla_wgmma_smem_bytes() {
 static_assert(mla_wgmma_smem_bytes() <= 232448, "one CTA per H100/H200 SM");
 
 // The sm_90a kernel for 16 rows of a 16-bit latent cache (decode_mla_heads.cuh: the rows as
-// wgmma's N, 64-key tiles as its M): Q [16, 576] | kMlaHeadsStages KV stages [64, 576] | P^T
-// [16, 64] (all 128-byte-swizzled tiles) | partial S^T [2, 64 x 16] fp32 | column partials
-// [2, 5, 16] fp32 | RowMeta / scale [16] | TokenLoc 2 x [64] | bad masks; plus 1024 bytes to
-// align the tiles. 177.3 KB: one CTA per SM.
+// wgmma's N, 64-key tiles as its M), in two shapes the launcher picks by the grid
+// (mla_heads_pair): two warpgroups and two KV stages, one CTA per SM (177.3 KB), for grids under
+// 1.5 CTAs per SM; one warpgroup and one stage, two CTAs per SM (97.0 KB each: one CTA's softmax
+// and copies run under the other's MMAs), for larger ones. Layout: Q [16, 576] | stages x KV
+// [64, 576] | P^T [16, 64] (128-byte-swizzled tiles) | partial S^T [2, 64 x 16] fp32 (two
+// warpgroups) | column partials [warpgroups, 5, 16] fp32 | RowMeta / scale [16] | TokenLoc 2 x
+// [64] | bad masks; plus 1024 bytes to align the tiles.
 inline constexpr int kMlaHeadsRows = 16;
 inline constexpr int kMlaHeadsTileKeys = 64;
-inline constexpr int kMlaHeadsStages = 2;
-constexpr size_t mla_heads_smem_bytes() {
-  return size_t(kMlaHeadsRows + kMlaHeadsStages * kMlaHeadsTileKeys) * kMlaWidth * 2 + kMlaHeadsRows * 128 +
-         2 * kMlaHeadsTileKeys * kMlaHeadsRows * 4 + 2 * 5 * kMlaHeadsRows * 4 + kMlaHeadsRows * (kMlaRowMetaBytes + 4) +
-         2 * kMlaHeadsTileKeys * 24 +
-         kMlaHeadsStages * (kMlaHeadsTileKeys / 32) * 4 + 1024;
+constexpr size_t mla_heads_smem_bytes(int wgs, int stages) {
+  return size_t(kMlaHeadsRows + stages * kMlaHeadsTileKeys) * kMlaWidth * 2 + kMlaHeadsRows * 128 +
+         (wgs > 1 ? size_t(wgs) * kMlaHeadsTileKeys * kMlaHeadsRows * 4 : 0) + size_t(wgs) * 5 * kMlaHeadsRows * 4 +
+         kMlaHeadsRows * (kMlaRowMetaBytes + 4) + 2 * kMlaHeadsTileKeys * 24 + size_t(stages) * (kMlaHeadsTileKeys / 32) * 4 +
+         1024;
 }
-static_assert(mla_heads_smem_bytes() <= 232448, "one CTA per H100/H200 SM");
+// CTAs per SM: two when two fit in shared memory (228 KB) and registers (one warpgroup).
+constexpr int mla_heads_ctas_per_sm(int wgs, int stages) {
+  return wgs == 1 && 2 * mla_heads_smem_bytes(wgs, stages) <= 228 * 1024 ? 2 : 1;
+}
+static_assert(mla_heads_smem_bytes(2, 2) <= 232448 && mla_heads_ctas_per_sm(1, 1) == 2, "the two shapes' occupancy");
+// The launcher's pick: the two-CTA shape (1 warpgroup, 1 stage) for grids of at least 1.5 CTAs
+// per SM (measured, H=16 B=64 L=4k: 256 CTAs 106.5 us vs 116.5; 128 CTAs 137.1 vs 107.9).
+constexpr bool mla_heads_pair(int64_t ctas, int sms) { return 2 * ctas >= 3 * int64_t(sms); }
 
 // The MLA decode candidate of select_attention_kernel (decode_mla_select.cu): fills `c` (kernel
 // decode_mla, or decode_mla_wgmma for 64 rows of 16-bit KV on sm_90a; rows_per_cta 16/64; head_slices = CTAs per sequence in y, each looping over the

@@ -3,36 +3,37 @@
 // so that a 64-key tile is one m64n16 MMA chain with no padded rows. decode_mla.cuh's scheme
 // otherwise (row groups, token location, masks and modifiers, sinks, split partials).
 //
-// CTA = (sequence, row slice, split) as decode_mla; two warpgroups (256 threads), one CTA per SM.
-// Shared memory (1024-byte aligned): Q [16, 576] SwizzledTile<16> | 2 KV stages [64 keys, 576]
-// SwizzledTile<64> ([k | v]: column block 0 is k, blocks 1-8 the latent) | P^T [16, 64]
-// SwizzledTile<16> | partial S^T [2, 8, 128] fp32 | column partials [2, 5, 16] | RowMeta [16] |
-// row scale [16] | TokenLoc 2 x [64] | bad masks 2 x 2. Per 64-key tile k:
-//   1. S^T [64 keys, 16] = [k | v] Q^T: warpgroup w issues the k16 steps 2 j + w (18 wgmma
-//      m64n16k16, A = the tile K-major, B = Q K-major) into its partial; waited; the partials
-//      exchanged through shared memory (barrier), so both warpgroups hold the same S^T.
-//   2. softmax down the columns, in both warpgroups alike: each thread holds 2 keys x 4
+// CTA = (sequence, row slice, split) as decode_mla; kWgs warpgroups, kStages KV stages, in two
+// shapes (decode_mla_config.hpp; the launcher picks by the grid): 2 warpgroups x 2 stages, one
+// CTA per SM, or 1 x 1, two CTAs per SM. Shared memory (1024-byte aligned): Q [16, 576]
+// SwizzledTile<16> | kStages KV stages [64 keys, 576] SwizzledTile<64> ([k | v]: column block 0
+// is k, blocks 1-8 the latent) | P^T [16, 64] SwizzledTile<16> | partial S^T [2, 8, 128] fp32 (2
+// warpgroups) | column partials [kWgs, 5, 16] | RowMeta [16] | row scale [16] | TokenLoc 2 x [64]
+// | bad masks. Per 64-key tile k:
+//   1. S^T [64 keys, 16] = [k | v] Q^T: warpgroup w issues the k16 steps kWgs j + w (wgmma
+//      m64n16k16, A = the tile K-major, B = Q K-major) into its partial; waited; with two
+//      warpgroups the partials are exchanged through shared memory (barrier), so both hold S^T.
+//   2. softmax down the columns, in every warpgroup alike: each thread holds 2 keys x 4
 //      columns; column maxima over the warp's 16 keys by shuffles, over the warpgroup's 4 warps
 //      through shared memory (barrier); alpha stays in registers (a thread's O^T columns are the
 //      same 4); warpgroup 0 stores P^T (16-bit, stmatrix.trans). Barrier (P^T complete).
-//   3. O^T [512, 16] = O^T alpha + V^T P^T: warpgroup w takes latent blocks 4 w .. 4 w + 3, 4
-//      wgmma m64n16k16 each (A = the block M-major: wgmma_ss_ta; B = P^T K-major); waited,
-//      barrier (the stage is free), then the copies of tile k + 2 into it: two tiles in flight
-//      while the CTA waits for tile k + 1.
-//   Five barriers per 64-key tile.
+//   3. O^T [512, 16] = O^T alpha + V^T P^T: warpgroup w takes 8 / kWgs latent blocks, 4 wgmma
+//      m64n16k16 each (A = the block M-major: wgmma_ss_ta; B = P^T K-major); waited, barrier
+//      (the stage is free), then the copies of tile k + kStages into it (2 stages: two tiles in
+//      flight while the CTA waits for tile k + 1; 1 stage: the SM's other CTA computes).
 //
 // Per 64-key tile (73.7 KB of KV): S 64 x 16 x 576 + P V 512 x 16 x 64 = 1.11 M MAC, 68 wgmma
-// m64n16k16; the tensor cores read 68 x 2 KB of A (each tile byte once per GEMM) and 68 x 512 B
-// of B from shared memory, the copies write 72 KB: ~250 KB, ~2000 clk at 128 B/clk. 85% of the
-// copy ceiling needs a tile every ~4900 clk per SM (3.64 TB/s = ~15 B/clk per SM at 1.83 GHz).
-// Measured (H200, bench/RESULTS.md 2026-11-25 13:00): H = 16, B = 64, L = 4k 116.8 us at the
-// planner's 4 splits (decode_mla: 120.2), 107.7 at 2 (2.80 TB/s, 65%); B = 1, L = 32k 38.8 us
-// (49.6). Not the stream but each CTA's chain binds: ~2.9 us per tile even with 8 CTAs on the
-// GPU (~24 KB/us per SM); ncu: 2 warps per scheduler, 0.3 eligible, issue ~23% busy, stalls
-// spread over the barriers, the wgmma issue and the softmax. A warpgroup per stage (FlashMLA's
-// ping-pong: one warpgroup's softmax under the other's MMAs) is the next step; the planner
-// still sizes splits for two CTAs per SM (4 splits at B = 64 where 2 are 8% faster: the plan
-// does not know the KV dtype, and fp8 MLA runs decode_mla at two CTAs per SM).
+// m64n16k16 reading 68 x 2.5 KB of shared memory. 85% of the copy ceiling needs a tile every
+// ~4900 clk per SM (3.64 TB/s = ~15 B/clk per SM at 1.83 GHz).
+// Measured (H200, bench/RESULTS.md 2026-11-25 11:40-12:45): per-tile timeline of the 2 x 2 shape
+// (clock64, thread 0): S issue 1170 + wait 650 clk (36 wgmma: ~50 clk each, not the ~20 of their
+// shared-memory reads), partial exchange 155, softmax 980, P barrier 345, P V 1100 (32 wgmma),
+// copy issue 750 (18 cp.async per thread), landing 80-200: ~5200 clk = 2.9 us per tile, about
+// the same with 8 CTAs on the GPU as with 128 (the CTA's serial chain binds, not HBM). Two CTAs
+// per SM (1 x 1) overlap two chains: H=16 B=64 L=4k 120.2 us (decode_mla) -> 107.1 (planner's 4
+// splits: 256 CTAs), B=128 L=8k 388.8 -> 324.4, B=1 L=32k 49.6 -> 39.0 (2 x 2: 64 CTAs), 66% of
+// the copy ceiling at B=64. What would move it: the copies on TMA (~750 clk per tile off the
+// chain, for pages of 64) and the softmax of one tile under the MMAs of the next.
 #pragma once
 
 #include <cstdint>
@@ -43,16 +44,17 @@
 
 namespace flashserve::kernels::mla {
 
-template <DType kDt>
+template <DType kDt, int kWgs_, int kStages_>
 struct HeadsShape {
   using T = std::conditional_t<kDt == DType::bf16, __nv_bfloat16, __half>;
   using QT = T;
   static constexpr bool kFp8 = false;
   static constexpr int kM = kMlaHeadsRows;  // packed rows: the wgmma N
   static constexpr int kN = kMlaHeadsTileKeys;  // keys per tile: the wgmma M
-  static constexpr int kWgs = 2;  // warpgroups: halves of S's contraction, of P V's channels
+  static constexpr int kWgs = kWgs_;  // warpgroups: parts of S's contraction, of P V's channels
   static constexpr int kThreads = 128 * kWgs;
-  static constexpr int kStages = kMlaHeadsStages;
+  static constexpr int kStages = kStages_;
+  static constexpr int kMb = 8 / kWgs;  // P V: 64-channel latent blocks per warpgroup
   static constexpr int kKSteps = kMlaWidth / 16;  // 36
   using QL = SwizzledTile<kM>;
   using KvL = SwizzledTile<kN>;
@@ -61,17 +63,19 @@ struct HeadsShape {
   static constexpr size_t kQOff = 0;
   static constexpr size_t kKvOff = size_t(kM) * kMlaWidth * 2;
   static constexpr size_t kPOff = kKvOff + kStages * kStageBytes;
-  static constexpr size_t kSOff = kPOff + PL::kBlockBytes;  // the warpgroups' partial S^T [kWgs, 8, 128] fp32
-  static constexpr size_t kRedOff = kSOff + size_t(kWgs) * kN * kM * sizeof(float);
+  // the warpgroups' partial S^T [kWgs, 8, 128] fp32 (two warpgroups)
+  static constexpr size_t kSOff = kPOff + PL::kBlockBytes;
+  static constexpr size_t kRedOff = kSOff + (kWgs > 1 ? size_t(kWgs) * kN * kM * sizeof(float) : 0);
   // per warpgroup: its 4 warps' column partials + the maxima [5, kM] fp32
   static constexpr size_t kMetaOff = kRedOff + size_t(kWgs) * 5 * kM * sizeof(float);
   static constexpr size_t kScaleOff = kMetaOff + kM * sizeof(RowMeta);
   static constexpr size_t kLocOff = kScaleOff + kM * sizeof(float);
   static constexpr size_t kBadOff = kLocOff + 2 * kN * sizeof(TokenLoc);
   static constexpr size_t kBytes = kBadOff + kStages * (kN / 32) * sizeof(uint32_t);
-  static_assert(kBytes + 1024 == mla_heads_smem_bytes(), "decode_mla_config.hpp sizes shared memory with it");
+  static_assert(kBytes + 1024 == mla_heads_smem_bytes(kWgs, kStages), "decode_mla_config.hpp sizes shared memory");
   static_assert(kKvOff % 1024 == 0 && kStageBytes % 1024 == 0 && kPOff % 1024 == 0, "swizzle atoms 1024-aligned");
-  static_assert(kM == 16 && kN == 64 && kWgs == 2, "the fragment layout below: 4 warps x 16 keys, n16, 2 warpgroups");
+  static_assert(kM == 16 && kN == 64 && (kWgs == 1 || kWgs == 2) && (kStages == 1 || kStages == 2),
+                "the fragment layout below: 4 warps x 16 keys, n16; the pipeline's shapes");
   static FS_DEV uint32_t q_at(int j, int c) { return QL::at(j, c); }
 };
 
@@ -198,8 +202,8 @@ FS_DEV void softmax_cols(const AttnParams& p, float (&x)[4][2], const RowMeta* m
   }
 }
 
-// Issues the warpgroup's partial S^T = [k | v] Q^T over its half of the contraction (k16 steps
-// 2 j + wg; one commit group).
+// Issues the warpgroup's partial S^T = [k | v] Q^T over its part of the contraction (k16 steps
+// kWgs j + wg; one commit group).
 template <class S>
 FS_DEV void issue_s_heads(uint32_t q, uint32_t stage, int wg, float (&acc)[2][4]) {
   using T = typename S::T;
@@ -209,40 +213,41 @@ FS_DEV void issue_s_heads(uint32_t q, uint32_t stage, int wg, float (&acc)[2][4]
   fence_operands(acc);
   wgmma_fence();
 #pragma unroll
-  for (int j = 0; j < S::kKSteps / 2; ++j) {
-    // k16 step 2 j (+ wg, in the base): column block j / 2, 64 bytes into it for odd j
-    const uint32_t oa = ((j >> 1) * S::KvL::kBlockBytes + (j & 1) * 64) >> 4;
-    const uint32_t ob = ((j >> 1) * S::QL::kBlockBytes + (j & 1) * 64) >> 4;
+  for (int j = 0; j < S::kKSteps / S::kWgs; ++j) {
+    // k16 step kWgs j (+ wg, in the base): column block kWgs j / 4, 32 bytes per step into it
+    const int ks = S::kWgs * j;
+    const uint32_t oa = ((ks >> 2) * S::KvL::kBlockBytes + (ks & 3) * 32) >> 4;
+    const uint32_t ob = ((ks >> 2) * S::QL::kBlockBytes + (ks & 3) * 32) >> 4;
     wgmma_ss<T, S::kM>(acc, (uint64_t(ahi) << 32) | (alo + oa), (uint64_t(bhi) << 32) | (blo + ob), j > 0);
   }
   wgmma_commit();
 }
 
-// O^T = O^T alpha, then issues O^T += V^T P^T over the warpgroup's 4 latent blocks (one commit
+// O^T = O^T alpha, then issues O^T += V^T P^T over the warpgroup's kMb latent blocks (one commit
 // group).
 template <class S>
-FS_DEV void issue_pv_heads(uint32_t pbuf, uint32_t stage, int wg, const float (&al)[4], float (&o)[4][2][4]) {
+FS_DEV void issue_pv_heads(uint32_t pbuf, uint32_t stage, int wg, const float (&al)[4], float (&o)[S::kMb][2][4]) {
   using T = typename S::T;
   if (__any_sync(kFullMask, al[0] != 1.0f || al[1] != 1.0f || al[2] != 1.0f || al[3] != 1.0f)) {
 #pragma unroll
-    for (int mb = 0; mb < 4; ++mb)
+    for (int mb = 0; mb < S::kMb; ++mb)
 #pragma unroll
       for (int n = 0; n < 2; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[mb][n][e] *= al[2 * n + e % 2];
   }
-  const uint64_t da = desc_n_major<S::kN>(stage + uint32_t(1 + 4 * wg) * S::KvL::kBlockBytes, 0);
+  const uint64_t da = desc_n_major<S::kN>(stage + uint32_t(1 + S::kMb * wg) * S::KvL::kBlockBytes, 0);
   const uint64_t db = desc_k_major<S::kM>(pbuf, 0, 0);
   const uint32_t alo = warp_uniform(uint32_t(da)), ahi = warp_uniform(uint32_t(da >> 32));
   const uint32_t blo = warp_uniform(uint32_t(db)), bhi = warp_uniform(uint32_t(db >> 32));
 #pragma unroll
-  for (int mb = 0; mb < 4; ++mb) fence_operands(o[mb]);
+  for (int mb = 0; mb < S::kMb; ++mb) fence_operands(o[mb]);
   wgmma_fence();
 #pragma unroll
-  for (int mb = 0; mb < 4; ++mb)
+  for (int mb = 0; mb < S::kMb; ++mb)
 #pragma unroll
     for (int kk = 0; kk < S::kN / 16; ++kk) {
-      const uint32_t oa = (mb * S::KvL::kBlockBytes + kk * 16 * 128) >> 4;  // block 1 + 4 wg + mb, keys 16 kk
+      const uint32_t oa = (mb * S::KvL::kBlockBytes + kk * 16 * 128) >> 4;  // block 1 + kMb wg + mb, keys 16 kk
       const uint32_t ob = (kk * 32) >> 4;
       wgmma_ss_ta<T, S::kM>(o[mb], (uint64_t(ahi) << 32) | (alo + oa), (uint64_t(bhi) << 32) | (blo + ob), 1);
     }
@@ -254,7 +259,7 @@ FS_DEV void issue_pv_heads(uint32_t pbuf, uint32_t stage, int wg, const float (&
 // scale, each warpgroup its 256 channels.
 template <class S>
 FS_DEV void finish_cols(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split, float* red,
-                        float* rscale, ColState& cs, const float (&o)[4][2][4], int wg, int ww, int lane) {
+                        float* rscale, ColState& cs, const float (&o)[S::kMb][2][4], int wg, int ww, int lane) {
   const int tid = int(threadIdx.x);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -282,10 +287,10 @@ FS_DEV void finish_cols(const AttnParams& p, const DecodeSeq& s, int64_t g0, int
     float* part = p.num_splits > 1 ? p.o_partial + partial_index(p, split, r, pi.h) * kMlaDv : nullptr;
     const int64_t q_row = s.rows.q_row(r, p.batched);
 #pragma unroll
-    for (int mb = 0; mb < 4; ++mb)
+    for (int mb = 0; mb < S::kMb; ++mb)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int ch = 64 * (4 * wg + mb) + 16 * ww + lane / 4 + 8 * h;
+        const int ch = 64 * (S::kMb * wg + mb) + 16 * ww + lane / 4 + 8 * h;
         const float v = o[mb][i / 2][2 * h + i % 2] * sc;
         if (part) part[ch] = v;
         else store_out(p, s.rows.qb, q_row, pi.h, ch, v);
@@ -297,6 +302,13 @@ FS_DEV void finish_cols(const AttnParams& p, const DecodeSeq& s, int64_t g0, int
 // fp32, conflict-free), barrier, then adds the other's (a + b == b + a: both hold the same sum).
 template <class S>
 FS_DEV void sum_partial_s(const float (&acc)[2][4], float* spart, int wg, float (&x)[4][2]) {
+  if constexpr (S::kWgs == 1) {  // S^T is the warpgroup's
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) x[i][h] = acc[i / 2][2 * h + i % 2];
+    return;
+  }
   const int t = int(threadIdx.x) % 128;
   float* mine = spart + wg * 8 * 128;
   const float* other = spart + (1 - wg) * 8 * 128;
@@ -334,9 +346,9 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
   ColState cs;
 #pragma unroll
   for (int i = 0; i < 4; ++i) cs.m[i] = kNegInf, cs.l[i] = 0.0f;
-  float o[4][2][4];
+  float o[S::kMb][2][4];
 #pragma unroll
-  for (int mb = 0; mb < 4; ++mb)
+  for (int mb = 0; mb < S::kMb; ++mb)
 #pragma unroll
     for (int n = 0; n < 2; ++n)
 #pragma unroll
@@ -344,7 +356,9 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
   float acc[2][4];
 
   // Tiles of kN keys from base (aligned to the split's start, as decode_mla); tile k in stage
-  // k % kStages, its locations in loc[k % 2] (two 32-key halves per lane of warp 0).
+  // k % kStages, its locations in loc[k % 2] (two 32-key halves per lane of warp 0), located
+  // kAhead tiles before it is computed; the copies of tile k + kStages issued once tile k is done.
+  constexpr int kAhead = kStages + 1;
   const int64_t base = s.range.begin + (u.lo - s.range.begin) / kN * kN;
   const int64_t n = u.lo < u.hi ? (u.hi - base + kN - 1) / kN : 0;
   const auto stage = [&](int64_t k) { return kv + uint32_t(k % kStages) * uint32_t(S::kStageBytes); };
@@ -365,21 +379,23 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
   __syncthreads();
   if (n > 0) issue_tile(0);
   cp_async_commit();  // Q + tile 0
-  if (n > 1) issue_tile(1);
-  cp_async_commit();
-  if (n > 2) {
-    __syncthreads();  // tile 0's locations are read
-    if (warp == 0) locate_tile(2);
+  if constexpr (kStages == 2) {
+    if (n > 1) issue_tile(1);
+    cp_async_commit();
+    if (n > 2) {
+      __syncthreads();  // tile 0's locations are read
+      if (warp == 0) locate_tile(2);
+    }
   }
   for (int64_t k = 0; k < n; ++k) {
-    landed_barrier<1>();  // tile k (and Q); tile k + 1 may be in flight; tile k + 2's locations written
+    landed_barrier<kStages - 1>();  // tile k (and Q), tile k + 1 may be in flight; k + kStages located
     const uint32_t st = stage(k);
     issue_s_heads<S>(q, st, wg, acc);
-    // warp 0: the block-table reads of tile k + 3 in flight during S and the softmax
+    // warp 0: the block-table reads of tile k + kAhead in flight during S and the softmax
     decode::TileKey next[kN / 32];
-    if (warp == 0 && k + 3 < n) {
+    if (warp == 0 && k + kAhead < n) {
 #pragma unroll
-      for (int h = 0; h < kN / 32; ++h) next[h] = key_of(k + 3, h);
+      for (int h = 0; h < kN / 32; ++h) next[h] = key_of(k + kAhead, h);
     }
     wgmma_wait<0>();
     fence_operands(acc);
@@ -390,28 +406,31 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
     const bool plain = plain_rows && t0 >= all_lo && t0 + kN <= all_hi && (b[0] | b[1]) == 0u;
     float al[4];
     softmax_cols<S>(p, x, meta, red, pbuf, b[0], b[1], t0, plain, cs, al, wg, ww, lane);
-    if (warp == 0 && k + 3 < n) {
+    if (warp == 0 && k + kAhead < n) {
 #pragma unroll
-      for (int h = 0; h < kN / 32; ++h) loc[((k + 3) & 1) * kN + 32 * h + lane] = decode::tile_loc(p, s.kv, next[h]);
+      for (int h = 0; h < kN / 32; ++h)
+        loc[((k + kAhead) & 1) * kN + 32 * h + lane] = decode::tile_loc(p, s.kv, next[h]);
     }
     fence_proxy_async_shared();  // P^T, written by stmatrix, read by wgmma
     __syncthreads();             // P^T complete; the column maxima and the partial S^T read
     issue_pv_heads<S>(pbuf, st, wg, al, o);
     wgmma_wait<0>();
 #pragma unroll
-    for (int mb = 0; mb < 4; ++mb) fence_operands(o[mb]);
+    for (int mb = 0; mb < S::kMb; ++mb) fence_operands(o[mb]);
     __syncthreads();  // every warp's P V of tile k done: its stage and P^T are free
-    if (k + 2 < n) issue_tile(k + 2);
+    if (k + kStages < n) issue_tile(k + kStages);
     cp_async_commit();
   }
   cp_async_wait<0>();
   finish_cols<S>(p, s, g0, nrows, split, red - wg * 5 * S::kM, rscale, cs, o, wg, ww, lane);
 }
 
-template <DType kDt>
-__global__ void __launch_bounds__(256, 1) decode_mla_heads(const __grid_constant__ AttnParams p) {
+// kWgs warpgroups, kStages KV stages (decode_mla_config.hpp: the two shapes).
+template <DType kDt, int kWgs, int kStages>
+__global__ void __launch_bounds__(128 * kWgs, mla_heads_ctas_per_sm(kWgs, kStages))
+    decode_mla_heads(const __grid_constant__ AttnParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = HeadsShape<kDt>;
+  using S = HeadsShape<kDt, kWgs, kStages>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* sm = smem_raw + ((1024u - smem_u32(smem_raw) % 1024u) % 1024u);
   for_row_groups<S::kM>(p, [&](const DecodeSeq& s, int64_t g0, int nrows, int split) {

@@ -111,7 +111,7 @@ void attention(const detail::AttnProblem& pr, const Plan& plan, const ExecContex
   if (a.batch == 0 || a.total_rows() == 0) return;
   const DeviceGuard guard(pr.q.device.index);
   if (choice.kernel == AttnKernelId::decode_mla) launch_decode_mla(a, ctx.stream);
-  else if (choice.kernel == AttnKernelId::decode_mla_wgmma) launch_decode_mla_wgmma(a, ctx.stream);
+  else if (choice.kernel == AttnKernelId::decode_mla_wgmma) launch_decode_mla_wgmma(a, dev.num_sms, ctx.stream);
   else if (choice.kernel == AttnKernelId::decode) launch_decode_attention(a, ctx.stream);
   else if (choice.kernel == AttnKernelId::prefill_mma) launch_prefill_attention(a, choice, ctx.stream);
   else if (choice.kernel == AttnKernelId::prefill_wgmma) launch_prefill_wgmma(a, choice, ctx.stream);
