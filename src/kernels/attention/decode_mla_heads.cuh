@@ -79,9 +79,10 @@ struct HeadsShape {
   static FS_DEV uint32_t q_at(int j, int c) { return QL::at(j, c); }
 };
 
-// The copies of a located tile (64 keys) into a stage: thread t takes rows t / 8 + 32 i and
-// 16-byte chunks t % 8 + 8 j of each (j = 0: k; 1-8: the latent, 128 bytes further per block).
-// Skipped and bad keys as zero rows; warp 0 sets the stage's two bad masks (keys 0-31, 32-63).
+// The copies of a located tile (64 keys) into a stage: thread t takes rows t / 8 + kThreads / 8 i
+// and 16-byte chunks t % 8 + 8 j of each (j = 0: k; 1-8: the latent, 128 bytes further per
+// block). Skipped and bad keys as zero rows; warp 0 sets the stage's two bad masks (keys 0-31,
+// 32-63).
 template <class S>
 FS_DEV void issue_kv_heads(const AttnParams& p, const TokenLoc* loc, uint32_t* bad, uint32_t stage) {
   const int tid = int(threadIdx.x), c = tid % 8;
@@ -256,7 +257,7 @@ FS_DEV void issue_pv_heads(uint32_t pbuf, uint32_t stage, int wg, const float (&
 
 // Epilogue: per column, 1 / l (times the sink's weight) and the LSE (or the split's partial
 // LSE) from warpgroup 0's state, then out (or the split's fp32 partial) = O^T's column x that
-// scale, each warpgroup its 256 channels.
+// scale, each warpgroup its kMb latent blocks.
 template <class S>
 FS_DEV void finish_cols(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split, float* red,
                         float* rscale, ColState& cs, const float (&o)[S::kMb][2][4], int wg, int ww, int lane) {
