@@ -270,6 +270,33 @@ FS_DEV void issue_kv(const AttnParams& p, const TokenLoc* loc, uint32_t* bad, ui
   }
 }
 
+// The sm_90a kernels' copies of a located tile (kN keys, 16-bit) into a swizzled stage (S::KvL),
+// one key row per 8 threads per round: thread t takes rows t / 8 + kThreads / 8 i and their
+// 16-byte chunks t % 8 + 8 j (j = 0: k; 1-8: the latent), so each thread reads a row's location
+// once and every copy is a constant offset from its first (column block j of the swizzled tile;
+// 128 bytes further in v). Skipped and bad keys as zero rows; warp 0 sets the stage's bad masks
+// (set_bad_masks: kSub of 32 keys). (issue_kv above keeps consecutive threads on consecutive
+// chunks: this mapping measured slower there.)
+template <class S>
+FS_DEV void issue_kv_rows(const AttnParams& p, const TokenLoc* loc, uint32_t* bad, uint32_t stage) {
+  static_assert((S::kN * 8) % S::kThreads == 0 && S::kN == 32 * S::kSub && kMlaD == 64 && kMlaDv == 512,
+                "whole rounds of rows; k one column block, v eight");
+  const int tid = int(threadIdx.x), c = tid % 8;
+  set_bad_masks<S>(loc, bad);
+#pragma unroll
+  for (int i = 0; i < S::kN * 8 / S::kThreads; ++i) {
+    const int r = tid / 8 + S::kThreads / 8 * i;
+    const TokenLoc& L = loc[r];
+    const bool ok = L.state == kTokenValid;
+    const char* kg = static_cast<const char*>(p.k.data) + (ok ? L.k_off * 2 : 0) + c * 16;
+    const char* vg = static_cast<const char*>(p.v.data) + (ok ? L.v_off * 2 : 0) + c * 16;
+    const uint32_t dst = stage + S::KvL::at(r, c);
+    cp_async_16(dst, kg, ok);
+#pragma unroll
+    for (int j = 1; j <= 8; ++j) cp_async_16(dst + uint32_t(j) * S::KvL::kBlockBytes, vg + (j - 1) * 128, ok);
+  }
+}
+
 // Step 1: S [kM, 32] (fp32, rows kSStride bytes apart) = Q [k | v]^T, the warp's m-block and key slice.
 template <class S>
 FS_DEV void compute_s(uint32_t q, uint32_t kv, unsigned char* sbuf, int warp, int lane) {

@@ -47,7 +47,6 @@ namespace flashserve::kernels::mla {
 template <DType kDt, int kWgs_, int kStages_>
 struct HeadsShape {
   using T = std::conditional_t<kDt == DType::bf16, __nv_bfloat16, __half>;
-  using QT = T;
   static constexpr bool kFp8 = false;
   static constexpr int kM = kMlaHeadsRows;  // packed rows: the wgmma N
   static constexpr int kN = kMlaHeadsTileKeys;  // keys per tile: the wgmma M
@@ -56,6 +55,7 @@ struct HeadsShape {
   static constexpr int kStages = kStages_;
   static constexpr int kMb = 8 / kWgs;  // P V: 64-channel latent blocks per warpgroup
   static constexpr int kKSteps = kMlaWidth / 16;  // 36
+  static constexpr int kSub = kN / 32;            // 32-key bad masks per stage (set_bad_masks)
   using QL = SwizzledTile<kM>;
   using KvL = SwizzledTile<kN>;
   using PL = SwizzledTile<kM>;
@@ -71,7 +71,7 @@ struct HeadsShape {
   static constexpr size_t kScaleOff = kMetaOff + kM * sizeof(RowMeta);
   static constexpr size_t kLocOff = kScaleOff + kM * sizeof(float);
   static constexpr size_t kBadOff = kLocOff + 2 * kN * sizeof(TokenLoc);
-  static constexpr size_t kBytes = kBadOff + kStages * (kN / 32) * sizeof(uint32_t);
+  static constexpr size_t kBytes = kBadOff + kStages * kSub * sizeof(uint32_t);
   static_assert(kBytes + 1024 == mla_heads_smem_bytes(kWgs, kStages), "decode_mla_config.hpp sizes shared memory");
   static_assert(kKvOff % 1024 == 0 && kStageBytes % 1024 == 0 && kPOff % 1024 == 0, "swizzle atoms 1024-aligned");
   static_assert(kM == 16 && kN == 64 && (kWgs == 1 || kWgs == 2) && (kStages == 1 || kStages == 2),
@@ -79,52 +79,8 @@ struct HeadsShape {
   static FS_DEV uint32_t q_at(int j, int c) { return QL::at(j, c); }
 };
 
-// The copies of a located tile (64 keys) into a stage: thread t takes rows t / 8 + kThreads / 8 i
-// and 16-byte chunks t % 8 + 8 j of each (j = 0: k; 1-8: the latent, 128 bytes further per
-// block). Skipped and bad keys as zero rows; warp 0 sets the stage's two bad masks (keys 0-31,
-// 32-63).
-template <class S>
-FS_DEV void issue_kv_heads(const AttnParams& p, const TokenLoc* loc, uint32_t* bad, uint32_t stage) {
-  const int tid = int(threadIdx.x), c = tid % 8;
-  if (tid < 32) {
-#pragma unroll
-    for (int h = 0; h < S::kN / 32; ++h) {
-      const uint32_t m = __ballot_sync(kFullMask, loc[32 * h + tid].state == kTokenBad);
-      if (tid == 0) bad[h] = m;
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < S::kN * 8 / S::kThreads; ++i) {
-    const int r = tid / 8 + S::kThreads / 8 * i;
-    const TokenLoc& L = loc[r];
-    const bool ok = L.state == kTokenValid;
-    const char* kg = static_cast<const char*>(p.k.data) + (ok ? L.k_off * 2 : 0) + c * 16;
-    const char* vg = static_cast<const char*>(p.v.data) + (ok ? L.v_off * 2 : 0) + c * 16;
-    const uint32_t dst = stage + S::KvL::at(r, c);
-    cp_async_16(dst, kg, ok);
-#pragma unroll
-    for (int j = 1; j <= 8; ++j) cp_async_16(dst + uint32_t(j) * S::KvL::kBlockBytes, vg + (j - 1) * 128, ok);
-  }
-}
-
 // The thread's 4 columns (packed rows) 8 n + 2 (lane % 4) + b, n, b in {0, 1}: index 2 n + b.
 FS_DEV int heads_col(int lane, int i) { return 8 * (i / 2) + 2 * (lane % 4) + i % 2; }
-
-// max(a, b), NaN when either is (softmax.cuh's nan_max in one instruction).
-FS_DEV float max_nan(float a, float b) {
-  float r;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-
-// stmatrix.x4.trans: four 8 x 8 16-bit matrices stored transposed: lane (g, t)'s register m
-// holds elements (g, 2t), (g, 2t + 1) of matrix m, whose memory row r (the address of lane
-// 8 m + r) receives column r (elements 0..7 of it, 16 bytes).
-FS_DEV void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
-               "r"(r1), "r"(r2), "r"(r3)
-               : "memory");
-}
 
 // The per-column online-softmax state of the thread's 4 columns (the same in both warpgroups).
 struct ColState {
@@ -168,20 +124,20 @@ FS_DEV void softmax_cols(const AttnParams& p, float (&x)[4][2], const RowMeta* m
   float mx[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    mx[i] = max_nan(x[i][0], x[i][1]);
+    mx[i] = nan_max(x[i][0], x[i][1]);
 #pragma unroll
-    for (int o = 4; o < 32; o <<= 1) mx[i] = max_nan(mx[i], __shfl_xor_sync(kFullMask, mx[i], o));
+    for (int o = 4; o < 32; o <<= 1) mx[i] = nan_max(mx[i], __shfl_xor_sync(kFullMask, mx[i], o));
     if (lane < 4) red[ww * S::kM + heads_col(lane, i)] = mx[i];
   }
   __syncthreads();
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int c = heads_col(lane, i);
-    mx[i] = max_nan(max_nan(red[c], red[S::kM + c]), max_nan(red[2 * S::kM + c], red[3 * S::kM + c]));
+    mx[i] = nan_max(nan_max(red[c], red[S::kM + c]), nan_max(red[2 * S::kM + c], red[3 * S::kM + c]));
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float new_m = max_nan(cs.m[i], mx[i]);
+    const float new_m = nan_max(cs.m[i], mx[i]);
     al[i] = 1.0f;
     if (new_m == kNegInf) {  // nothing visible yet: p = 0, state unchanged
       x[i][0] = x[i][1] = 0.0f;
@@ -371,7 +327,7 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
     for (int h = 0; h < kN / 32; ++h) loc[(k & 1) * kN + 32 * h + lane] = decode::tile_loc(p, s.kv, key_of(k, h));
   };
   const auto issue_tile = [&](int64_t k) {
-    issue_kv_heads<S>(p, loc + (k & 1) * kN, bad + (k % kStages) * (kN / 32), stage(k));
+    issue_kv_rows<S>(p, loc + (k & 1) * kN, bad + (k % kStages) * S::kSub, stage(k));
   };
   if (warp == 0) {
     if (n > 0) locate_tile(0);
@@ -433,7 +389,7 @@ __global__ void __launch_bounds__(128 * kWgs, mla_heads_ctas_per_sm(kWgs, kStage
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = HeadsShape<kDt, kWgs, kStages>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* sm = smem_raw + ((1024u - smem_u32(smem_raw) % 1024u) % 1024u);
+  unsigned char* sm = align_1024(smem_raw);
   for_row_groups<S::kM>(p, [&](const DecodeSeq& s, int64_t g0, int nrows, int split) {
     run_rows_heads<S>(p, s, g0, nrows, split, sm);
   });

@@ -76,27 +76,6 @@ struct WgShape : Shape<kDt, kDt, 64> {
   static FS_DEV uint32_t kv_at(int r, int c) { return KvL::at(r, c); }
 };
 
-// The copies of a located tile (32 keys) into a stage, one key row per 8 threads: thread t takes
-// row t / 8 and its 16-byte chunks t % 8 + 8 j (j = 0: k; 1-8: the latent), so each thread
-// reads its row's location once and every copy is a constant offset from its first (column
-// block j of the swizzled tile; 128 bytes further in v). Skipped and bad keys as zero rows;
-// warp 0 sets the stage's bad mask. (decode_mla's issue_kv keeps consecutive threads on
-// consecutive chunks: this mapping measured slower there.)
-template <class S>
-FS_DEV void issue_kv_rows(const AttnParams& p, const TokenLoc* loc, uint32_t* bad, uint32_t stage) {
-  static_assert(S::kN * 8 == S::kThreads && S::kKChunks == 8 && S::kVChunks == 64, "one row per 8 threads");
-  const int tid = int(threadIdx.x), r = tid / 8, c = tid % 8;
-  set_bad_masks<S>(loc, bad);
-  const TokenLoc& L = loc[r];
-  const bool ok = L.state == kTokenValid;
-  const char* kg = static_cast<const char*>(p.k.data) + (ok ? L.k_off * 2 : 0) + c * 16;
-  const char* vg = static_cast<const char*>(p.v.data) + (ok ? L.v_off * 2 : 0) + c * 16;
-  const uint32_t dst = stage + S::KvL::at(r, c);
-  cp_async_16(dst, kg, ok);
-#pragma unroll
-  for (int j = 1; j <= 8; ++j) cp_async_16(dst + uint32_t(j) * S::KvL::kBlockBytes, vg + (j - 1) * 128, ok);
-}
-
 // The warpgroup's partial S (accumulators of wgmma m64n32) to its half of the S buffer.
 template <class S>
 FS_DEV void store_partial_s(const float (&acc)[S::kN / 8][4], unsigned char* sbuf, int wg, int ww, int lane) {
@@ -234,7 +213,7 @@ __global__ void __launch_bounds__(256, 1) decode_mla_wgmma(const __grid_constant
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = WgShape<kDt>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* sm = smem_raw + ((1024u - smem_u32(smem_raw) % 1024u) % 1024u);
+  unsigned char* sm = align_1024(smem_raw);
   for_row_groups<S::kM>(p, [&](const DecodeSeq& s, int64_t g0, int nrows, int split) {
     run_rows_wgmma<S>(p, s, g0, nrows, split, sm);
   });

@@ -11,7 +11,11 @@ namespace flashserve::kernels {
 
 
 // max that lets a NaN win from either side (a NaN score must poison its row, as on the CPU).
-FS_DEV float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
+FS_DEV float nan_max(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));  // sm80+: NaN when either is
+  return r;
+}
 
 FS_DEV float warp_max_nan(float x) {
 #pragma unroll

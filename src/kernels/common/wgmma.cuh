@@ -93,6 +93,18 @@ FS_DEV void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, ui
                : "memory");
 }
 
+// stmatrix.x4.trans: the same four matrices stored transposed: memory row r of matrix m (the
+// address of lane 8 m + r) receives column r of it (elements (0..7, r), 16 bytes).
+FS_DEV void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// The first 1024-byte-aligned address at or after p in shared memory (swizzle atoms; the
+// kernels ask for 1024 bytes more than their layout).
+FS_DEV unsigned char* align_1024(unsigned char* p) { return p + ((1024u - smem_u32(p) % 1024u) % 1024u); }
+
 // Keeps the compiler from moving accesses of accumulator registers across the async MMA.
 template <int N>
 FS_DEV void fence_operands(float (&d)[N][4]) {
