@@ -37,8 +37,9 @@ namespace {
 // take it out of the selection, so the mma.sync kernel serves those rows on Hopper too).
 bool mla_kernel(const std::string& kernel) { return kernel == "decode_mla" || kernel == "decode_mla_wgmma"; }
 
-// The kernel that serves a 16-bit latent cache on this device (16 or 64 rows).
-std::string mla_kernel_16_bit() {
+// The kernel that serves this device a 16-bit latent cache (16 or 64 rows) or an fp8 one at 16
+// rows: decode_mla_wgmma on Hopper builds with sm_90a.
+std::string mla_kernel_hopper() {
   const fs::DeviceProps dev = fs::kernels::cuda_device_props(0);
   const bool wgmma = FLASHSERVE_SM90A && dev.cc_major == 9 && dev.cc_minor == 0 &&
                      !fs::kernels::kernel_disabled(fs::kernels::AttnKernelId::decode_mla_wgmma);
@@ -278,7 +279,7 @@ TEST(GpuDecodeMla, Fp8BadBlockIndexGivesNanRows) {
     fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
     const fs::Plan plan = fsgpu::plan_case(ac, dc.params);
     const auto cpu = fsgpu::run_cpu(ac, plan);
-    ASSERT_EQ(fsgpu::served(dc.params, true), "decode_mla");
+    ASSERT_EQ(fsgpu::served(dc.params, true), mla_kernel_hopper());  // 16 rows: the wgmma kernel on Hopper
     for (int col : {1, 3, 4}) {
       int32_t* entry = static_cast<int32_t*>(ac.params.block_table->at(1, col));
       const int32_t good_id = *entry;
@@ -325,7 +326,7 @@ TEST(GpuDecodeMla, BadBlockIndexGivesNanRows) {
         c.window = {20, 0};  // sequence 1 sees keys 49..69, not block 1 (16..31)
         c.num_splits = splits;
         fstest::AttentionCase ac = fstest::build_case(c, rng);
-        fsgpu::expect_bad_block_nan_rows(ac, mla_kernel_16_bit(), bad_id, splits);
+        fsgpu::expect_bad_block_nan_rows(ac, mla_kernel_hopper(), bad_id, splits);
       }
 }
 
@@ -380,16 +381,18 @@ TEST(GpuDecodeMla, Selection) {
            "float16/bfloat16");
   if (!fs::kernels::mla_config_built(DType::bf16, DType::f8e5m2))
     declines([](CaseConfig& c) { c.quant = fstest::QuantMode::fp8_kv, c.kv_dtype = DType::f8e5m2; }, "instantiated");
-  // fp8 latent caches (e4m3: every build): picked, the 64-key fp8 load tiles' shared memory.
+  // fp8 latent caches (e4m3: every build): picked; 16 rows on the wgmma kernel where it is built
+  // (its f16 tile and raw stages), 64 rows on mma.sync (the 64-key fp8 load tiles).
   for (Want w : {Want{16, 1, 16, 1}, Want{128, 1, 64, 2}}) {
     CaseConfig c = mla_config(2, 100, w.H, w.q_len, rng);
     c.quant = fstest::QuantMode::fp8_kv, c.kv_dtype = DType::f8e4m3;
     fs::kernels::AttnKernelChoice choice;
     EXPECT_EQ(mla_why(c, choice), "") << "fp8 H " << w.H;
-    EXPECT_EQ(choice.kernel, fs::kernels::AttnKernelId::decode_mla);  // fp8: mma.sync at 64 rows too
+    const bool wg16 = wg && w.rows == 16;
+    EXPECT_EQ(choice.kernel, wg16 ? fs::kernels::AttnKernelId::decode_mla_wgmma : fs::kernels::AttnKernelId::decode_mla);
     EXPECT_EQ(choice.rows_per_cta, w.rows);
     EXPECT_EQ(choice.head_slices, w.slices);
-    EXPECT_EQ(choice.smem_bytes, fs::kernels::mla_smem_bytes(w.rows, 1));
+    EXPECT_EQ(choice.smem_bytes, wg16 ? fs::kernels::mla_heads_smem_bytes(2, 2) : fs::kernels::mla_smem_bytes(w.rows, 1));
   }
   declines([](CaseConfig& c) { c.kv_latent = false, c.kv_pad = 3; }, "16 bytes");
   declines([](CaseConfig& c) { c.q_pad = 3; }, "16 bytes");

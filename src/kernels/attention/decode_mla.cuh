@@ -144,6 +144,7 @@ struct Shape {
   // Shared-memory byte offsets of 16-byte chunk c of Q row j and of KV row r ([k | v] chunks).
   static FS_DEV uint32_t q_at(int j, int c) { return uint32_t(j * kRowBytes + c * 16); }
   static FS_DEV uint32_t kv_at(int r, int c) { return uint32_t(r * kKvRow + c * 16); }
+  static constexpr bool kQPermuted = true;  // fp8: f16 Q in fp8_q_column's order (ldmatrix on fp8 rows)
   static constexpr size_t kQOff = 0;
   static constexpr size_t kKvOff = size_t(kM) * kRowBytes;
   static constexpr size_t kSOff = kKvOff + kMlaStages * kStageBytes;
@@ -190,7 +191,7 @@ FS_DEV int fp8_q_column(int d) {
 }
 
 // fp8 KV: the row group's q (16-bit, landed in Q by issue_q's copies) rewritten in place as f16
-// in fp8_q_column's order, each row scaled by a power of two 2^shift (bf16 q: the row's max |x|
+// (in fp8_q_column's order where S::kQPermuted), each row scaled by a power of two 2^shift (bf16 q: the row's max |x|
 // into [2^15, 2^16); f16 q: 1), so that every bf16 value within 2^-32 of the row's max is exact
 // in f16 (smaller ones weigh < 2^-32 of a score); meta[j].qk_scale = 2^-shift (the descales are
 // applied by compute_s_fp8). One
@@ -201,12 +202,12 @@ FS_DEV void convert_q_fp8(unsigned char* q, RowMeta* meta) {
   constexpr int kPer = kMlaWidth / 32;  // 18 channels per lane
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   for (int j = warp; j < S::kM; j += S::kWarps) {
-    const QT* raw = reinterpret_cast<const QT*>(q + j * S::kRowBytes);
+    const auto at = [&](int ch) { return q + S::q_at(j, ch / 8) + (ch % 8) * 2; };  // channel ch of row j
     float x[kPer];
     float amax = 0.0f;
 #pragma unroll
     for (int k = 0; k < kPer; ++k) {
-      x[k] = float(raw[lane + 32 * k]);
+      x[k] = float(*reinterpret_cast<const QT*>(at(lane + 32 * k)));
       amax = fmaxf(amax, fabsf(x[k]));
     }
     int shift = 0;
@@ -220,9 +221,11 @@ FS_DEV void convert_q_fp8(unsigned char* q, RowMeta* meta) {
     }
     __syncwarp();  // the row is read before it is rewritten
     const float up = ldexpf(1.0f, shift);
-    __half* row = reinterpret_cast<__half*>(q + j * S::kRowBytes);
 #pragma unroll
-    for (int k = 0; k < kPer; ++k) row[fp8_q_column(lane + 32 * k)] = __float2half_rn(x[k] * up);
+    for (int k = 0; k < kPer; ++k) {
+      const int ch = lane + 32 * k;
+      *reinterpret_cast<__half*>(at(S::kQPermuted ? fp8_q_column(ch) : ch)) = __float2half_rn(x[k] * up);
+    }
     if (lane == 0) meta[j].qk_scale = ldexpf(1.0f, -shift);
   }
 }

@@ -1,7 +1,13 @@
 // The sm_90a MLA absorbed-decode kernel for 16 packed rows (H = 16 decode, q_len x H <= 16) with a
-// 16-bit latent cache: the rows are wgmma's N dimension and the keys its M ("heads as columns"),
-// so that a 64-key tile is one m64n16 MMA chain with no padded rows. decode_mla.cuh's scheme
-// otherwise (row groups, token location, masks and modifiers, sinks, split partials).
+// 16-bit or fp8 latent cache: the rows are wgmma's N dimension and the keys its M ("heads as
+// columns"), so that a 64-key tile is one m64n16 MMA chain with no padded rows. decode_mla.cuh's
+// scheme otherwise (row groups, token location, masks and modifiers, sinks, split partials).
+//
+// fp8 (e4m3 / e5m2; the 2 x 2 shape): the tile's bytes go to registers (load_tile_fp8, two tiles
+// ahead) and, converted to f16 (exact), into the next tile's stage while the tensor cores run S
+// of this one (store_tile_fp8); q is staged as f16 scaled per row by a power of two
+// (convert_q_fp8: RowMeta::qk_scale), the k and v descales go on S's two accumulators (k's
+// column block apart from the latent's) and v's into the epilogue, as decode_mla's fp8 path.
 //
 // CTA = (sequence, row slice, split) as decode_mla; kWgs warpgroups, kStages KV stages, in two
 // shapes (decode_mla_config.hpp; the launcher picks by the grid): 2 warpgroups x 2 stages, one
@@ -44,18 +50,28 @@
 
 namespace flashserve::kernels::mla {
 
-template <DType kDt, int kWgs_, int kStages_>
+template <DType kDt, DType kKv, int kWgs_, int kStages_>
 struct HeadsShape {
-  using T = std::conditional_t<kDt == DType::bf16, __nv_bfloat16, __half>;
-  static constexpr bool kFp8 = false;
+  static constexpr int kVb = kv_bytes(kKv);  // KV bytes per element (2, or 1: fp8)
+  static constexpr bool kFp8 = kVb == 1;
+  static constexpr DType kKvDt = kKv;
+  // mma operand type: q's for 16-bit KV; f16 for fp8 KV (the tile converted, q staged as f16
+  // scaled per row: convert_q_fp8)
+  using T = std::conditional_t<!kFp8 && kDt == DType::bf16, __nv_bfloat16, __half>;
+  using QT = std::conditional_t<kDt == DType::bf16, __nv_bfloat16, __half>;  // q, q_v in memory
+  static constexpr bool kQPermuted = false;
   static constexpr int kM = kMlaHeadsRows;  // packed rows: the wgmma N
   static constexpr int kN = kMlaHeadsTileKeys;  // keys per tile: the wgmma M
   static constexpr int kWgs = kWgs_;  // warpgroups: parts of S's contraction, of P V's channels
   static constexpr int kThreads = 128 * kWgs;
+  static constexpr int kWarps = kThreads / 32;
   static constexpr int kStages = kStages_;
   static constexpr int kMb = 8 / kWgs;  // P V: 64-channel latent blocks per warpgroup
   static constexpr int kKSteps = kMlaWidth / 16;  // 36
   static constexpr int kSub = kN / 32;            // 32-key bad masks per stage (set_bad_masks)
+  // fp8: the tile's 16-byte chunks (36 per key: 4 of k, 32 of v) per thread, in registers
+  static constexpr int kChunks = kMlaWidth * kVb / 16;
+  static constexpr int kRawPerThread = kN * kChunks / kThreads;
   using QL = SwizzledTile<kM>;
   using KvL = SwizzledTile<kN>;
   using PL = SwizzledTile<kM>;
@@ -71,13 +87,60 @@ struct HeadsShape {
   static constexpr size_t kScaleOff = kMetaOff + kM * sizeof(RowMeta);
   static constexpr size_t kLocOff = kScaleOff + kM * sizeof(float);
   static constexpr size_t kBadOff = kLocOff + 2 * kN * sizeof(TokenLoc);
-  static constexpr size_t kBytes = kBadOff + kStages * kSub * sizeof(uint32_t);
+  static constexpr size_t kBytes = kBadOff + 4 * kSub * sizeof(uint32_t);  // tile k's masks in slot k % 4
   static_assert(kBytes + 1024 == mla_heads_smem_bytes(kWgs, kStages), "decode_mla_config.hpp sizes shared memory");
+  static_assert(!kFp8 || (kStages == 2 && (kN * kChunks) % kThreads == 0), "fp8: two stages, whole chunk rounds");
   static_assert(kKvOff % 1024 == 0 && kStageBytes % 1024 == 0 && kPOff % 1024 == 0, "swizzle atoms 1024-aligned");
   static_assert(kM == 16 && kN == 64 && (kWgs == 1 || kWgs == 2) && (kStages == 1 || kStages == 2),
                 "the fragment layout below: 4 warps x 16 keys, n16; the pipeline's shapes");
   static FS_DEV uint32_t q_at(int j, int c) { return QL::at(j, c); }
 };
+
+// fp8: the raw 16-byte chunks of a located tile into registers, and warp 0 the tile's bad
+// masks. Thread t takes key t / kTpr and its chunks c = t % kTpr + kTpr i (36 per key: bytes
+// [16 c, 16 c + 16) of its k for c < 4, of its v from c = 4; skipped and bad keys as zeros): one
+// location per thread, constant offsets per chunk. Read-only loads that land while the CTA
+// computes the tile before.
+template <class S>
+FS_DEV void load_tile_fp8(const AttnParams& p, const TokenLoc* loc, uint32_t* bad, uint4 (&raw)[S::kRawPerThread]) {
+  set_bad_masks<S>(loc, bad);
+  constexpr int kTpr = S::kThreads / S::kN, kK = kMlaD * S::kVb / 16;  // k's chunks per key
+  const int t = int(threadIdx.x);
+  const TokenLoc& L = loc[t / kTpr];
+  const bool ok = L.state == kTokenValid;
+  const uint4* kp = reinterpret_cast<const uint4*>(static_cast<const char*>(p.k.data) + (ok ? L.k_off : 0)) + t % kTpr;
+  const uint4* vp = reinterpret_cast<const uint4*>(static_cast<const char*>(p.v.data) + (ok ? L.v_off : 0)) + t % kTpr;
+#pragma unroll
+  for (int i = 0; i < S::kRawPerThread; ++i) {
+    const int c = kTpr * i;  // + t % kTpr
+    raw[i] = ok ? __ldg(c < kK ? kp + c : vp + (c - kK)) : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// fp8: the registers of load_tile_fp8 converted to f16 (exact) into the stage's swizzled tile:
+// raw chunk c of a key becomes its 16-bit chunks 2 c and 2 c + 1, at 2 (t % kTpr) + 2 kTpr i,
+// whose swizzled positions differ from the thread's first by constants (the bits of 2 (t % kTpr)
+// and 2 kTpr i are disjoint). A quarter warp's stores cover the eight positions of a block row.
+template <class S>
+FS_DEV void store_tile_fp8(const uint4 (&raw)[S::kRawPerThread], uint32_t stage) {
+  constexpr int kTpr = S::kThreads / S::kN;
+  static_assert(kTpr == 2 || kTpr == 4, "2 (t % kTpr) below 2 kTpr");
+  const int t = int(threadIdx.x), r = t / kTpr;
+  const uint32_t row = stage + uint32_t(r) * 128u;
+  const uint32_t sw = uint32_t((2 * (t % kTpr)) ^ (r & 7));
+#pragma unroll
+  for (int i = 0; i < S::kRawPerThread; ++i) {
+    const int col = 2 * kTpr * i;  // the 16-bit chunk of the thread's first, less 2 (t % kTpr)
+    const uint32_t at = row + uint32_t(col / 8) * S::KvL::kBlockBytes;
+    uint32_t h[8];
+    decode::fp8x4_to_f16x2x2<S::kKvDt>(raw[i].x, h[0], h[1]);
+    decode::fp8x4_to_f16x2x2<S::kKvDt>(raw[i].y, h[2], h[3]);
+    decode::fp8x4_to_f16x2x2<S::kKvDt>(raw[i].z, h[4], h[5]);
+    decode::fp8x4_to_f16x2x2<S::kKvDt>(raw[i].w, h[6], h[7]);
+    st_shared_v4(at + ((sw ^ uint32_t(col % 8)) << 4), h[0], h[1], h[2], h[3]);
+    st_shared_v4(at + ((sw ^ uint32_t(col % 8 + 1)) << 4), h[4], h[5], h[6], h[7]);
+  }
+}
 
 // The thread's 4 columns (packed rows) 8 n + 2 (lane % 4) + b, n, b in {0, 1}: index 2 n + b.
 FS_DEV int heads_col(int lane, int i) { return 8 * (i / 2) + 2 * (lane % 4) + i % 2; }
@@ -100,6 +163,13 @@ FS_DEV void softmax_cols(const AttnParams& p, float (&x)[4][2], const RowMeta* m
   constexpr float kLog2e = 1.4426950408889634f;
   const ScoreTransform score = make_score_transform(p);
   const int kr = 16 * ww + lane / 4;  // tile keys kr, kr + 8
+  if constexpr (S::kFp8) {  // the column's q scale (RowMeta::qk_scale: 2^-shift, convert_q_fp8)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float qk = meta[heads_col(lane, i)].qk_scale;
+      x[i][0] *= qk, x[i][1] *= qk;
+    }
+  }
   if (plain) {
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -160,14 +230,16 @@ FS_DEV void softmax_cols(const AttnParams& p, float (&x)[4][2], const RowMeta* m
 }
 
 // Issues the warpgroup's partial S^T = [k | v] Q^T over its part of the contraction (k16 steps
-// kWgs j + wg; one commit group).
+// kWgs j + wg; one commit group). fp8: the k steps (column block 0) accumulate into acck, apart
+// from the latent's (their descales differ: S = k_desc q.k + v_desc q_v.v).
 template <class S>
-FS_DEV void issue_s_heads(uint32_t q, uint32_t stage, int wg, float (&acc)[2][4]) {
+FS_DEV void issue_s_heads(uint32_t q, uint32_t stage, int wg, float (&acc)[2][4], float (&acck)[2][4]) {
   using T = typename S::T;
   const uint64_t da = desc_k_major<S::kN>(stage, 0, wg), db = desc_k_major<S::kM>(q, 0, wg);
   const uint32_t alo = warp_uniform(uint32_t(da)), ahi = warp_uniform(uint32_t(da >> 32));
   const uint32_t blo = warp_uniform(uint32_t(db)), bhi = warp_uniform(uint32_t(db >> 32));
   fence_operands(acc);
+  if constexpr (S::kFp8) fence_operands(acck);
   wgmma_fence();
 #pragma unroll
   for (int j = 0; j < S::kKSteps / S::kWgs; ++j) {
@@ -175,7 +247,10 @@ FS_DEV void issue_s_heads(uint32_t q, uint32_t stage, int wg, float (&acc)[2][4]
     const int ks = S::kWgs * j;
     const uint32_t oa = ((ks >> 2) * S::KvL::kBlockBytes + (ks & 3) * 32) >> 4;
     const uint32_t ob = ((ks >> 2) * S::QL::kBlockBytes + (ks & 3) * 32) >> 4;
-    wgmma_ss<T, S::kM>(acc, (uint64_t(ahi) << 32) | (alo + oa), (uint64_t(bhi) << 32) | (blo + ob), j > 0);
+    const uint64_t a = (uint64_t(ahi) << 32) | (alo + oa), b = (uint64_t(bhi) << 32) | (blo + ob);
+    constexpr int kRope = 4 / S::kWgs;  // the warpgroup's k16 steps in column block 0 (k)
+    if (S::kFp8 && j < kRope) wgmma_ss<T, S::kM>(acck, a, b, j > 0);
+    else wgmma_ss<T, S::kM>(acc, a, b, j > (S::kFp8 ? kRope : 0));
   }
   wgmma_commit();
 }
@@ -231,7 +306,7 @@ FS_DEV void finish_cols(const AttnParams& p, const DecodeSeq& s, int64_t g0, int
   if (tid < S::kM) {
     const int c = tid;
     const float l = red[c] + red[S::kM + c] + red[2 * S::kM + c] + red[3 * S::kM + c];
-    rscale[c] = finish_row(p, s, g0, nrows, split, c, red[4 * S::kM + c], l, 1.0f);
+    rscale[c] = finish_row(p, s, g0, nrows, split, c, red[4 * S::kM + c], l, S::kFp8 ? s.kv.v_desc : 1.0f);
   }
   __syncthreads();
 #pragma unroll
@@ -310,11 +385,15 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
     for (int n = 0; n < 2; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[mb][n][e] = 0.0f;
-  float acc[2][4];
+  float acc[2][4], acck[2][4];
+  uint4 raw[S::kFp8 ? S::kRawPerThread : 1];  // fp8: the next tile, in flight
 
   // Tiles of kN keys from base (aligned to the split's start, as decode_mla); tile k in stage
   // k % kStages, its locations in loc[k % 2] (two 32-key halves per lane of warp 0), located
   // kAhead tiles before it is computed; the copies of tile k + kStages issued once tile k is done.
+  // fp8 (two stages): tile k + 2 loaded into registers (load_tile_fp8) once tile k is in its
+  // stage; tile k + 1 stored from them, converted, while the tensor cores run S of tile k (its
+  // stage freed by P V of tile k - 1).
   constexpr int kAhead = kStages + 1;
   const int64_t base = s.range.begin + (u.lo - s.range.begin) / kN * kN;
   const int64_t n = u.lo < u.hi ? (u.hi - base + kN - 1) / kN : 0;
@@ -327,27 +406,49 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
     for (int h = 0; h < kN / 32; ++h) loc[(k & 1) * kN + 32 * h + lane] = decode::tile_loc(p, s.kv, key_of(k, h));
   };
   const auto issue_tile = [&](int64_t k) {
-    issue_kv_rows<S>(p, loc + (k & 1) * kN, bad + (k % kStages) * S::kSub, stage(k));
+    if constexpr (S::kFp8) {
+      if (k < n) load_tile_fp8<S>(p, loc + (k & 1) * kN, bad + (k & 3) * S::kSub, raw);
+    } else {
+      if (k < n) issue_kv_rows<S>(p, loc + (k & 1) * kN, bad + (k & 3) * S::kSub, stage(k));
+      cp_async_commit();
+    }
   };
   if (warp == 0) {
     if (n > 0) locate_tile(0);
     if (n > 1) locate_tile(1);
   }
   __syncthreads();
-  if (n > 0) issue_tile(0);
-  cp_async_commit();  // Q + tile 0
+  issue_tile(0);  // 16-bit: one cp.async group with Q
+  if constexpr (S::kFp8) {
+    cp_async_wait<0>();  // Q (its own group: start_rows)
+    __syncthreads();
+    convert_q_fp8<S>(sm + S::kQOff, meta);  // f16, scaled per row: meta[j].qk_scale
+  }
   if constexpr (kStages == 2) {
-    if (n > 1) issue_tile(1);
-    cp_async_commit();
+    if constexpr (S::kFp8) {
+      if (n > 0) store_tile_fp8<S>(raw, stage(0));  // raw takes tile 1 next
+    }
+    issue_tile(1);
     if (n > 2) {
       __syncthreads();  // tile 0's locations are read
       if (warp == 0) locate_tile(2);
     }
   }
   for (int64_t k = 0; k < n; ++k) {
-    landed_barrier<kStages - 1>();  // tile k (and Q), tile k + 1 may be in flight; k + kStages located
     const uint32_t st = stage(k);
-    issue_s_heads<S>(q, st, wg, acc);
+    const uint32_t* b = bad + (k & 3) * S::kSub;
+    if constexpr (S::kFp8) {
+      fence_proxy_async_shared();  // the tile (and Q), written by st.shared, read by wgmma
+      __syncthreads();             // tile k in its stage, Q converted; tile k + 2 located
+    } else {
+      landed_barrier<kStages - 1>();  // tile k (and Q), tile k + 1 may be in flight; k + kStages located
+    }
+    const uint32_t bad0 = b[0], bad1 = b[1];
+    issue_s_heads<S>(q, st, wg, acc, acck);
+    if constexpr (S::kFp8) {  // under S: tile k + 1 into its stage, k + 2 loaded
+      if (k + 1 < n) store_tile_fp8<S>(raw, stage(k + 1));
+      issue_tile(k + 2);
+    }
     // warp 0: the block-table reads of tile k + kAhead in flight during S and the softmax
     decode::TileKey next[kN / 32];
     if (warp == 0 && k + kAhead < n) {
@@ -356,13 +457,19 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
     }
     wgmma_wait<0>();
     fence_operands(acc);
+    if constexpr (S::kFp8) {  // S = k_desc q.k + v_desc q_v.v
+      fence_operands(acck);
+#pragma unroll
+      for (int nn = 0; nn < 2; ++nn)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nn][e] = fmaf(acc[nn][e], s.kv.v_desc, acck[nn][e] * s.kv.k_desc);
+    }
     float x[4][2];
     sum_partial_s<S>(acc, spart, wg, x);
     const int64_t t0 = base + k * kN;
-    const uint32_t* b = bad + (k % kStages) * 2;
-    const bool plain = plain_rows && t0 >= all_lo && t0 + kN <= all_hi && (b[0] | b[1]) == 0u;
+    const bool plain = plain_rows && t0 >= all_lo && t0 + kN <= all_hi && (bad0 | bad1) == 0u;
     float al[4];
-    softmax_cols<S>(p, x, meta, red, pbuf, b[0], b[1], t0, plain, cs, al, wg, ww, lane);
+    softmax_cols<S>(p, x, meta, red, pbuf, bad0, bad1, t0, plain, cs, al, wg, ww, lane);
     if (warp == 0 && k + kAhead < n) {
 #pragma unroll
       for (int h = 0; h < kN / 32; ++h)
@@ -375,19 +482,19 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
 #pragma unroll
     for (int mb = 0; mb < S::kMb; ++mb) fence_operands(o[mb]);
     __syncthreads();  // every warp's P V of tile k done: its stage and P^T are free
-    if (k + kStages < n) issue_tile(k + kStages);
-    cp_async_commit();
+    if constexpr (!S::kFp8) issue_tile(k + kStages);
   }
   cp_async_wait<0>();
   finish_cols<S>(p, s, g0, nrows, split, red - wg * 5 * S::kM, rscale, cs, o, wg, ww, lane);
 }
 
-// kWgs warpgroups, kStages KV stages (decode_mla_config.hpp: the two shapes).
-template <DType kDt, int kWgs, int kStages>
+// kWgs warpgroups, kStages KV stages (decode_mla_config.hpp: the shapes); kKv the latent's dtype
+// (kDt, or fp8).
+template <DType kDt, DType kKv, int kWgs, int kStages>
 __global__ void __launch_bounds__(128 * kWgs, mla_heads_ctas_per_sm(kWgs, kStages))
     decode_mla_heads(const __grid_constant__ AttnParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = HeadsShape<kDt, kWgs, kStages>;
+  using S = HeadsShape<kDt, kKv, kWgs, kStages>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* sm = align_1024(smem_raw);
   for_row_groups<S::kM>(p, [&](const DecodeSeq& s, int64_t g0, int nrows, int split) {

@@ -70,11 +70,11 @@ std::string try_decode_mla(const detail::AttnProblem& pr, const DeviceProps& dev
   c.heads_per_cta = int(pr.num_heads);
   c.head_slices = int(slices);
   c.smem_bytes = smem;
-  // A 16-bit latent cache on an H100/H200 in a build with sm_90a: the wgmma kernels (64 rows:
-  // decode_mla_wgmma.cuh; 16: decode_mla_heads.cuh, whose launcher picks one of two shapes by
-  // the grid: smem_bytes is the larger). Their shared memory fits a 9.0 device
-  // (decode_mla_config.hpp's static_asserts).
-  if (!fp8 && FLASHSERVE_SM90A && dev.cc_major == 9 && dev.cc_minor == 0 &&
+  // On an H100/H200 in a build with sm_90a: the wgmma kernels (64 rows of a 16-bit latent
+  // cache: decode_mla_wgmma.cuh; 16 rows of a 16-bit or fp8 one: decode_mla_heads.cuh, whose
+  // launcher picks one of two shapes by the grid: smem_bytes is the larger). Their shared memory
+  // fits a 9.0 device (decode_mla_config.hpp's static_asserts).
+  if ((!fp8 || rows == kMlaHeadsRows) && FLASHSERVE_SM90A && dev.cc_major == 9 && dev.cc_minor == 0 &&
       !kernel_disabled(AttnKernelId::decode_mla_wgmma)) {
     c.kernel = AttnKernelId::decode_mla_wgmma;
     c.smem_bytes = rows == 64 ? mla_wgmma_smem_bytes() : mla_heads_smem_bytes(2, 2);

@@ -1,5 +1,6 @@
 // Instantiations and launch of the sm_90a MLA absorbed-decode kernels (decode_mla_wgmma.cuh for 64
-// rows, decode_mla_heads.cuh for 16): one each per 16-bit entry of kMlaConfigs. Compiled for every
+// rows of a 16-bit latent cache, decode_mla_heads.cuh for 16 of a 16-bit or fp8 one): per entry
+// of kMlaConfigs. Compiled for every
 // architecture of the build; the kernel bodies exist only in the sm_90a image, and try_decode_mla
 // picks them only on 9.0 devices of builds with it.
 #include <cuda_runtime.h>
@@ -17,9 +18,9 @@ namespace flashserve::kernels {
 
 namespace {
 
-template <DType kDt, int kWgs, int kStages>
+template <DType kDt, DType kKv, int kWgs, int kStages>
 void launch_heads(const AttnParams& p, dim3 grid, cudaStream_t s) {
-  constexpr auto kernel = &mla::decode_mla_heads<kDt, kWgs, kStages>;
+  constexpr auto kernel = &mla::decode_mla_heads<kDt, kKv, kWgs, kStages>;
   constexpr size_t smem = mla_heads_smem_bytes(kWgs, kStages);
   ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);
   kernel<<<grid, 128 * kWgs, smem, s>>>(p);
@@ -37,6 +38,13 @@ int forced_heads_ctas() {
 
 }  // namespace
 
+// The 16-row shapes by the grid (mla_heads_pair). An fp8 latent cache runs on decode_mla_heads
+// (two warpgroups, two stages: tile k + 1 converted into its stage under S of tile k) for grids
+// under 1.5 CTAs per SM, where it is ~30% faster than decode_mla (H200, H = 16: B = 1 L = 32k
+// 45.7 vs 64.2 us, B = 4 L = 8k 44.1 vs 62.6); on larger grids decode_mla's kernel (two CTAs per
+// SM) is as fast or faster (B = 64 L = 4k 143.6 vs 142.6, B = 128 L = 8k 395 vs 458; the heads
+// kernel's one-stage two-CTA fp8 shape measured 135 / 446, its conversion on the CTA's chain),
+// so those run it. bench/RESULTS.md 2026-11-25.
 void launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream) {
   mla::require_mla_problem(p, "decode_mla_wgmma");
   if (p.rows_per_cta != 64 && p.rows_per_cta != kMlaHeadsRows)
@@ -46,18 +54,24 @@ void launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream) {
   const int forced = forced_heads_ctas();
   const bool pair = forced ? forced == 2 : mla_heads_pair(int64_t(grid.x) * grid.y * grid.z, num_sms);
   const auto s = static_cast<cudaStream_t>(stream);
+  if (is_fp8(p.k.dtype) && p.rows_per_cta != kMlaHeadsRows)
+    throw RuntimeError(detail::cat("decode_mla_wgmma attention: an fp8 latent cache takes ", kMlaHeadsRows,
+                                   " rows per CTA, got ", p.rows_per_cta));
   if (!dispatch_built<kMlaConfigs>(
-          [&](const MlaConfig& c) { return c.dtype == c.kv && c.dtype == p.q.dtype && c.kv == p.k.dtype && c.kv == p.v.dtype; },
+          [&](const MlaConfig& c) { return c.dtype == p.q.dtype && c.kv == p.k.dtype && c.kv == p.v.dtype; },
           [&]<size_t I>() {
-            constexpr DType kDt = kMlaConfigs[I].dtype;
-            if (p.rows_per_cta == 64) {
+            constexpr DType kDt = kMlaConfigs[I].dtype, kKv = kMlaConfigs[I].kv;
+            if constexpr (is_fp8(kKv)) {
+              if (pair) launch_decode_mla(p, stream);  // fp8 at two CTAs per SM: see below
+              else launch_heads<kDt, kKv, 2, 2>(p, grid, s);
+            } else if (p.rows_per_cta == 64) {
               constexpr auto kernel = &mla::decode_mla_wgmma<kDt>;
               ensure_smem_limit<kernel>(mla_wgmma_smem_bytes(), /*max_carveout=*/true);
               kernel<<<grid, 256, mla_wgmma_smem_bytes(), s>>>(p);
             } else if (pair) {
-              launch_heads<kDt, 1, 1>(p, grid, s);
+              launch_heads<kDt, kKv, 1, 1>(p, grid, s);
             } else {
-              launch_heads<kDt, 2, 2>(p, grid, s);
+              launch_heads<kDt, kKv, 2, 2>(p, grid, s);
             }
             FS_CUDA_CHECK_LAUNCH();
           }))
