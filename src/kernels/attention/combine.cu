@@ -56,6 +56,11 @@ __device__ __forceinline__ float merge_split_lses(const float* lse_s, int64_t st
 }
 
 __global__ void __launch_bounds__(kCombineThreads) split_combine(const __grid_constant__ AttnParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // A dependent launch (launch_split_combine) starts before the forward kernel ends: its
+  // partials are complete and visible only after this.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   __shared__ float weights[kCombineWarps][kMaxSplits];
   const int64_t chunks = (p.head_dim_v + kCombineThreads - 1) / kCombineThreads;
   const int64_t item = blockIdx.x / chunks, c = (blockIdx.x % chunks) * kCombineThreads + threadIdx.x;
@@ -96,13 +101,26 @@ __global__ void __launch_bounds__(kCombineThreads) split_combine(const __grid_co
 
 }  // namespace
 
-void launch_split_combine(const AttnParams& p, void* stream) {
+// dependent: launched with programmatic stream serialization, so that the launch is staged
+// while the forward kernel runs and its CTAs start as the forward kernel's CTAs exit, instead of
+// after the kernel boundary (split_combine waits for the forward grid with griddepcontrol.wait).
+// CUDA graphs capture it as a programmatic edge.
+void launch_split_combine(const AttnParams& p, void* stream, bool dependent) {
   const int64_t items = p.total_rows() * p.num_heads;
   const int64_t chunks = (p.head_dim_v + kCombineThreads - 1) / kCombineThreads;
   if (items == 0 || chunks == 0) return;
   if (items * chunks > 0x7fffffff)
     throw RuntimeError(detail::cat("split combine: ", items, " (row, head) items x ", chunks, " channel chunks exceed the grid"));
-  split_combine<<<unsigned(items * chunks), kCombineThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(items * chunks));
+  cfg.blockDim = dim3(kCombineThreads);
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = dependent ? 1 : 0;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  FS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, split_combine, p));
   FS_CUDA_CHECK_LAUNCH();
 }
 

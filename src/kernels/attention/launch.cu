@@ -118,7 +118,7 @@ void attention(const detail::AttnProblem& pr, const Plan& plan, const ExecContex
   else if (choice.kernel == AttnKernelId::prefill_tma) launch_prefill_tma(a, choice, ctx.stream);
   else if (choice.kernel == AttnKernelId::prefill_fp8) launch_prefill_fp8(a, choice, ctx.stream);
   else launch_generic_attention(a, choice, ctx.stream);
-  if (a.num_splits > 1) launch_split_combine(a, ctx.stream);
+  if (a.num_splits > 1) launch_split_combine(a, ctx.stream, dev.cc_major >= 9);
 }
 
 }  // namespace flashserve::kernels

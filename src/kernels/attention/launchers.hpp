@@ -42,7 +42,8 @@ void launch_decode_mla(const AttnParams& p, void* stream);
 void launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream);
 
 // combine.cu: merges the p.num_splits partials of every covered (row, head) in split order,
-// applies the sink once and writes out/lse.
-void launch_split_combine(const AttnParams& p, void* stream);
+// applies the sink once and writes out/lse. `dependent` (sm_90+: the forward kernel just launched
+// on the stream): a programmatic dependent launch, staged while the forward kernel runs.
+void launch_split_combine(const AttnParams& p, void* stream, bool dependent);
 
 }  // namespace flashserve::kernels
