@@ -1,5 +1,7 @@
-// The MLA absorbed-decode kernels (src/kernels/attention/decode_mla.cuh, and decode_mla_wgmma.cuh
-// for 64 rows of a 16-bit cache on Hopper) on problems that select them (checked:
+// The MLA absorbed-decode kernels (src/kernels/attention/decode_mla.cuh, and on Hopper
+// decode_mla_wgmma.cuh for 64 rows of a 16-bit cache, decode_mla_heads.cuh for 16 rows of a
+// 16-bit or fp8 one: the default run puts the small grids here on its 2 x 2 shape, the "pair."
+// ctest entries on the two-CTA shape, or decode_mla for fp8) on problems that select them (checked:
 // attention_kernel_name is one of them), against the fp64 oracle and the CPU
 // reference under the same plan, outputs poisoned first: q [.., H, 64] + q_v [.., H, 512] against
 // one latent cache [.., 576] (v = channels 0..511, k = 512..575) or separate / interleaved k and
@@ -32,8 +34,8 @@ namespace fs = flashserve;
 namespace {
 
 // Whether `kernel` (attention_kernel_name) is one of the MLA decode kernels: decode_mla
-// (mma.sync, sm80+) or decode_mla_wgmma (sm_90a, 16 or 64 rows of a 16-bit latent cache: the
-// kernels of decode_mla_wgmma.cuh and decode_mla_heads.cuh; the ctest entries prefixed "mma80."
+// (mma.sync, sm80+) or decode_mla_wgmma (sm_90a, 16 or 64 rows of a 16-bit latent cache, 16 of
+// an fp8 one: the kernels of decode_mla_wgmma.cuh and decode_mla_heads.cuh; the ctest entries prefixed "mma80."
 // take it out of the selection, so the mma.sync kernel serves those rows on Hopper too).
 bool mla_kernel(const std::string& kernel) { return kernel == "decode_mla" || kernel == "decode_mla_wgmma"; }
 

@@ -94,10 +94,11 @@ constexpr size_t mla_wgmma_smem_bytes() {
 static_assert(mla_wgmma_smem_bytes() <= 232448, "one CTA per H100/H200 SM");
 
 // The sm_90a kernel for 16 rows (decode_mla_heads.cuh: the rows as wgmma's N, 64-key tiles as its
-// M), in two shapes the launcher picks by the grid (mla_heads_pair): for grids under 1.5 CTAs per
-// SM two warpgroups, one CTA per SM, with two KV stages (177.3 KB) for a 16-bit latent cache, one
-// for fp8 (the next tile in registers); for larger grids one warpgroup and one stage, two CTAs
-// per SM (97.0 KB each: one CTA's softmax and copies run under the other's MMAs). Layout: Q [16, 576] | stages x KV
+// M), in two shapes the launcher picks by the grid (mla_heads_pair): two warpgroups and two KV
+// stages, one CTA per SM (177.3 KB), for grids under 1.5 CTAs per SM; one warpgroup and one
+// stage, two CTAs per SM (97.0 KB each: one CTA's softmax and copies run under the other's MMAs),
+// for larger ones. An fp8 latent cache takes the first only (its 16-bit stages filled from
+// registers; larger grids run decode_mla: decode_mla_wgmma.cu). Layout: Q [16, 576] | stages x KV
 // [64, 576] | P^T [16, 64] (128-byte-swizzled tiles) | partial S^T [2, 64 x 16] fp32 (two
 // warpgroups) | column partials [warpgroups, 5, 16] fp32 | RowMeta / scale [16] | TokenLoc 2 x
 // [64] | bad masks; plus 1024 bytes to align the tiles.
