@@ -300,6 +300,15 @@ FS_DEV void issue_kv_rows(const AttnParams& p, const TokenLoc* loc, uint32_t* ba
   }
 }
 
+// fp8 KV: S = k_desc q.k + v_desc q_v.v from the latent's part (acc, in place) and k's (ak), each
+// descale on its own operand's part (the k and v of a latent cache may carry different scales).
+FS_DEV void descale_s(float (&acc)[2][4], const float (&ak)[2][4], float k_desc, float v_desc) {
+#pragma unroll
+  for (int n = 0; n < 2; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[n][e] = fmaf(acc[n][e], v_desc, ak[n][e] * k_desc);
+}
+
 // Step 1: S [kM, 32] (fp32, rows kSStride bytes apart) = Q [k | v]^T, the warp's m-block and key slice.
 template <class S>
 FS_DEV void compute_s(uint32_t q, uint32_t kv, unsigned char* sbuf, int warp, int lane) {
@@ -385,10 +394,7 @@ FS_DEV void compute_s_fp8(uint32_t q, uint32_t kv, unsigned char* sbuf, int warp
 #pragma unroll 3
   for (int c = 1; c < S::kKSteps / 4; ++c) chunk(c, acc);
   chunk(0, ak);
-#pragma unroll
-  for (int n = 0; n < 2; ++n)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[n][e] = fmaf(acc[n][e], v_desc, ak[n][e] * k_desc);
+  descale_s(acc, ak, k_desc, v_desc);
   if constexpr (kNb == 1) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[0][e] += acc[1][e];

@@ -72,6 +72,7 @@ struct HeadsShape {
   // fp8: the tile's 16-byte chunks (36 per key: 4 of k, 32 of v) per thread, in registers
   static constexpr int kChunks = kMlaWidth * kVb / 16;
   static constexpr int kRawPerThread = kN * kChunks / kThreads;
+  static constexpr int kRawTpr = kThreads / kN;  // threads per key (load_tile_fp8, store_tile_fp8)
   using QL = SwizzledTile<kM>;
   using KvL = SwizzledTile<kN>;
   using PL = SwizzledTile<kM>;
@@ -104,7 +105,7 @@ struct HeadsShape {
 template <class S>
 FS_DEV void load_tile_fp8(const AttnParams& p, const TokenLoc* loc, uint32_t* bad, uint4 (&raw)[S::kRawPerThread]) {
   set_bad_masks<S>(loc, bad);
-  constexpr int kTpr = S::kThreads / S::kN, kK = kMlaD * S::kVb / 16;  // k's chunks per key
+  constexpr int kTpr = S::kRawTpr, kK = kMlaD * S::kVb / 16;  // k's chunks per key
   const int t = int(threadIdx.x);
   const TokenLoc& L = loc[t / kTpr];
   const bool ok = L.state == kTokenValid;
@@ -123,7 +124,7 @@ FS_DEV void load_tile_fp8(const AttnParams& p, const TokenLoc* loc, uint32_t* ba
 // and 2 kTpr i are disjoint). A quarter warp's stores cover the eight positions of a block row.
 template <class S>
 FS_DEV void store_tile_fp8(const uint4 (&raw)[S::kRawPerThread], uint32_t stage) {
-  constexpr int kTpr = S::kThreads / S::kN;
+  constexpr int kTpr = S::kRawTpr;
   static_assert(kTpr == 2 || kTpr == 4, "2 (t % kTpr) below 2 kTpr");
   const int t = int(threadIdx.x), r = t / kTpr;
   const uint32_t row = stage + uint32_t(r) * 128u;
@@ -457,12 +458,9 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
     }
     wgmma_wait<0>();
     fence_operands(acc);
-    if constexpr (S::kFp8) {  // S = k_desc q.k + v_desc q_v.v
+    if constexpr (S::kFp8) {
       fence_operands(acck);
-#pragma unroll
-      for (int nn = 0; nn < 2; ++nn)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[nn][e] = fmaf(acc[nn][e], s.kv.v_desc, acck[nn][e] * s.kv.k_desc);
+      descale_s(acc, acck, s.kv.k_desc, s.kv.v_desc);
     }
     float x[4][2];
     sum_partial_s<S>(acc, spart, wg, x);

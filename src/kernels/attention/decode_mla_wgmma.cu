@@ -57,13 +57,13 @@ void launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream) {
   if (is_fp8(p.k.dtype) && p.rows_per_cta != kMlaHeadsRows)
     throw RuntimeError(detail::cat("decode_mla_wgmma attention: an fp8 latent cache takes ", kMlaHeadsRows,
                                    " rows per CTA, got ", p.rows_per_cta));
+  if (is_fp8(p.k.dtype) && pair) return launch_decode_mla(p, stream);  // fp8 at two CTAs per SM: see above
   if (!dispatch_built<kMlaConfigs>(
           [&](const MlaConfig& c) { return c.dtype == p.q.dtype && c.kv == p.k.dtype && c.kv == p.v.dtype; },
           [&]<size_t I>() {
             constexpr DType kDt = kMlaConfigs[I].dtype, kKv = kMlaConfigs[I].kv;
-            if constexpr (is_fp8(kKv)) {
-              if (pair) launch_decode_mla(p, stream);  // fp8 at two CTAs per SM: see below
-              else launch_heads<kDt, kKv, 2, 2>(p, grid, s);
+            if constexpr (is_fp8(kKv)) {  // 16 rows, the 2 x 2 shape only
+              launch_heads<kDt, kKv, 2, 2>(p, grid, s);
             } else if (p.rows_per_cta == 64) {
               constexpr auto kernel = &mla::decode_mla_wgmma<kDt>;
               ensure_smem_limit<kernel>(mla_wgmma_smem_bytes(), /*max_carveout=*/true);

@@ -200,8 +200,8 @@ FS_DEV void copy_kv_rows(const AttnParams& p, int64_t k_off, int64_t v_off, uint
     const uint32_t at = L::at(kR * warp + src, c);
     const int64_t ko = kK ? __shfl_sync(kFullMask, k_off, src) : 0, vo = kV ? __shfl_sync(kFullMask, v_off, src) : 0;
     if ((bad_mask >> src) & 1u) {  // outside the cache: NaN keys, zero values
-      if (kK) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(k_s + at), "r"(nan_word<T>()) : "memory");
-      if (kV) asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(v_s + at), "r"(0u) : "memory");
+      if (kK) st_shared_v4(k_s + at, nan_word<T>(), nan_word<T>(), nan_word<T>(), nan_word<T>());
+      if (kV) st_shared_v4(v_s + at, 0u, 0u, 0u, 0u);
       continue;
     }
     const bool in_range = (in_mask >> src) & 1u;  // offsets 0 when not: an in-bounds address, nothing read

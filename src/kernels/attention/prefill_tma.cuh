@@ -151,7 +151,7 @@ FS_DEV void copy_tail(const AttnParams& p, const SeqKv& kv, int64_t sk, int64_t 
     const bool in = t < sk;
     if (in && !token_offsets(p, kv, t, k_off, v_off)) {
       const uint32_t x = kKeys ? nan_word<T>() : 0u;
-      asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(at), "r"(x) : "memory");
+      st_shared_v4(at, x, x, x, x);
       continue;
     }
     cp_async_16(at, base + (kKeys ? k_off : v_off) + c * (16 / int(sizeof(T))), in);  // offsets 0 past the sequence: nothing read
