@@ -7,6 +7,8 @@
 //     of the warp's 16 rows: 4 bytes of row g at byte 4t, of row g + 8, then both 16 bytes
 //     further), B in shared memory: f16/bf16 [16 (K), N] N-major (transposed); fp8 [N, 32]
 //     K-major (8-bit operands have no transpose);
+//   wgmma_rs_kb<T, N>(d, a, desc_b, scale_d): f16/bf16, N in 16: wgmma_rs with B [N, K]
+//     K-major (not transposed);
 //   wgmma_ss_ta<T, N>(d, desc_a, desc_b, scale_d): f16/bf16, N in 16: A [64 (M), 16 (K)]
 //     M-major (transposed: the descriptor of an N-major operand, wgmma.cuh's desc_n_major), B
 //     [N, K] K-major.
@@ -28,6 +30,8 @@ template <class T, int N>
 FS_DEV void wgmma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, int scale_d);
 template <class T, int N>
 FS_DEV void wgmma_rs(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d);
+template <class T, int N>
+FS_DEV void wgmma_rs_kb(float (&d)[N / 8][4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d);
 template <class T, int N>
 FS_DEV void wgmma_ss_ta(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b, int scale_d);
 
@@ -303,6 +307,17 @@ FS_DEV void wgmma_rs<__nv_bfloat16, 256>(float (&d)[32][4], const uint32_t (&a)[
         "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]),
         "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]),
         "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+template <>
+FS_DEV void wgmma_rs_kb<__nv_bfloat16, 16>(float (&d)[2][4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, "
+      "%12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
@@ -587,6 +602,17 @@ FS_DEV void wgmma_rs<__half, 256>(float (&d)[32][4], const uint32_t (&a)[4], uin
         "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]),
         "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]),
         "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+template <>
+FS_DEV void wgmma_rs_kb<__half, 16>(float (&d)[2][4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, "
+      "%12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+        "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
