@@ -152,15 +152,32 @@ struct ColState {
   float l[4];  // this thread's partial sum
 };
 
+// P^T [column][key] (K-major B operand of O^T += V^T P^T) by warpgroup 0: matrix (n, h) =
+// columns 8 n .. +8 x keys 16 ww + 8 h .. +8, stored transposed (a memory row per column).
+template <class S>
+FS_DEV void store_pt(uint32_t pbuf, const float (&x)[4][2], int wg, int ww, int lane) {
+  using T = typename S::T;
+  if (wg != 0) return;
+  const int m = lane / 8, n = m / 2, h = m % 2;
+  stmatrix_x4_trans(pbuf + S::PL::at(8 * n + lane % 8, 2 * ww + h), pack2<T>(x[0][0], x[1][0]),
+                    pack2<T>(x[0][1], x[1][1]), pack2<T>(x[2][0], x[3][0]), pack2<T>(x[2][1], x[3][1]));
+}
+
 // Step 2 on S^T (x: [column][key half] of the m64n16 fragment, keys 16 ww + lane / 4 (+ 8) of the
 // tile at t0; both warpgroups hold the same S^T and compute the same softmax): P^T (16-bit) to
-// pbuf by warpgroup 0, the columns' alpha to al. `plain`: every key of the tile visible and good
-// for every row, no modifier (CTA-uniform). red: the warpgroup's [5, kM].
+// pbuf by warpgroup 0, complete on return (barrier), the columns' alpha to al. `plain`: every key
+// of the tile visible and good for every row, no modifier (CTA-uniform). red: the warpgroup's
+// [5, kM].
+// Lazy maxima (as FlashAttention-4): P is first computed against the running maxima and stored,
+// and the CTA votes at the barrier that completes P^T whether any column's tile maximum exceeds
+// its running one by more than 2^kLazy (in exp2 units), or is NaN, or the column has none yet;
+// only then (the first tiles, mostly) are the warps' maxima exchanged and P recomputed and
+// stored again (a second barrier), as the exact online softmax does every tile. Otherwise m
+// stays and P <= 2^kLazy: O and l keep one reference, so out = O / l is unchanged in value.
 template <class S>
 FS_DEV void softmax_cols(const AttnParams& p, float (&x)[4][2], const RowMeta* meta, float* red, uint32_t pbuf,
                          uint32_t bad0, uint32_t bad1, int64_t t0, bool plain, ColState& cs, float (&al)[4], int wg,
                          int ww, int lane) {
-  using T = typename S::T;
   constexpr float kLog2e = 1.4426950408889634f;
   const ScoreTransform score = make_score_transform(p);
   const int kr = 16 * ww + lane / 4;  // tile keys kr, kr + 8
@@ -191,16 +208,29 @@ FS_DEV void softmax_cols(const AttnParams& p, float (&x)[4][2], const RowMeta* m
       }
     }
   }
-  // Column maxima: the warp's 16 keys (lanes of one lane % 4), then the warpgroup's 4 warps.
-  float mx[4];
+  // Column maxima over the warp's 16 keys (lanes of one lane % 4), to red for an exchange.
+  constexpr float kLazy = 8.0f;
+  float mx[4], pr[4][2];
+  bool need = false;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     mx[i] = nan_max(x[i][0], x[i][1]);
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) mx[i] = nan_max(mx[i], __shfl_xor_sync(kFullMask, mx[i], o));
     if (lane < 4) red[ww * S::kM + heads_col(lane, i)] = mx[i];
+    const float mb = cs.m[i] * kLog2e;
+    need |= !(fmaf(mx[i], kLog2e, -mb) <= kLazy);  // m = -inf, NaN: true
+    pr[i][0] = fast_exp2(fmaf(x[i][0], kLog2e, -mb));
+    pr[i][1] = fast_exp2(fmaf(x[i][1], kLog2e, -mb));
   }
-  __syncthreads();
+  store_pt<S>(pbuf, pr, wg, ww, lane);
+  fence_proxy_async_shared();  // P^T, written by stmatrix, read by wgmma
+  if (!__syncthreads_or(need)) {  // P^T complete against the running maxima
+#pragma unroll
+    for (int i = 0; i < 4; ++i) al[i] = 1.0f, cs.l[i] += pr[i][0] + pr[i][1];
+    return;
+  }
+  // The exact step: the warpgroup's 4 warps' maxima.
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int c = heads_col(lane, i);
@@ -221,13 +251,9 @@ FS_DEV void softmax_cols(const AttnParams& p, float (&x)[4][2], const RowMeta* m
     cs.l[i] = cs.l[i] * al[i] + (x[i][0] + x[i][1]);
     cs.m[i] = new_m;
   }
-  // P^T [column][key] (K-major B operand of O^T += V^T P^T): matrix (n, h) = columns 8 n .. +8 x
-  // keys 16 ww + 8 h .. +8, stored transposed (a memory row per column).
-  if (wg == 0) {
-    const int m = lane / 8, n = m / 2, h = m % 2;
-    stmatrix_x4_trans(pbuf + S::PL::at(8 * n + lane % 8, 2 * ww + h), pack2<T>(x[0][0], x[1][0]),
-                      pack2<T>(x[0][1], x[1][1]), pack2<T>(x[2][0], x[3][0]), pack2<T>(x[2][1], x[3][1]));
-  }
+  store_pt<S>(pbuf, x, wg, ww, lane);
+  fence_proxy_async_shared();
+  __syncthreads();  // P^T complete
 }
 
 // Issues the warpgroup's partial S^T = [k | v] Q^T over its part of the contraction (k16 steps
@@ -467,14 +493,12 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
     const int64_t t0 = base + k * kN;
     const bool plain = plain_rows && t0 >= all_lo && t0 + kN <= all_hi && (bad0 | bad1) == 0u;
     float al[4];
-    softmax_cols<S>(p, x, meta, red, pbuf, bad0, bad1, t0, plain, cs, al, wg, ww, lane);
     if (warp == 0 && k + kAhead < n) {
 #pragma unroll
       for (int h = 0; h < kN / 32; ++h)
         loc[((k + kAhead) & 1) * kN + 32 * h + lane] = decode::tile_loc(p, s.kv, next[h]);
     }
-    fence_proxy_async_shared();  // P^T, written by stmatrix, read by wgmma
-    __syncthreads();             // P^T complete; the column maxima and the partial S^T read
+    softmax_cols<S>(p, x, meta, red, pbuf, bad0, bad1, t0, plain, cs, al, wg, ww, lane);  // P^T complete
     issue_pv_heads<S>(pbuf, st, wg, al, o);
     wgmma_wait<0>();
 #pragma unroll
