@@ -102,18 +102,27 @@ static_assert(mla_wgmma_smem_bytes() <= 232448, "one CTA per H100/H200 SM");
 // [64, 576] | P^T [16, 64] (128-byte-swizzled tiles) | partial S^T [2, 64 x 16] fp32 (two
 // warpgroups) | column partials [warpgroups, 5, 16] fp32 | RowMeta / scale [16] | TokenLoc 2 x
 // [64] | bad masks; plus 1024 bytes to align the tiles.
+// raw_fp8 (one warpgroup, fp8 latent): the stages hold the raw fp8 rows, padded to
+// kMlaHeadsRawRow bytes (= 80 mod 128: ldmatrix's 8 rows on distinct banks), and the MMAs read
+// them through registers (decode_mla_heads.cuh: the RS shape).
 inline constexpr int kMlaHeadsRows = 16;
 inline constexpr int kMlaHeadsTileKeys = 64;
-constexpr size_t mla_heads_smem_bytes(int wgs, int stages) {
-  return size_t(kMlaHeadsRows + stages * kMlaHeadsTileKeys) * kMlaWidth * 2 + kMlaHeadsRows * 128 +
+inline constexpr int kMlaHeadsRawRow = kMlaWidth + 16;
+constexpr size_t mla_heads_stage_bytes(bool raw_fp8) {
+  return size_t(kMlaHeadsTileKeys) * (raw_fp8 ? size_t(kMlaHeadsRawRow) : size_t(kMlaWidth) * 2);
+}
+constexpr size_t mla_heads_smem_bytes(int wgs, int stages, bool raw_fp8 = false) {
+  return size_t(kMlaHeadsRows) * kMlaWidth * 2 + size_t(stages) * mla_heads_stage_bytes(raw_fp8) + kMlaHeadsRows * 128 +
          (wgs > 1 ? size_t(wgs) * kMlaHeadsTileKeys * kMlaHeadsRows * 4 : 0) + size_t(wgs) * 5 * kMlaHeadsRows * 4 +
          kMlaHeadsRows * (kMlaRowMetaBytes + 4) + 2 * kMlaHeadsTileKeys * 24 + 4 * (kMlaHeadsTileKeys / 32) * 4 + 1024;
 }
 // CTAs per SM: two when two fit in shared memory (228 KB) and registers (one warpgroup).
-constexpr int mla_heads_ctas_per_sm(int wgs, int stages) {
-  return wgs == 1 && 2 * mla_heads_smem_bytes(wgs, stages) <= 228 * 1024 ? 2 : 1;
+constexpr int mla_heads_ctas_per_sm(int wgs, int stages, bool raw_fp8 = false) {
+  return wgs == 1 && 2 * mla_heads_smem_bytes(wgs, stages, raw_fp8) <= 228 * 1024 ? 2 : 1;
 }
-static_assert(mla_heads_smem_bytes(2, 2) <= 232448 && mla_heads_ctas_per_sm(1, 1) == 2, "the two shapes' occupancy");
+static_assert(mla_heads_smem_bytes(2, 2) <= 232448 && mla_heads_ctas_per_sm(1, 1) == 2 &&
+                  mla_heads_ctas_per_sm(1, 2, true) == 2 && mla_heads_stage_bytes(true) % 1024 == 0,
+              "the shapes' occupancy");
 // The launcher's pick: the two-CTA shape (1 warpgroup, 1 stage) for grids of at least 1.5 CTAs
 // per SM (measured, H=16 B=64 L=4k: 256 CTAs 106.5 us vs 116.5; 128 CTAs 137.1 vs 107.9).
 constexpr bool mla_heads_pair(int64_t ctas, int sms) { return 2 * ctas >= 3 * int64_t(sms); }

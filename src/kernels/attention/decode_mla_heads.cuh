@@ -8,6 +8,11 @@
 // of this one (store_tile_fp8); q is staged as f16 scaled per row by a power of two
 // (convert_q_fp8: RowMeta::qk_scale), the k and v descales go on S's two accumulators (k's
 // column block apart from the latent's) and v's into the epilogue, as decode_mla's fp8 path.
+// fp8, the RS shape (1 warpgroup x 2 raw stages, two CTAs per SM; larger grids): the stages
+// hold the raw fp8 rows (kRawRow bytes: ldmatrix conflict-free) and both MMAs take A from
+// registers, converted after ldmatrix (S^T: key rows, q in fp8_q_column's order; O^T: V^T by
+// ldmatrix.trans + prmt, O^T's rows a channel permutation undone by finish_cols), on
+// wgmma_rs_kb in double-buffered groups (issue_s_rs, issue_pv_rs).
 //
 // CTA = (sequence, row slice, split) as decode_mla; kWgs warpgroups, kStages KV stages, in two
 // shapes (decode_mla_config.hpp; the launcher picks by the grid): 2 warpgroups x 2 stages, one
@@ -59,13 +64,17 @@ struct HeadsShape {
   // scaled per row: convert_q_fp8)
   using T = std::conditional_t<!kFp8 && kDt == DType::bf16, __nv_bfloat16, __half>;
   using QT = std::conditional_t<kDt == DType::bf16, __nv_bfloat16, __half>;  // q, q_v in memory
-  static constexpr bool kQPermuted = false;
   static constexpr int kM = kMlaHeadsRows;  // packed rows: the wgmma N
   static constexpr int kN = kMlaHeadsTileKeys;  // keys per tile: the wgmma M
   static constexpr int kWgs = kWgs_;  // warpgroups: parts of S's contraction, of P V's channels
   static constexpr int kThreads = 128 * kWgs;
   static constexpr int kWarps = kThreads / 32;
   static constexpr int kStages = kStages_;
+  // fp8 with one warpgroup (the RS shape): raw fp8 stages of kRawRow-byte rows, the MMAs' A
+  // operands converted to f16 in registers (issue_s_rs, issue_pv_rs); q in fp8_q_column's order.
+  static constexpr bool kRs = kFp8 && kWgs_ == 1;
+  static constexpr bool kQPermuted = kRs;
+  static constexpr int kRawRow = kMlaHeadsRawRow;
   static constexpr int kMb = 8 / kWgs;  // P V: 64-channel latent blocks per warpgroup
   static constexpr int kKSteps = kMlaWidth / 16;  // 36
   static constexpr int kSub = kN / 32;            // 32-key bad masks per stage (set_bad_masks)
@@ -76,7 +85,7 @@ struct HeadsShape {
   using QL = SwizzledTile<kM>;
   using KvL = SwizzledTile<kN>;
   using PL = SwizzledTile<kM>;
-  static constexpr size_t kStageBytes = size_t(kN) * kMlaWidth * 2;
+  static constexpr size_t kStageBytes = mla_heads_stage_bytes(kRs);
   static constexpr size_t kQOff = 0;
   static constexpr size_t kKvOff = size_t(kM) * kMlaWidth * 2;
   static constexpr size_t kPOff = kKvOff + kStages * kStageBytes;
@@ -89,8 +98,9 @@ struct HeadsShape {
   static constexpr size_t kLocOff = kScaleOff + kM * sizeof(float);
   static constexpr size_t kBadOff = kLocOff + 2 * kN * sizeof(TokenLoc);
   static constexpr size_t kBytes = kBadOff + 4 * kSub * sizeof(uint32_t);  // tile k's masks in slot k % 4
-  static_assert(kBytes + 1024 == mla_heads_smem_bytes(kWgs, kStages), "decode_mla_config.hpp sizes shared memory");
+  static_assert(kBytes + 1024 == mla_heads_smem_bytes(kWgs, kStages, kRs), "decode_mla_config.hpp sizes shared memory");
   static_assert(!kFp8 || (kStages == 2 && (kN * kChunks) % kThreads == 0), "fp8: two stages, whole chunk rounds");
+  static_assert(!kRs || kStageBytes == size_t(kN) * kRawRow, "RS: raw rows");
   static_assert(kKvOff % 1024 == 0 && kStageBytes % 1024 == 0 && kPOff % 1024 == 0, "swizzle atoms 1024-aligned");
   static_assert(kM == 16 && kN == 64 && (kWgs == 1 || kWgs == 2) && (kStages == 1 || kStages == 2),
                 "the fragment layout below: 4 warps x 16 keys, n16; the pipeline's shapes");
@@ -141,6 +151,136 @@ FS_DEV void store_tile_fp8(const uint4 (&raw)[S::kRawPerThread], uint32_t stage)
     st_shared_v4(at + ((sw ^ uint32_t(col % 8)) << 4), h[0], h[1], h[2], h[3]);
     st_shared_v4(at + ((sw ^ uint32_t(col % 8 + 1)) << 4), h[4], h[5], h[6], h[7]);
   }
+}
+
+// RS shape: the copies of a located tile (64 keys) into a raw stage ([k | v] fp8 rows of kRawRow
+// bytes), warp 0 its bad masks. Thread t takes the 16-byte chunks t % 4 + 4 j (j = 0: k; 1-8: v)
+// of keys t / 4 and t / 4 + 32: a warp's copy covers 64 contiguous bytes of each of 8 keys.
+template <class S>
+FS_DEV void issue_raw_fp8(const AttnParams& p, const TokenLoc* loc, uint32_t* bad, uint32_t stage) {
+  static_assert(S::kThreads == 128 && S::kN == 64 && kMlaD == 64 && kMlaDv == 512, "2 keys x 9 chunks per thread");
+  set_bad_masks<S>(loc, bad);
+  const int t = int(threadIdx.x), c = t % 4;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = t / 4 + 32 * i;
+    const TokenLoc& L = loc[r];
+    const bool ok = L.state == kTokenValid;
+    const char* kg = static_cast<const char*>(p.k.data) + (ok ? L.k_off : 0) + 16 * c;
+    const char* vg = static_cast<const char*>(p.v.data) + (ok ? L.v_off : 0) + 16 * c;
+    const uint32_t dst = stage + uint32_t(r * S::kRawRow + 16 * c);
+    cp_async_16(dst, kg, ok);
+#pragma unroll
+    for (int j = 1; j <= 8; ++j) cp_async_16(dst + uint32_t(64 * j), vg + 64 * (j - 1), ok);
+  }
+}
+
+// Keeps the compiler from moving the A fragments of in-flight RS wgmmas (their registers live
+// until the wait that retires them).
+template <int N>
+FS_DEV void fence_fragments(uint32_t (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
+}
+
+// RS shape, S^T = [k | v] Q^T with A from the raw stage: ldmatrix on the fp8 key rows hands lane
+// (g, t) bytes 4t..4t+3 of a k16 step, converted to f16 as k indices 2t, 2t+1 | 2t+8, 2t+9 (Q is
+// stored in that order: fp8_q_column). Nine groups of four k16 steps, A double-buffered (a group's
+// registers are rewritten once the group two before it is retired); the k steps (0-3) into acck.
+template <class S>
+FS_DEV void issue_s_rs(uint32_t q, uint32_t stage, float (&acc)[2][4], float (&acck)[2][4], int ww, int lane) {
+  constexpr int kG = 4;  // k16 steps per group
+  static_assert(S::kKSteps % kG == 0 && kG % 2 == 0 && kG >= 4, "whole groups; the k steps in group 0");
+  const uint64_t db = desc_k_major<S::kM>(q, 0, 0);
+  const uint32_t blo = warp_uniform(uint32_t(db)), bhi = warp_uniform(uint32_t(db >> 32));
+  // matrices: keys 16 ww + 0..7 | 8..15 at k16 step 2 i, then the same at 2 i + 1
+  const uint32_t a0 = stage + uint32_t((16 * ww + lane % 8 + 8 * ((lane / 8) % 2)) * S::kRawRow + 16 * (lane / 16));
+  uint32_t af[2][kG][4];
+  fence_operands(acc);
+  fence_operands(acck);
+#pragma unroll
+  for (int g = 0; g < S::kKSteps / kG; ++g) {
+    uint32_t(&a)[kG][4] = af[g % 2];
+    if (g >= 2) {
+      wgmma_wait<1>();  // group g - 2 retired: its fragments are free
+      fence_fragments(a);
+    }
+#pragma unroll
+    for (int i = 0; i < kG / 2; ++i) {
+      uint32_t r[4];
+      ldmatrix_x4(r, a0 + uint32_t(32 * (g * kG / 2 + i)));
+      decode::fp8x4_to_f16x2x2<S::kKvDt>(r[0], a[2 * i][0], a[2 * i][2]);
+      decode::fp8x4_to_f16x2x2<S::kKvDt>(r[1], a[2 * i][1], a[2 * i][3]);
+      decode::fp8x4_to_f16x2x2<S::kKvDt>(r[2], a[2 * i + 1][0], a[2 * i + 1][2]);
+      decode::fp8x4_to_f16x2x2<S::kKvDt>(r[3], a[2 * i + 1][1], a[2 * i + 1][3]);
+    }
+    fence_fragments(a);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < kG; ++j) {
+      const int ks = g * kG + j;
+      const uint32_t ob = ((ks >> 2) * S::QL::kBlockBytes + (ks & 3) * 32) >> 4;
+      const uint64_t b = (uint64_t(bhi) << 32) | (blo + ob);
+      if (ks < 4) wgmma_rs_kb<__half, S::kM>(acck, a[j], b, ks > 0);
+      else wgmma_rs_kb<__half, S::kM>(acc, a[j], b, ks > 4);
+    }
+    wgmma_commit();
+  }
+  fence_fragments(af[0]);
+  fence_fragments(af[1]);
+}
+
+// RS shape, O^T = O^T alpha + V^T P^T with A = V^T from the raw stage: ldmatrix.trans on the fp8
+// key rows hands lane (g, t) keys 2t, 2t+1 x channels 2g, 2g+1 of a 16-channel chunk; bytes
+// regrouped per channel (prmt) and converted, channel 2g is the fragment's row g and 2g + 1 its
+// row g + 8 (finish_cols writes O^T's rows back in channel order). Groups of two k16 steps of a
+// 64-channel block, double-buffered as issue_s_rs.
+template <class S>
+FS_DEV void issue_pv_rs(uint32_t pbuf, uint32_t stage, const float (&al)[4], float (&o)[S::kMb][2][4], int ww,
+                        int lane) {
+  if (__any_sync(kFullMask, al[0] != 1.0f || al[1] != 1.0f || al[2] != 1.0f || al[3] != 1.0f)) {
+#pragma unroll
+    for (int mb = 0; mb < S::kMb; ++mb)
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mb][n][e] *= al[2 * n + e % 2];
+  }
+  const uint64_t db = desc_k_major<S::kM>(pbuf, 0, 0);
+  const uint32_t blo = warp_uniform(uint32_t(db)), bhi = warp_uniform(uint32_t(db >> 32));
+  // matrices: keys 0..7 | 8..15 | 16..23 | 24..31 (+ 32 for k16 steps 2, 3) x the warp's 16
+  // channels of block mb (v starts 64 bytes into the row)
+  const uint32_t a0 = stage + uint32_t((lane % 8 + 8 * (lane / 8)) * S::kRawRow + kMlaD + 16 * ww);
+  uint32_t af[2][2][4];
+#pragma unroll
+  for (int mb = 0; mb < S::kMb; ++mb) fence_operands(o[mb]);
+#pragma unroll
+  for (int g = 0; g < 2 * S::kMb; ++g) {  // block mb = g / 2, k16 steps 2 h, 2 h + 1 (h = g % 2)
+    const int mb = g / 2, h = g % 2;
+    uint32_t(&a)[2][4] = af[g % 2];
+    if (g >= 2) {
+      wgmma_wait<1>();
+      fence_fragments(a);
+    }
+    uint32_t r[4];
+    ldmatrix_x4_trans(r, a0 + uint32_t(h * 32 * S::kRawRow + 64 * mb));
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {  // matrix m: k16 step 2 h + m / 2, keys + 8 (m % 2)
+      uint32_t w;
+      asm("prmt.b32 %0, %1, 0, 0x3120;\n" : "=r"(w) : "r"(r[m]));  // channel 2g's two keys, then 2g + 1's
+      decode::fp8x4_to_f16x2x2<S::kKvDt>(w, a[m / 2][2 * (m % 2)], a[m / 2][2 * (m % 2) + 1]);
+    }
+    fence_fragments(a);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      wgmma_rs_kb<__half, S::kM>(o[mb], a[j], (uint64_t(bhi) << 32) | (blo + (((2 * h + j) * 32) >> 4)), 1);
+    wgmma_commit();
+  }
+  fence_fragments(af[0]);
+  fence_fragments(af[1]);
 }
 
 // The thread's 4 columns (packed rows) 8 n + 2 (lane % 4) + b, n, b in {0, 1}: index 2 n + b.
@@ -349,7 +489,8 @@ FS_DEV void finish_cols(const AttnParams& p, const DecodeSeq& s, int64_t g0, int
     for (int mb = 0; mb < S::kMb; ++mb)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int ch = 64 * (S::kMb * wg + mb) + 16 * ww + lane / 4 + 8 * h;
+        // O^T's rows lane / 4 + 8 h of the warp's 16; RS shape: channels 2 (lane / 4) + h (issue_pv_rs)
+        const int ch = 64 * (S::kMb * wg + mb) + 16 * ww + (S::kRs ? 2 * (lane / 4) + h : lane / 4 + 8 * h);
         const float v = o[mb][i / 2][2 * h + i % 2] * sc;
         if (part) part[ch] = v;
         else store_out(p, s.rows.qb, q_row, pi.h, ch, v);
@@ -433,7 +574,10 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
     for (int h = 0; h < kN / 32; ++h) loc[(k & 1) * kN + 32 * h + lane] = decode::tile_loc(p, s.kv, key_of(k, h));
   };
   const auto issue_tile = [&](int64_t k) {
-    if constexpr (S::kFp8) {
+    if constexpr (S::kRs) {
+      if (k < n) issue_raw_fp8<S>(p, loc + (k & 1) * kN, bad + (k & 3) * S::kSub, stage(k));
+      cp_async_commit();
+    } else if constexpr (S::kFp8) {
       if (k < n) load_tile_fp8<S>(p, loc + (k & 1) * kN, bad + (k & 3) * S::kSub, raw);
     } else {
       if (k < n) issue_kv_rows<S>(p, loc + (k & 1) * kN, bad + (k & 3) * S::kSub, stage(k));
@@ -446,16 +590,22 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
   }
   __syncthreads();
   issue_tile(0);  // 16-bit: one cp.async group with Q
-  if constexpr (S::kFp8) {
+  if constexpr (S::kFp8 && !S::kRs) {
     cp_async_wait<0>();  // Q (its own group: start_rows)
     __syncthreads();
     convert_q_fp8<S>(sm + S::kQOff, meta);  // f16, scaled per row: meta[j].qk_scale
   }
   if constexpr (kStages == 2) {
-    if constexpr (S::kFp8) {
+    if constexpr (S::kFp8 && !S::kRs) {
       if (n > 0) store_tile_fp8<S>(raw, stage(0));  // raw takes tile 1 next
     }
     issue_tile(1);
+    if constexpr (S::kRs) {
+      cp_async_wait<2>();  // Q (its own group: start_rows); tiles 0 and 1 may be in flight
+      __syncthreads();
+      convert_q_fp8<S>(sm + S::kQOff, meta);  // f16 in fp8_q_column's order, scaled per row
+      fence_proxy_async_shared();             // read by wgmma (the loop's first barrier)
+    }
     if (n > 2) {
       __syncthreads();  // tile 0's locations are read
       if (warp == 0) locate_tile(2);
@@ -464,15 +614,16 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
   for (int64_t k = 0; k < n; ++k) {
     const uint32_t st = stage(k);
     const uint32_t* b = bad + (k & 3) * S::kSub;
-    if constexpr (S::kFp8) {
+    if constexpr (S::kFp8 && !S::kRs) {
       fence_proxy_async_shared();  // the tile (and Q), written by st.shared, read by wgmma
       __syncthreads();             // tile k in its stage, Q converted; tile k + 2 located
     } else {
       landed_barrier<kStages - 1>();  // tile k (and Q), tile k + 1 may be in flight; k + kStages located
     }
     const uint32_t bad0 = b[0], bad1 = b[1];
-    issue_s_heads<S>(q, st, wg, acc, acck);
-    if constexpr (S::kFp8) {  // under S: tile k + 1 into its stage, k + 2 loaded
+    if constexpr (S::kRs) issue_s_rs<S>(q, st, acc, acck, ww, lane);
+    else issue_s_heads<S>(q, st, wg, acc, acck);
+    if constexpr (S::kFp8 && !S::kRs) {  // under S: tile k + 1 into its stage, k + 2 loaded
       if (k + 1 < n) store_tile_fp8<S>(raw, stage(k + 1));
       issue_tile(k + 2);
     }
@@ -499,12 +650,13 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
         loc[((k + kAhead) & 1) * kN + 32 * h + lane] = decode::tile_loc(p, s.kv, next[h]);
     }
     softmax_cols<S>(p, x, meta, red, pbuf, bad0, bad1, t0, plain, cs, al, wg, ww, lane);  // P^T complete
-    issue_pv_heads<S>(pbuf, st, wg, al, o);
+    if constexpr (S::kRs) issue_pv_rs<S>(pbuf, st, al, o, ww, lane);
+    else issue_pv_heads<S>(pbuf, st, wg, al, o);
     wgmma_wait<0>();
 #pragma unroll
     for (int mb = 0; mb < S::kMb; ++mb) fence_operands(o[mb]);
     __syncthreads();  // every warp's P V of tile k done: its stage and P^T are free
-    if constexpr (!S::kFp8) issue_tile(k + kStages);
+    if constexpr (!S::kFp8 || S::kRs) issue_tile(k + kStages);
   }
   cp_async_wait<0>();
   finish_cols<S>(p, s, g0, nrows, split, red - wg * 5 * S::kM, rscale, cs, o, wg, ww, lane);
@@ -513,7 +665,7 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
 // kWgs warpgroups, kStages KV stages (decode_mla_config.hpp: the shapes); kKv the latent's dtype
 // (kDt, or fp8).
 template <DType kDt, DType kKv, int kWgs, int kStages>
-__global__ void __launch_bounds__(128 * kWgs, mla_heads_ctas_per_sm(kWgs, kStages))
+__global__ void __launch_bounds__(128 * kWgs, mla_heads_ctas_per_sm(kWgs, kStages, is_fp8(kKv) && kWgs == 1))
     decode_mla_heads(const __grid_constant__ AttnParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = HeadsShape<kDt, kKv, kWgs, kStages>;

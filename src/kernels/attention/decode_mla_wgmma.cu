@@ -21,7 +21,7 @@ namespace {
 template <DType kDt, DType kKv, int kWgs, int kStages>
 void launch_heads(const AttnParams& p, dim3 grid, cudaStream_t s) {
   constexpr auto kernel = &mla::decode_mla_heads<kDt, kKv, kWgs, kStages>;
-  constexpr size_t smem = mla_heads_smem_bytes(kWgs, kStages);
+  constexpr size_t smem = mla_heads_smem_bytes(kWgs, kStages, is_fp8(kKv) && kWgs == 1);
   ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);
   kernel<<<grid, 128 * kWgs, smem, s>>>(p);
 }
@@ -38,13 +38,13 @@ int forced_heads_ctas() {
 
 }  // namespace
 
-// The 16-row shapes by the grid (mla_heads_pair). An fp8 latent cache runs on decode_mla_heads
-// (two warpgroups, two stages: tile k + 1 converted into its stage under S of tile k) for grids
-// under 1.5 CTAs per SM, where it is ~30% faster than decode_mla (H200, H = 16: B = 1 L = 32k
-// 45.7 vs 64.2 us, B = 4 L = 8k 44.1 vs 62.6); on larger grids decode_mla's kernel (two CTAs per
-// SM) is as fast or faster (B = 64 L = 4k 143.6 vs 142.6, B = 128 L = 8k 395 vs 458; the heads
-// kernel's one-stage two-CTA fp8 shape measured 135 / 446, its conversion on the CTA's chain),
-// so those run it. bench/RESULTS.md 2026-11-25.
+// The 16-row shapes by the grid (mla_heads_pair). An fp8 latent cache runs on decode_mla_heads:
+// for grids under 1.5 CTAs per SM its 2 x 2 shape (tile k + 1 converted into its f16 stage under
+// S of tile k), ~30% faster than decode_mla (H200, H = 16: B = 1 L = 32k 45.7 vs 64.2 us; the RS
+// shape there 1.18x slower); for larger grids its RS shape: one warpgroup, two raw fp8 stages
+// (101 KB: two CTAs per SM), the MMAs' A operands converted in registers (S: ldmatrix on the key
+// rows, q permuted; P V: ldmatrix.trans, prmt, O^T's rows permuted): B = 64 L = 4k 100.2 us
+// (decode_mla 142.2, bf16 105.6), B = 128 L = 8k 302.3 (393.2, bf16 318.1). bench/RESULTS.md.
 void launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream) {
   mla::require_mla_problem(p, "decode_mla_wgmma");
   if (p.rows_per_cta != 64 && p.rows_per_cta != kMlaHeadsRows)
@@ -57,13 +57,13 @@ void launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream) {
   if (is_fp8(p.k.dtype) && p.rows_per_cta != kMlaHeadsRows)
     throw RuntimeError(detail::cat("decode_mla_wgmma attention: an fp8 latent cache takes ", kMlaHeadsRows,
                                    " rows per CTA, got ", p.rows_per_cta));
-  if (is_fp8(p.k.dtype) && pair) return launch_decode_mla(p, stream);  // fp8 at two CTAs per SM: see above
   if (!dispatch_built<kMlaConfigs>(
           [&](const MlaConfig& c) { return c.dtype == p.q.dtype && c.kv == p.k.dtype && c.kv == p.v.dtype; },
           [&]<size_t I>() {
             constexpr DType kDt = kMlaConfigs[I].dtype, kKv = kMlaConfigs[I].kv;
-            if constexpr (is_fp8(kKv)) {  // 16 rows, the 2 x 2 shape only
-              launch_heads<kDt, kKv, 2, 2>(p, grid, s);
+            if constexpr (is_fp8(kKv)) {
+              if (pair) launch_heads<kDt, kKv, 1, 2>(p, grid, s);  // the RS shape, two CTAs per SM
+              else launch_heads<kDt, kKv, 2, 2>(p, grid, s);
             } else if (p.rows_per_cta == 64) {
               constexpr auto kernel = &mla::decode_mla_wgmma<kDt>;
               ensure_smem_limit<kernel>(mla_wgmma_smem_bytes(), /*max_carveout=*/true);
