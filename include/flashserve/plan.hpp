@@ -34,6 +34,7 @@ struct ProblemShape {
   bool causal = false;
   bool local = false;         // window or chunked local attention
   bool batch_invariant = false;  // AttentionParams::batch_invariant (plan.hpp: split_size)
+  bool kv_8bit = false;       // a 1-byte K cache (fp8, int8): the kernels that serve it differ
   friend bool operator==(const ProblemShape&, const ProblemShape&) = default;
 };
 

@@ -8,8 +8,10 @@ softmax_scale=0, k/v appends, rotary_cos/sin, cache_leftpad; for get_scheduler_m
 cu_seqlens_k_new, cache_leftpad, max_seqlen_k_new != 0 and sm_margin != 0. Keywords that only
 tune speed or the backward pass are accepted: deterministic (the forward is deterministic for
 a given shape and num_splits), pack_gqa (the planner
-packs GQA heads itself), rotary_interleaved (no rotary), has_softcap and qkv_dtype (plans
-depend on shapes alone).
+packs GQA heads itself), rotary_interleaved (no rotary) and has_softcap (plans depend on
+shapes alone). get_scheduler_metadata's qkv_dtype counts for its width: a 1-byte cache (fp8)
+can be served by other kernels, with another split count (MLA's absorbed decode); a call given
+metadata made with another qkv_dtype runs with its split count, as FlashAttention-3 does.
 
 batch_invariant=True (flashserve's keyword on both calls; vLLM's VLLM_BATCH_INVARIANT, SGLang's
 enable_deterministic_inference): a request's output is bitwise the same whatever else the
@@ -184,12 +186,19 @@ def get_scheduler_metadata(
         raise _not_implemented("max_seqlen_k_new", max_seqlen_k_new)
     return scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
                               cache_seqlens, headdim_v, cu_seqlens_q, page_size, causal, window_size, 0,
-                              num_splits, sm_margin, batch_invariant)
+                              num_splits, sm_margin, batch_invariant, qkv_dtype)
+
+
+def _one_byte(dtype: Any) -> bool:
+    """Whether qkv_dtype is a 1-byte type (torch.float8_e4m3fn, "fp8", ...)."""
+    if isinstance(dtype, str):
+        return dtype.startswith(("fp8", "float8", "int8", "uint8"))
+    return getattr(dtype, "itemsize", 2) == 1
 
 
 def scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
                        cache_seqlens, headdim_v, cu_seqlens_q, page_size, causal, window_size,
-                       attention_chunk, num_splits, sm_margin, batch_invariant=False) -> Any:
+                       attention_chunk, num_splits, sm_margin, batch_invariant=False, qkv_dtype=_BF16) -> Any:
     """get_scheduler_metadata's checks and call, shared with flashserve.fa3's."""
     if sm_margin != 0:
         raise _not_implemented("sm_margin", sm_margin)
@@ -203,7 +212,7 @@ def scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_
     return call(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
                 headdim if headdim_v is None else headdim_v, cache_seqlens, cu_seqlens_q,
                 0 if page_size is None else page_size, bool(causal), local, num_splits,
-                batch_invariant=bool(batch_invariant))
+                batch_invariant=bool(batch_invariant), kv_8bit=_one_byte(qkv_dtype))
 
 
 def fa_version_unsupported_reason(fa_version: int, device: Union[None, int, str, Any] = None) -> Optional[str]:

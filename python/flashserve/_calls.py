@@ -81,7 +81,7 @@ def reshape_and_cache_flash(key: Any, value: Any, key_cache: Any, value_cache: A
 def scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, num_heads_q: int,
                        num_heads_kv: int, headdim: int, headdim_v: int, cache_seqlens: Any,
                        cu_seqlens_q: Optional[Any], page_size: int, causal: bool, local: bool,
-                       num_splits: int, batch_invariant: bool = False) -> Any:
+                       num_splits: int, batch_invariant: bool = False, kv_8bit: bool = False) -> Any:
     """The plan of a call with this shape (_C.plan_for_shape) as PLAN_WORDS int32 words on
     cache_seqlens' device (host metadata is decoded by the call; CUDA metadata is not read:
     _tensors.schedule). A fixed length: it fits the persistent buffers engines size for
@@ -90,7 +90,7 @@ def scheduler_metadata(batch_size: int, max_seqlen_q: int, max_seqlen_k: int, nu
     kind, index = device_of(cache_seqlens)
     words = list(_C.plan_for_shape(kind, index, batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv,
                                    headdim, headdim_v, total_q, page_size, causal, local, num_splits,
-                                   bool(batch_invariant)))
+                                   bool(batch_invariant), bool(kv_8bit)))
     if not is_torch(cache_seqlens):
         return np.asarray(words, dtype=np.int32)
     return _on_device(words, cache_seqlens.device)

@@ -61,7 +61,7 @@ SCHEMAS = {
     "scheduler_metadata": (
         "(int batch_size, int max_seqlen_q, int max_seqlen_k, int num_heads_q, int num_heads_kv, "
         "int headdim, int headdim_v, Tensor cache_seqlens, Tensor? cu_seqlens_q, int page_size, "
-        "bool causal, bool local, int num_splits, bool batch_invariant=False) -> Tensor"),
+        "bool causal, bool local, int num_splits, bool batch_invariant=False, bool kv_8bit=False) -> Tensor"),
     "spec_draft_expand": (
         "(Tensor out_cache_loc, int decode_length, Tensor! page_table, Tensor! cache_seqlens, "
         "Tensor! cu_seqlens_k) -> ()"),
@@ -98,7 +98,7 @@ def _nothing(*args: Any, **kwargs: Any) -> None:
 
 def _metadata_fake(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, headdim_v,
                    cache_seqlens, cu_seqlens_q, page_size, causal, local, num_splits,
-                   batch_invariant=False) -> torch.Tensor:
+                   batch_invariant=False, kv_8bit=False) -> torch.Tensor:
     """scheduler_metadata's output: PLAN_WORDS words, whatever the shape."""
     return cache_seqlens.new_empty((PLAN_WORDS,), dtype=torch.int32)
 

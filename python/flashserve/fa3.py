@@ -407,12 +407,12 @@ def get_scheduler_metadata(
     attention_chunk=0, has_softcap=False, num_splits=0, pack_gqa=None, sm_margin=0,
 ) -> Any:
     """The schedule of a later call with this shape (flashserve.get_scheduler_metadata's
-    int32 tensor). cu_seqlens_k_new, cache_leftpad, max_seqlen_k_new, qkv_dtype, has_softcap
-    and pack_gqa do not change flashserve's schedule (it depends on the shape alone)."""
+    int32 tensor). cu_seqlens_k_new, cache_leftpad, max_seqlen_k_new, has_softcap and pack_gqa
+    do not change flashserve's schedule; qkv_dtype's width does (a 1-byte cache)."""
     from ._api import scheduler_metadata
     return scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim,
                               cache_seqlens, headdim_v, cu_seqlens_q, page_size, causal, _window(window_size),
-                              attention_chunk, num_splits, sm_margin)
+                              attention_chunk, num_splits, sm_margin, qkv_dtype=qkv_dtype)
 
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_combine",

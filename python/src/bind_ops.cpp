@@ -61,9 +61,9 @@ std::vector<int32_t> encode_plan(Plan plan, DeviceType device) {
   w[kDeviceType] = int32_t(device);
   w[kNumSplits] = plan.num_splits;
   w[kGranularity] = plan.split_granularity;
-  // bit 2: batch-invariant; bit 3: its fixed-size splits (plan.split_size > 0)
+  // bit 2: batch-invariant; bit 3: its fixed-size splits (plan.split_size > 0); bit 4: kv_8bit
   w[kFlags] = int32_t(plan.shape.causal) | int32_t(plan.shape.local) << 1 | int32_t(plan.shape.batch_invariant) << 2 |
-              int32_t(plan.split_size > 0) << 3;
+              int32_t(plan.split_size > 0) << 3 | int32_t(plan.shape.kv_8bit) << 4;
   const auto f = shape_fields(plan.shape);
   for (size_t i = 0; i < f.size(); ++i) {
     if (*f[i] < 0 || *f[i] > INT32_MAX) fail_arg(kShapeFieldNames[i], "a value in [0, 2^31)", *f[i]);
@@ -89,6 +89,7 @@ Plan decode_plan(const TensorRef& t, const DeviceProps& dev) {
   s.causal = word(kFlags) & 1;
   s.local = word(kFlags) & 2;
   s.batch_invariant = word(kFlags) & 4;
+  s.kv_8bit = word(kFlags) & 16;
   const int splits = word(kNumSplits);
   if (splits < 1 || splits > kMaxSplits) fail_arg(arg, detail::cat("num_splits in [1, ", kMaxSplits, "]"), splits);
   // A batch-invariant plan is re-made from its shape (fixed-size splits, or none).
@@ -103,10 +104,10 @@ Plan decode_plan(const TensorRef& t, const DeviceProps& dev) {
 std::vector<int32_t> plan_for_shape(const std::string& device, int index, int64_t batch, int64_t max_seqlen_q,
                                     int64_t max_seqlen_k, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                     int64_t head_dim_v, int64_t total_q, int64_t page_size, bool causal, bool local,
-                                    int num_splits, bool batch_invariant) {
+                                    int num_splits, bool batch_invariant, bool kv_8bit) {
   const Device d = parse_device(device, index);
   ProblemShape s{batch, max_seqlen_q, max_seqlen_k, num_heads, num_kv_heads, head_dim, head_dim_v, total_q,
-                 page_size, causal, local, batch_invariant};
+                 page_size, causal, local, batch_invariant, kv_8bit};
   return encode_plan(make_plan(s, device_props(d), num_splits), d.type);
 }
 
@@ -212,7 +213,7 @@ void register_attention(nb::module_& m) {
   m.attr("PLAN_WORDS") = int(kPlanWords);
   m.def("plan_for_shape", &plan_for_shape, "device"_a, "index"_a, "batch"_a, "max_seqlen_q"_a, "max_seqlen_k"_a,
         "num_heads"_a, "num_kv_heads"_a, "head_dim"_a, "head_dim_v"_a, "total_q"_a, "page_size"_a, "causal"_a,
-        "local"_a, "num_splits"_a, "batch_invariant"_a = false, "The plan (int32 words) for a problem shape: get_scheduler_metadata.");
+        "local"_a, "num_splits"_a, "batch_invariant"_a = false, "kv_8bit"_a = false, "The plan (int32 words) for a problem shape: get_scheduler_metadata.");
 }
 
 // ---------------------------------------------------------------- cache, merge, variants

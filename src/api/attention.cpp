@@ -21,7 +21,7 @@ std::string shape_summary(const ProblemShape& s) {
   return detail::cat("batch=", s.batch, " max_seqlen_q=", s.max_seqlen_q, " max_seqlen_k=", s.max_seqlen_k,
                      " heads=", s.num_heads, "/", s.num_kv_heads, " head_dim=", s.head_dim, "/", s.head_dim_v,
                      s.page_size ? detail::cat(" paged(", s.page_size, ")") : std::string(" contiguous"),
-                     s.causal ? " causal" : "", s.local ? " local" : "", s.batch_invariant ? " batch_invariant" : "");
+                     s.causal ? " causal" : "", s.local ? " local" : "", s.batch_invariant ? " batch_invariant" : "", s.kv_8bit ? " kv_8bit" : "");
 }
 
 // The plan a call runs with, given the caller's (scheduler metadata): one made for this shape,
@@ -29,10 +29,13 @@ std::string shape_summary(const ProblemShape& s) {
 // batch before padding it for a CUDA graph (vLLM: total_q = cu_seqlens_q[B] then, the padded
 // rows at the call), so a plan for another row count serves with its split count and a
 // workspace re-sized for the call's rows (make_plan with that count: the same split count
-// unless the workspace bound caps it, which changes rounding only).
+// unless the workspace bound caps it, which changes rounding only). Nor does a plan's cache
+// width have to match (FlashAttention-3 runs metadata made with another qkv_dtype): its split
+// count serves any.
 Plan resolve_plan(const Plan& plan, const ProblemShape& shape, const DeviceProps& dev) {
   ProblemShape rows_as_call = plan.shape;
   rows_as_call.total_q = shape.total_q;
+  rows_as_call.kv_8bit = shape.kv_8bit;
   if (!(rows_as_call == shape))
     fail_arg("scheduler_metadata", "a plan made for " + shape_summary(shape),
              "one made for " + shape_summary(plan.shape));
@@ -40,7 +43,7 @@ Plan resolve_plan(const Plan& plan, const ProblemShape& shape, const DeviceProps
     fail_arg("scheduler_metadata", detail::cat("num_splits in [1, ", kMaxSplits, "]"), plan.num_splits);
   if (plan.split_granularity < 1)
     fail_arg("scheduler_metadata", "split_granularity >= 1", plan.split_granularity);
-  if (plan.shape.total_q == shape.total_q) return plan;
+  if (plan.shape.total_q == shape.total_q && plan.shape.kv_8bit == shape.kv_8bit) return plan;
   // Batch-invariant plans follow the shape alone (split_size > 0: fixed-size splits).
   if (shape.batch_invariant) return make_plan(shape, dev, plan.split_size > 0 ? 0 : 1);
   return make_plan(shape, dev, plan.num_splits);

@@ -33,6 +33,7 @@ ProblemShape shape_of(const AttnProblem& pr) {
   s.causal = p.causal;
   s.local = !p.window.unbounded() || p.chunk_size > 0;
   s.batch_invariant = p.batch_invariant;
+  s.kv_8bit = dtype_size(pr.k.dtype) == 1;
   if (pr.batched) {
     s.max_seqlen_q = pr.q.size(1);
     s.max_seqlen_k = pr.paged ? pr.block_table->size(1) * pr.block_size : pr.k.size(1);

@@ -36,6 +36,7 @@ Plan part_plan(const BuilderConfig& c, const PartMetadata& p, int64_t page_size,
   s.page_size = page_size;
   s.causal = p.causal;
   s.local = local;
+  s.kv_8bit = c.layer.kv_cache_dtype != KvCacheDType::auto_;
   if (c.batch_invariant) {
     // A part holding a query longer than the decode threshold is planned (and called) as the
     // prefill class, whatever its longest query: pass_params takes the plan's bound.

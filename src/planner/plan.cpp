@@ -68,20 +68,38 @@ constexpr int64_t kSplitRowsBoundWaves = 4;
 
 // The least keys per split of a decode-like shape: kStreamMinSplitKeys, measured for GQA with
 // D = Dv = 128 (256 K and V elements per key and KV head). MLA's absorbed decode (Dv > D: one
-// latent row of D + Dv elements per key serves all heads, k and v being views of it) takes the
-// same bytes per split, 1024 x 256 / (D + Dv) keys (455 at 64 + 512: 512 after the granule),
-// so B = 1 at 32k keys gets 64 splits instead of 32 (32 CTAs for 132 SMs).
+// latent row of D + Dv elements per key serves all heads, k and v being views of it) on its
+// 16-row kernel (decode_mla_heads: 64-key tiles) takes kMlaMinSplitKeys.
+constexpr int64_t kMlaMinSplitKeys = 256;
 int64_t stream_min_split_keys(const ProblemShape& s, int64_t g) {
-  if (!planner::is_mla_decode(s.head_dim, s.head_dim_v) || s.head_dim + s.head_dim_v <= 0) return kStreamMinSplitKeys;
-  const int64_t keys = kStreamMinSplitKeys * 256 / (s.head_dim + s.head_dim_v);
-  return std::max(g, (keys + g - 1) / g * g);
+  if (!planner::is_mla_decode(s.head_dim, s.head_dim_v)) return kStreamMinSplitKeys;
+  return std::max(g, (kMlaMinSplitKeys + g - 1) / g * g);
+}
+
+// Resident CTAs per SM the split count aims at (kStreamSlotsPerSm), and whether it stops at one
+// wave of them. MLA's 16-row decode with a 16-bit latent runs one CTA per SM (its 2 x 2 shape)
+// up to 1.5 CTAs per SM and two (1 x 1) beyond, whose one stage is slower: one CTA per SM and
+// splits that stop at one wave (H200, H = 16, bf16, us: B = 1 L = 32k 128 splits 31.4 vs 64
+// 35.4; B = 16 L = 4k 8 splits 39.1 vs 16 46.0; B = 64 L = 4k 2 splits 100.9 vs 4 105.0;
+// B = 128 L = 8k 1 split 300.4 vs 2 318.7). An fp8 latent's two-CTA shape (RS: two raw stages)
+// is the fast one, so it keeps two slots (B = 64 4 splits 100.6 vs 2 130.7, B = 128 2 splits
+// 302.1 vs 1 413.8; B = 1 L = 32k 128 splits 33.8 vs 64 43.1). bench/RESULTS.md 2026-11-25.
+struct StreamSlots {
+  int64_t per_sm = kStreamSlotsPerSm;
+  bool one_wave = false;
+};
+StreamSlots stream_slots(const ProblemShape& s) {
+  if (planner::is_mla_decode(s.head_dim, s.head_dim_v) && !s.kv_8bit) return {1, true};
+  return {};
 }
 
 // Splits of units (sequence, KV head) for a decode-like shape: of the eligible counts up to
 // the cap, the first within 5% of the best score, score = wave efficiency x target filled.
-int stream_splits(int64_t units, int64_t granules, int64_t cap, int64_t g, int64_t sms, int64_t min_keys) {
-  const int64_t slots = kStreamSlotsPerSm * sms, target = kStreamWaves * slots;
-  const int64_t max_s = std::min(cap, std::max<int64_t>(1, granules * g / min_keys));
+int stream_splits(int64_t units, int64_t granules, int64_t cap, int64_t g, int64_t sms, int64_t min_keys,
+                  StreamSlots per) {
+  const int64_t slots = per.per_sm * sms, target = kStreamWaves * slots;
+  int64_t max_s = std::min(cap, std::max<int64_t>(1, granules * g / min_keys));
+  if (per.one_wave) max_s = std::min(max_s, std::max<int64_t>(1, slots / std::max<int64_t>(1, units)));
   if (units >= target || max_s < 2) return 1;
   std::array<double, kMaxSplits + 1> score{};
   double best = 0.0;
@@ -134,7 +152,8 @@ int choose_unbounded(const ProblemShape& s, const DeviceProps& dev, int requeste
   const int64_t sms = std::max(1, dev.num_sms);
   if (s.batch * s.num_kv_heads == 0 || granules < 2) return 1;
   if (dev.device.type == DeviceType::cuda && packed <= kStreamRows)
-    return stream_splits(s.batch * s.num_kv_heads, granules, cap, g, sms, stream_min_split_keys(s, g));
+    return stream_splits(s.batch * s.num_kv_heads, granules, cap, g, sms, stream_min_split_keys(s, g),
+                         stream_slots(s));
   const bool packs_heads = packed <= kStreamRows || planner::is_mla_decode(s.head_dim, s.head_dim_v);
   const int64_t units =
       packs_heads ? s.batch * s.num_kv_heads * ceil_div(packed, planner::kDecodePackedRows)

@@ -93,14 +93,20 @@ TEST(SplitKv, HeuristicSplitsOnlyWhenTheGpuWouldIdle) {
   EXPECT_EQ(fs::choose_num_splits(pre, fs::DeviceProps::h200(), 0), 2);
   pre.max_seqlen_q = pre.total_q = 8192;  // a long prefill fills the GPU unsplit
   EXPECT_EQ(fs::choose_num_splits(pre, fs::DeviceProps::h200(), 0), 1);
-  // MLA's absorbed decode (H = 16, one latent head, D 64 + Dv 512) aims at one wave of resident
-  // CTAs: B = 64 L = 4k in 4 splits (measured faster than 8); B = 1 L = 32k in 64.
-  fs::ProblemShape mla = decode_shape(64, 4096);
-  mla.num_heads = 16, mla.num_kv_heads = 1, mla.head_dim = 64, mla.head_dim_v = 512, mla.page_size = 64;
-  EXPECT_EQ(fs::choose_num_splits(mla, fs::DeviceProps::h200(), 0), 4);
-  mla.batch = mla.total_q = 1;
-  mla.max_seqlen_k = 32768;
-  EXPECT_EQ(fs::choose_num_splits(mla, fs::DeviceProps::h200(), 0), 64);
+  // MLA's absorbed decode (H = 16, one latent head, D 64 + Dv 512; the splits measured fastest
+  // on the H200, plan.cpp: stream_slots): a 16-bit latent splits up to one CTA per SM, an fp8
+  // one up to two; at least 256 keys per split.
+  struct MlaRow { int64_t batch, keys; bool fp8; int want; };
+  for (const MlaRow r : {MlaRow{64, 4096, false, 2}, MlaRow{64, 4096, true, 4}, MlaRow{1, 32768, false, 128},
+                         MlaRow{1, 32768, true, 128}, MlaRow{16, 4096, false, 8}, MlaRow{16, 8192, true, 16},
+                         MlaRow{32, 4096, false, 4}, MlaRow{32, 4096, true, 8}, MlaRow{128, 8192, false, 1},
+                         MlaRow{128, 8192, true, 2}, MlaRow{8, 4096, false, 16}, MlaRow{256, 1024, true, 1}}) {
+    fs::ProblemShape mla = decode_shape(r.batch, r.keys);
+    mla.num_heads = 16, mla.num_kv_heads = 1, mla.head_dim = 64, mla.head_dim_v = 512, mla.page_size = 64;
+    mla.kv_8bit = r.fp8;
+    EXPECT_EQ(fs::choose_num_splits(mla, fs::DeviceProps::h200(), 0), r.want)
+        << "B=" << r.batch << " L=" << r.keys << (r.fp8 ? " fp8" : " bf16");
+  }
 }
 
 // The decode split counts measured fastest on the H200 (bf16, H = 32, D = 128, block 16; every

@@ -266,6 +266,13 @@ def test_num_splits_and_scheduler_metadata(rng):
     assert np.isnan(out).all(), "a rejected call wrote out"
     with pytest.raises(ValueError, match="^scheduler_metadata:"):
         fs.flash_attn_varlen_func(*args, cu_seqlens_k=cu(k_lens), scheduler_metadata=np.zeros(40, np.int32))
+    # qkv_dtype's width is part of the plan (flag word 4, bit 4), and metadata made with another
+    # width serves the call with its split count (as FlashAttention-3 runs it)
+    md8 = fs.get_scheduler_metadata(3, 1, 200, 4, 2, 32, np.array(k_lens, np.int32), cu_seqlens_q=cu(q_lens),
+                                    num_splits=5, qkv_dtype="float8_e4m3fn")
+    assert md8[4] & 16 and not md[4] & 16 and np.array_equal(np.delete(md8, 4), np.delete(md, 4))
+    planned8 = fs.flash_attn_varlen_func(*args, scheduler_metadata=md8, **kw)
+    assert np.array_equal(planned8[0], split[0]) and np.array_equal(planned8[1], split[1])
 
 
 # ---------------------------------------------------------------- merge and cache
