@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 flashserve = pytest.importorskip("flashserve")
 fa3 = pytest.importorskip("flashserve.fa3")
 
-from helpers_torch import (DEVICES, HALF_DTYPES, Case, check_bits, check_lse, check_out, cu_seqlens,  # noqa: E402
-                           fp8_descale, make_paged_kv, n_cases, seq_lens)
+from helpers_torch import (DEVICES, HALF_DTYPES, Case, check_bits, check_lse, check_out,  # noqa: E402
+                           check_out_fp8_qkv, cu_seqlens, fp8_descale, make_paged_kv, n_cases, seq_lens)
 from torch_reference import batched_ref, per_seq, varlen_ref  # noqa: E402
 from fa3_cases import E4M3, draw_features, heads_dims, scaled  # noqa: E402
 
@@ -125,7 +125,7 @@ def test_flash_attn_func_fp8(case: Case, device: str) -> None:
         keys = [k[b].float() * k_ds[b][None, :, None] for b in range(batch)]
         values = [v[b].float() * v_ds[b][None, :, None] for b in range(batch)]
         ref_o, _ = batched_ref(q, keys, values, q_descale=q_ds, scale=d ** -0.5, causal=True)
-        check_out(case, "out", res, ref_o, sk)
+        check_out_fp8_qkv(case, "out", res, ref_o, values, sk)
     case.done()
 
 
@@ -241,7 +241,7 @@ def test_varlen_fp8(case: Case, device: str) -> None:
         if res is None:
             continue
         assert res.dtype == torch.bfloat16
-        ref_o, _ = varlen_ref(q, q_lens, paged.keys(k_ds), paged.values(v_ds), q_descale=q_ds,
-                              scale=d ** -0.5, causal=True)
-        check_out(case, "out", res, ref_o, max(k_lens))
+        values = paged.values(v_ds)
+        ref_o, _ = varlen_ref(q, q_lens, paged.keys(k_ds), values, q_descale=q_ds, scale=d ** -0.5, causal=True)
+        check_out_fp8_qkv(case, "out", res, ref_o, values, max(k_lens))
     case.done()
