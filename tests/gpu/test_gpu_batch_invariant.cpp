@@ -20,7 +20,9 @@ namespace fs = flashserve;
 
 namespace {
 
-CaseConfig invariant_config(int64_t B, int64_t sq, int64_t group, DType kv, std::mt19937_64& rng) {
+// Keys per sequence up to max_len (a quarter of the sequences under 300).
+CaseConfig invariant_config(int64_t B, int64_t sq, int64_t group, DType kv, std::mt19937_64& rng,
+                           int64_t max_len = 5000) {
   CaseConfig c;
   c.mode = KvMode::batched_paged;
   c.H_kv = 2;
@@ -29,7 +31,7 @@ CaseConfig invariant_config(int64_t B, int64_t sq, int64_t group, DType kv, std:
   c.q_dtype = c.out_dtype = DType::bf16;
   c.kv_dtype = kv;
   if (kv != DType::bf16) c.quant = fstest::QuantMode::fp8_kv;
-  std::uniform_int_distribution<int64_t> len(1, 5000), pick(0, 3);
+  std::uniform_int_distribution<int64_t> len(1, max_len), pick(0, 3);
   for (int64_t b = 0; b < B; ++b) c.k_lens.push_back(pick(rng) == 0 ? len(rng) % 300 + sq : len(rng) + sq);
   c.q_lens.assign(size_t(B), sq);
   c.causal = true;
@@ -95,11 +97,11 @@ int64_t cols_for(const fstest::AttentionCase& ac, int64_t b0, int64_t b1) {
 }
 
 // Returns false when the build lacks the instantiation.
-bool check_invariant(DType kv, int64_t sq, int64_t group, uint64_t salt) {
+bool check_invariant(DType kv, int64_t sq, int64_t group, uint64_t salt, int64_t max_len = 5000) {
   if (!fs::kernels::decode_config_built(kv, 128)) return false;
   auto rng = fstest::make_rng(salt);
   const int64_t B = 12;
-  fstest::AttentionCase ac = fstest::build_case(invariant_config(B, sq, group, kv, rng), rng);
+  fstest::AttentionCase ac = fstest::build_case(invariant_config(B, sq, group, kv, rng, max_len), rng);
   fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
   fs::AttentionParams p = dc.params;
   p.batch_invariant = true;
@@ -148,6 +150,14 @@ TEST(GpuBatchInvariant, DecodeBf16) {
 TEST(GpuBatchInvariant, VerifyBf16) {
   for (int64_t sq : {2, 4, 8}) check_invariant(DType::bf16, sq, 4, 20 + uint64_t(sq));
   check_invariant(DType::bf16, 16, 8, 29);  // 128 packed rows: the decode kernel's row loop
+}
+
+// Contexts up to 72k keys: the whole batch's call has ~70 splits (the combine's 16 split groups)
+// where a sequence alone has its own few (1 group), 9-63 (4 groups) or 64+ (16): the combine's
+// launch shape follows the call, its sums do not.
+TEST(GpuBatchInvariant, LongContextsAcrossCombineShapes) {
+  check_invariant(DType::bf16, 1, 4, 50, 72000);
+  check_invariant(DType::bf16, 4, 2, 51, 72000);
 }
 
 TEST(GpuBatchInvariant, Fp8Cache) {

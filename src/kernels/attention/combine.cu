@@ -1,18 +1,24 @@
-// Split-KV combine: per covered (flat row, head), merges the num_splits partial states into
-// out and lse (the sink merged once), in two parallel phases instead of a sequential chain of
-// pairwise merges (a B = 1 decode has 64+ splits over few rows): the lanes reduce the partial
-// LSEs to the merged one (max, then the sum of exp(lse_s - max)), keep each split's weight
-// exp(lse_s - lse) in shared memory, then each thread sums its channels over the
-// splits with independent loads. The same merge as merge_lse (common/softmax_state.hpp) up to
-// fp32 rounding: a NaN partial LSE makes the row NaN, empty splits (-inf) weigh 0, all empty
-// gives out 0 and lse -inf. One CTA of 4 warps per (row, head, 128 channels): each warp
-// merges the LSEs (the same value; num_splits loads), each thread sums its channel over the
-// splits in four independent accumulators, 32 loads in flight (B = 1, 32 splits, D = 128: one
-// CTA per (row, head), one round; where one warp per item took 16 rounds, the combine of a
-// B = 1 L = 32k decode went from 48 to 8.6 us under ncu on the H200. MLA's Dv = 512 with 64
-// splits and 16 heads: 64 CTAs instead of 16 whose threads each chained 4 channels x 64
-// splits, 86 us under ncu for a 50 us decode_mla kernel).
+// Split-KV combine: per covered (flat row, head) item, merges the num_splits partial states
+// into out and lse (the sink merged once), in two parallel phases instead of a sequential chain
+// of pairwise merges: each warp reduces its item's partial LSEs to the merged one (max, then the
+// sum of exp(lse_s - max)) and keeps each split's weight exp(lse_s - lse) in shared memory, then
+// the threads sum the channels over the splits with independent float4 loads. The same merge as
+// merge_lse (common/softmax_state.hpp) up to fp32 rounding: a NaN partial LSE makes the row NaN,
+// empty splits (-inf) weigh 0, all empty gives out 0 and lse -inf.
+//
+// Shape (chosen on the host, launch_split_combine): an item's Dv / 4 float4 vectors in chunks
+// of vc, each chunk's splits over G split groups (G in 1, 4, 16: thread (g, v) sums the splits
+// s = g mod G), an item spanning vc x G >= 32 threads, 128 / (vc x G) items per CTA. Many
+// splits over few items (B = 1 decode) take G = 16 (MLA B = 1 L = 32k, 128 splits: 256 CTAs, 8
+// loads per thread; 31.6 -> 29.2 us per call), 9-63 splits G = 4 (G = 16 at 32 splits, MLA fp8
+// B = 4 L = 8k: 30.5 -> 32.4); few splits over many items take G = 1 and whole items (MLA B =
+// 64, 2 splits: 1024 CTAs in one wave, two float4 loads per thread, where one float per thread
+// over 4096 CTAs took ~15 us under ncu: 100.7 -> 92.8 us per call). Whatever the shape, split s
+// accumulates into class sum s mod 16 in increasing s and out is the classes' fixed pairwise
+// tree: the bits depend on the sequence's own splits only (batch-invariant mode).
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "kernels/attention/epilogue.cuh"
 #include "kernels/attention/launchers.hpp"
@@ -55,48 +61,91 @@ __device__ __forceinline__ float merge_split_lses(const float* lse_s, int64_t st
   return mx + logf(sum);
 }
 
-__global__ void __launch_bounds__(kCombineThreads) split_combine(const __grid_constant__ AttnParams p) {
+// The float4 at c (a multiple of 4) of a partial row, times w, into acc.
+__device__ __forceinline__ void fma4(float4& acc, float w, const float4& x) {
+  acc.x = fmaf(w, x.x, acc.x), acc.y = fmaf(w, x.y, acc.y), acc.z = fmaf(w, x.z, acc.z), acc.w = fmaf(w, x.w, acc.w);
+}
+__device__ __forceinline__ float4 add4(const float4& a, const float4& b) {
+  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
+
+// Split s accumulates into class sum s mod kClasses (in increasing s) and out is their fixed
+// pairwise tree: the bits depend on the splits alone, not on the launch shape.
+constexpr int kClasses = 16;
+
+// kG split groups (1, 4 or 16); vc float4 vectors per chunk (launch_split_combine); dynamic
+// shared memory: the class sums [kClasses][128 / kG] float4 when kG > 1. kG == 1 serves calls
+// of at most kClasses / 2 splits (the host's choice), so its classes 8-15 are zeros, not held.
+template <int kG>
+__global__ void __launch_bounds__(kCombineThreads, 8) split_combine(const __grid_constant__ AttnParams p, int vc) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // A dependent launch (launch_split_combine) starts before the forward kernel ends: its
   // partials are complete and visible only after this.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+  constexpr int kSlots = kG == 1 ? kClasses / 2 : kClasses / kG;  // sums per thread: classes g + kG j
+  constexpr int kLanes = kCombineThreads / kG;  // (item slot, vector) pairs per CTA
   __shared__ float weights[kCombineWarps][kMaxSplits];
-  const int64_t chunks = (p.head_dim_v + kCombineThreads - 1) / kCombineThreads;
-  const int64_t item = blockIdx.x / chunks, c = (blockIdx.x % chunks) * kCombineThreads + threadIdx.x;
-  const int lane = int(threadIdx.x % 32);
-  if (item >= p.total_rows() * p.num_heads) return;
-  const int64_t r = item / p.num_heads, h = item % p.num_heads;
-  const SeqRows seq = find_sequence(p, r);
-  if (!seq.covers(r)) return;  // the forward kernel wrote no partial for it
-  // Fixed-size splits (batch-invariant): the sequence's own splits, in order; one split was
-  // written directly by the forward kernel.
-  const int splits = seq_num_splits(kv_len(p, seq.b), p.num_splits, p.split_size);
-  if (splits <= 1) return;
-  const int64_t dv = p.head_dim_v, split_stride = p.total_rows() * p.num_heads;
-  float* w = weights[threadIdx.x / 32];
-  float lse = merge_split_lses(p.lse_partial + partial_index(p, 0, r, h), split_stride, splits, lane, w);
-  const float ws = apply_sink(p, h, lse);
-  if (c < dv) {
-    // Four independent sums (split s into acc[s % 4]) so that 32 loads are in flight per thread.
-    // The tail keeps that assignment, so trailing empty splits (weight 0, partial 0) change no
-    // bit: a CUDA graph captured with more splits than an eager plan of the same keys (the
-    // granule cap) combines the same non-empty splits in the same order.
-    const float* o_s = p.o_partial + partial_index(p, 0, r, h) * dv + c;
-    const int64_t step = split_stride * dv;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    int s = 0;
-#pragma unroll 4
-    for (; s + 4 <= splits; s += 4) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k) acc[k] = fmaf(w[s + k], o_s[(s + k) * step], acc[k]);
-    }
-    for (; s < splits; ++s) acc[s & 3] = fmaf(w[s], o_s[s * step], acc[s & 3]);
-    float o = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    if (lse != lse) o = NAN;
-    store_out(p, seq.qb, seq.q_row(r, p.batched), h, c, o * ws);
+  extern __shared__ float4 sums[];  // [kClasses][kLanes]
+  const int span = vc * kG, t = int(threadIdx.x), lane = t % 32;
+  const int64_t dv = p.head_dim_v, nvec = dv / 4, chunks = (nvec + vc - 1) / vc;
+  const int64_t item = (blockIdx.x / chunks) * (kCombineThreads / span) + t / span;
+  const int g = (t % span) / vc, lv = (t / span) * vc + t % vc;
+  const int64_t v = (blockIdx.x % chunks) * vc + t % vc;
+  int splits = 0;
+  int64_t r = 0, h = 0;
+  SeqRows seq;
+  if (item < p.total_rows() * p.num_heads) {
+    r = item / p.num_heads, h = item % p.num_heads;
+    seq = find_sequence(p, r);
+    // Fixed-size splits (batch-invariant): the sequence's own splits, in order; one split was
+    // written directly by the forward kernel, none when the sequence does not cover r.
+    if (seq.covers(r)) splits = seq_num_splits(kv_len(p, seq.b), p.num_splits, p.split_size);
   }
-  if (threadIdx.x == 0 && c == 0) store_lse(p, seq.qb, seq.q_row(r, p.batched), h, lse);
+  const bool active = splits > 1;  // the same for the item's threads: whole warps
+  const int64_t split_stride = p.total_rows() * p.num_heads;
+  float* w = weights[t / 32];
+  float lse = 0.0f;
+  float4 acc[kSlots];
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (active) {
+    lse = merge_split_lses(p.lse_partial + partial_index(p, 0, r, h), split_stride, splits, lane, w);
+    if (v < nvec) {
+      const float4* o_s = reinterpret_cast<const float4*>(p.o_partial + partial_index(p, 0, r, h) * dv) + v;
+      const int64_t step = split_stride * nvec;
+      // split s = s0 + g + kG j, s0 a multiple of kClasses: class g + kG j
+      for (int s0 = 0; s0 < splits; s0 += kClasses) {
+#pragma unroll
+        for (int j = 0; j < kSlots; ++j) {
+          const int s = s0 + g + kG * j;
+          if (s < splits) fma4(acc[j], w[s], o_s[s * step]);
+        }
+      }
+    }
+  }
+  if constexpr (kG > 1) {  // the classes to the group-0 thread of the (item, vector)
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) sums[(g + kG * j) * kLanes + lv] = acc[j];
+    __syncthreads();
+  }
+  if (!active || g != 0) return;
+  const float ws = apply_sink(p, h, lse);  // lse: the sink merged in
+  const int64_t q_row = seq.q_row(r, p.batched);
+  if (v < nvec) {
+    float4 c[kClasses];
+#pragma unroll
+    for (int k = 0; k < kClasses; ++k)
+      c[k] = kG > 1 ? sums[k * kLanes + lv] : k < kSlots ? acc[k % kSlots] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int d = 1; d < kClasses; d *= 2)
+#pragma unroll
+      for (int k = 0; k < kClasses; k += 2 * d) c[k] = add4(c[k], c[k + d]);
+    const float x[4] = {c[0].x, c[0].y, c[0].z, c[0].w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) store_out(p, seq.qb, q_row, h, 4 * v + e, lse != lse ? NAN : x[e] * ws);
+  }
+  if (v == 0) store_lse(p, seq.qb, q_row, h, lse);
 }
 
 }  // namespace
@@ -106,13 +155,20 @@ __global__ void __launch_bounds__(kCombineThreads) split_combine(const __grid_co
 // after the kernel boundary (split_combine waits for the forward grid with griddepcontrol.wait).
 // CUDA graphs capture it as a programmatic edge.
 void launch_split_combine(const AttnParams& p, void* stream, bool dependent) {
-  const int64_t items = p.total_rows() * p.num_heads;
-  const int64_t chunks = (p.head_dim_v + kCombineThreads - 1) / kCombineThreads;
-  if (items == 0 || chunks == 0) return;
-  if (items * chunks > 0x7fffffff)
-    throw RuntimeError(detail::cat("split combine: ", items, " (row, head) items x ", chunks, " channel chunks exceed the grid"));
+  const int64_t items = p.total_rows() * p.num_heads, nvec = p.head_dim_v / 4;
+  if (items == 0 || nvec == 0) return;
+  if (p.head_dim_v % 4 != 0)
+    throw RuntimeError(detail::cat("split combine: head_dim_v a multiple of 4, got ", p.head_dim_v));
+  // The shape (see the top): G by the splits, vc the item's vectors up to 128 / G threads.
+  const int groups = p.num_splits >= 64 ? 16 : p.num_splits > kClasses / 2 ? 4 : 1;
+  int vc = 32 / std::min(groups, 32);
+  while (vc < nvec && vc * groups < kCombineThreads) vc *= 2;
+  const int64_t per_cta = kCombineThreads / (vc * groups), chunks = (nvec + vc - 1) / vc;
+  const int64_t ctas = (items + per_cta - 1) / per_cta * chunks;
+  if (ctas > 0x7fffffff)
+    throw RuntimeError(detail::cat("split combine: ", items, " (row, head) items exceed the grid"));
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(items * chunks));
+  cfg.gridDim = dim3(unsigned(ctas));
   cfg.blockDim = dim3(kCombineThreads);
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attr{};
@@ -120,7 +176,9 @@ void launch_split_combine(const AttnParams& p, void* stream, bool dependent) {
   attr.val.programmaticStreamSerializationAllowed = dependent ? 1 : 0;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  FS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, split_combine, p));
+  const auto kernel = groups == 16 ? &split_combine<16> : groups == 4 ? &split_combine<4> : &split_combine<1>;
+  cfg.dynamicSmemBytes = groups > 1 ? size_t(kClasses) * (kCombineThreads / groups) * sizeof(float4) : 0;
+  FS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p, vc));
   FS_CUDA_CHECK_LAUNCH();
 }
 
