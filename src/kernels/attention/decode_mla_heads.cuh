@@ -175,14 +175,16 @@ FS_DEV void issue_raw_fp8(const AttnParams& p, const TokenLoc* loc, uint32_t* ba
   }
 }
 
-// Keeps the compiler from moving the A fragments of in-flight RS wgmmas (their registers live
-// until the wait that retires them).
-template <int N>
-FS_DEV void fence_fragments(uint32_t (&a)[N][4]) {
+// O^T's columns times their alpha (skipped when every alpha of the warp is 1).
+template <class S>
+FS_DEV void rescale_o(const float (&al)[4], float (&o)[S::kMb][2][4]) {
+  if (!__any_sync(kFullMask, al[0] != 1.0f || al[1] != 1.0f || al[2] != 1.0f || al[3] != 1.0f)) return;
 #pragma unroll
-  for (int i = 0; i < N; ++i)
+  for (int mb = 0; mb < S::kMb; ++mb)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mb][n][e] *= al[2 * n + e % 2];
 }
 
 // RS shape, S^T = [k | v] Q^T with A from the raw stage: ldmatrix on the fp8 key rows hands lane
@@ -240,14 +242,7 @@ FS_DEV void issue_s_rs(uint32_t q, uint32_t stage, float (&acc)[2][4], float (&a
 template <class S>
 FS_DEV void issue_pv_rs(uint32_t pbuf, uint32_t stage, const float (&al)[4], float (&o)[S::kMb][2][4], int ww,
                         int lane) {
-  if (__any_sync(kFullMask, al[0] != 1.0f || al[1] != 1.0f || al[2] != 1.0f || al[3] != 1.0f)) {
-#pragma unroll
-    for (int mb = 0; mb < S::kMb; ++mb)
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[mb][n][e] *= al[2 * n + e % 2];
-  }
+  rescale_o<S>(al, o);
   const uint64_t db = desc_k_major<S::kM>(pbuf, 0, 0);
   const uint32_t blo = warp_uniform(uint32_t(db)), bhi = warp_uniform(uint32_t(db >> 32));
   // matrices: keys 0..7 | 8..15 | 16..23 | 24..31 (+ 32 for k16 steps 2, 3) x the warp's 16
@@ -427,14 +422,7 @@ FS_DEV void issue_s_heads(uint32_t q, uint32_t stage, int wg, float (&acc)[2][4]
 template <class S>
 FS_DEV void issue_pv_heads(uint32_t pbuf, uint32_t stage, int wg, const float (&al)[4], float (&o)[S::kMb][2][4]) {
   using T = typename S::T;
-  if (__any_sync(kFullMask, al[0] != 1.0f || al[1] != 1.0f || al[2] != 1.0f || al[3] != 1.0f)) {
-#pragma unroll
-    for (int mb = 0; mb < S::kMb; ++mb)
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[mb][n][e] *= al[2 * n + e % 2];
-  }
+  rescale_o<S>(al, o);
   const uint64_t da = desc_n_major<S::kN>(stage + uint32_t(1 + S::kMb * wg) * S::KvL::kBlockBytes, 0);
   const uint64_t db = desc_k_major<S::kM>(pbuf, 0, 0);
   const uint32_t alo = warp_uniform(uint32_t(da)), ahi = warp_uniform(uint32_t(da >> 32));

@@ -114,4 +114,14 @@ FS_DEV void fence_operands(float (&d)[N][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
 }
 
+// The same for the A fragments of in-flight register-A wgmmas (live until the wait that retires
+// them).
+template <int N>
+FS_DEV void fence_fragments(uint32_t (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[i][e])::"memory");
+}
+
 }  // namespace flashserve::kernels
