@@ -49,7 +49,9 @@ __global__ void __launch_bounds__(128 * kMaxWgs, 1) rate(long long* clocks, floa
     for (int n = 0; n < N / 8; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][n][e] = 0.0f;
-  uint32_t ra[4] = {0u, 0u, 0u, 0u};
+  uint32_t ra[4];  // RS: A from registers (zeros, loaded: constants would not be registers)
+#pragma unroll
+  for (int e = 0; e < 4; ++e) ra[e] = reinterpret_cast<const uint32_t*>(sm)[threadIdx.x % 128 * 4 + e];
   const long long t0 = clock64();
   fk::wgmma_fence();
 #pragma unroll
