@@ -18,8 +18,6 @@
 // tree: the bits depend on the sequence's own splits only (batch-invariant mode).
 #include <cuda_runtime.h>
 
-#include <algorithm>
-
 #include "kernels/attention/epilogue.cuh"
 #include "kernels/attention/launchers.hpp"
 #include "kernels/attention/schedule.cuh"
@@ -161,7 +159,7 @@ void launch_split_combine(const AttnParams& p, void* stream, bool dependent) {
     throw RuntimeError(detail::cat("split combine: head_dim_v a multiple of 4, got ", p.head_dim_v));
   // The shape (see the top): G by the splits, vc the item's vectors up to 128 / G threads.
   const int groups = p.num_splits >= 64 ? 16 : p.num_splits > kClasses / 2 ? 4 : 1;
-  int vc = 32 / std::min(groups, 32);
+  int vc = 32 / groups;
   while (vc < nvec && vc * groups < kCombineThreads) vc *= 2;
   const int64_t per_cta = kCombineThreads / (vc * groups), chunks = (nvec + vc - 1) / vc;
   const int64_t ctas = (items + per_cta - 1) / per_cta * chunks;

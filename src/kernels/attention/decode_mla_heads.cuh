@@ -73,6 +73,8 @@ struct HeadsShape {
   // fp8 with one warpgroup (the RS shape): raw fp8 stages of kRawRow-byte rows, the MMAs' A
   // operands converted to f16 in registers (issue_s_rs, issue_pv_rs); q in fp8_q_column's order.
   static constexpr bool kRs = kFp8 && kWgs_ == 1;
+  // fp8 with two warpgroups: each tile converted to f16 into its stage (load_tile_fp8, store_tile_fp8)
+  static constexpr bool kConvert = kFp8 && !kRs;
   static constexpr bool kQPermuted = kRs;
   static constexpr int kRawRow = kMlaHeadsRawRow;
   static constexpr int kMb = 8 / kWgs;  // P V: 64-channel latent blocks per warpgroup
@@ -223,8 +225,7 @@ FS_DEV void issue_s_rs(uint32_t q, uint32_t stage, float (&acc)[2][4], float (&a
 #pragma unroll
     for (int j = 0; j < kG; ++j) {
       const int ks = g * kG + j;
-      const uint32_t ob = ((ks >> 2) * S::QL::kBlockBytes + (ks & 3) * 32) >> 4;
-      const uint64_t b = (uint64_t(bhi) << 32) | (blo + ob);
+      const uint64_t b = (uint64_t(bhi) << 32) | (blo + (k_step_bytes<S::kM>(ks) >> 4));
       if (ks < 4) wgmma_rs_kb<__half, S::kM>(acck, a[j], b, ks > 0);
       else wgmma_rs_kb<__half, S::kM>(acc, a[j], b, ks > 4);
     }
@@ -263,8 +264,7 @@ FS_DEV void issue_pv_rs(uint32_t pbuf, uint32_t stage, const float (&al)[4], flo
     ldmatrix_x4_trans(r, a0 + uint32_t(h * 32 * S::kRawRow + 64 * mb));
 #pragma unroll
     for (int m = 0; m < 4; ++m) {  // matrix m: k16 step 2 h + m / 2, keys + 8 (m % 2)
-      uint32_t w;
-      asm("prmt.b32 %0, %1, 0, 0x3120;\n" : "=r"(w) : "r"(r[m]));  // channel 2g's two keys, then 2g + 1's
+      const uint32_t w = decode::prmt(r[m], 0u, 0x3120u);  // channel 2g's two keys, then 2g + 1's
       decode::fp8x4_to_f16x2x2<S::kKvDt>(w, a[m / 2][2 * (m % 2)], a[m / 2][2 * (m % 2) + 1]);
     }
     fence_fragments(a);
@@ -407,9 +407,8 @@ FS_DEV void issue_s_heads(uint32_t q, uint32_t stage, int wg, float (&acc)[2][4]
   for (int j = 0; j < S::kKSteps / S::kWgs; ++j) {
     // k16 step kWgs j (+ wg, in the base): column block kWgs j / 4, 32 bytes per step into it
     const int ks = S::kWgs * j;
-    const uint32_t oa = ((ks >> 2) * S::KvL::kBlockBytes + (ks & 3) * 32) >> 4;
-    const uint32_t ob = ((ks >> 2) * S::QL::kBlockBytes + (ks & 3) * 32) >> 4;
-    const uint64_t a = (uint64_t(ahi) << 32) | (alo + oa), b = (uint64_t(bhi) << 32) | (blo + ob);
+    const uint64_t a = (uint64_t(ahi) << 32) | (alo + (k_step_bytes<S::kN>(ks) >> 4));
+    const uint64_t b = (uint64_t(bhi) << 32) | (blo + (k_step_bytes<S::kM>(ks) >> 4));
     constexpr int kRope = 4 / S::kWgs;  // the warpgroup's k16 steps in column block 0 (k)
     if (S::kFp8 && j < kRope) wgmma_ss<T, S::kM>(acck, a, b, j > 0);
     else wgmma_ss<T, S::kM>(acc, a, b, j > (S::kFp8 ? kRope : 0));
@@ -542,7 +541,7 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[mb][n][e] = 0.0f;
   float acc[2][4], acck[2][4];
-  uint4 raw[S::kFp8 ? S::kRawPerThread : 1];  // fp8: the next tile, in flight
+  uint4 raw[S::kConvert ? S::kRawPerThread : 1];  // the next tile, in flight
 
   // Tiles of kN keys from base (aligned to the split's start, as decode_mla); tile k in stage
   // k % kStages, its locations in loc[k % 2] (two 32-key halves per lane of warp 0), located
@@ -565,7 +564,7 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
     if constexpr (S::kRs) {
       if (k < n) issue_raw_fp8<S>(p, loc + (k & 1) * kN, bad + (k & 3) * S::kSub, stage(k));
       cp_async_commit();
-    } else if constexpr (S::kFp8) {
+    } else if constexpr (S::kConvert) {
       if (k < n) load_tile_fp8<S>(p, loc + (k & 1) * kN, bad + (k & 3) * S::kSub, raw);
     } else {
       if (k < n) issue_kv_rows<S>(p, loc + (k & 1) * kN, bad + (k & 3) * S::kSub, stage(k));
@@ -578,13 +577,13 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
   }
   __syncthreads();
   issue_tile(0);  // 16-bit: one cp.async group with Q
-  if constexpr (S::kFp8 && !S::kRs) {
+  if constexpr (S::kConvert) {
     cp_async_wait<0>();  // Q (its own group: start_rows)
     __syncthreads();
     convert_q_fp8<S>(sm + S::kQOff, meta);  // f16, scaled per row: meta[j].qk_scale
   }
   if constexpr (kStages == 2) {
-    if constexpr (S::kFp8 && !S::kRs) {
+    if constexpr (S::kConvert) {
       if (n > 0) store_tile_fp8<S>(raw, stage(0));  // raw takes tile 1 next
     }
     issue_tile(1);
@@ -602,7 +601,7 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
   for (int64_t k = 0; k < n; ++k) {
     const uint32_t st = stage(k);
     const uint32_t* b = bad + (k & 3) * S::kSub;
-    if constexpr (S::kFp8 && !S::kRs) {
+    if constexpr (S::kConvert) {
       fence_proxy_async_shared();  // the tile (and Q), written by st.shared, read by wgmma
       __syncthreads();             // tile k in its stage, Q converted; tile k + 2 located
     } else {
@@ -611,7 +610,7 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
     const uint32_t bad0 = b[0], bad1 = b[1];
     if constexpr (S::kRs) issue_s_rs<S>(q, st, acc, acck, ww, lane);
     else issue_s_heads<S>(q, st, wg, acc, acck);
-    if constexpr (S::kFp8 && !S::kRs) {  // under S: tile k + 1 into its stage, k + 2 loaded
+    if constexpr (S::kConvert) {  // under S: tile k + 1 into its stage, k + 2 loaded
       if (k + 1 < n) store_tile_fp8<S>(raw, stage(k + 1));
       issue_tile(k + 2);
     }
@@ -644,7 +643,7 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
 #pragma unroll
     for (int mb = 0; mb < S::kMb; ++mb) fence_operands(o[mb]);
     __syncthreads();  // every warp's P V of tile k done: its stage and P^T are free
-    if constexpr (!S::kFp8 || S::kRs) issue_tile(k + kStages);
+    if constexpr (!S::kConvert) issue_tile(k + kStages);
   }
   cp_async_wait<0>();
   finish_cols<S>(p, s, g0, nrows, split, red - wg * 5 * S::kM, rscale, cs, o, wg, ww, lane);

@@ -48,11 +48,17 @@ FS_DEV uint64_t desc_plus(uint64_t d, uint32_t bytes) {
   return (d & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(d) + (bytes >> 4));
 }
 
+// Bytes from a K-major SwizzledTile<Rows>'s start to its k16 step kk (column block kk / 4, 32
+// bytes per step into it): a descriptor's k steps are its base's plus this / 16.
+template <int Rows>
+constexpr uint32_t k_step_bytes(int kk) {
+  return uint32_t(kk >> 2) * SwizzledTile<Rows>::kBlockBytes + uint32_t(kk & 3) * 32u;
+}
+
 // K-major operand rows [row0, row0 + 8 m) of a SwizzledTile<Rows> at `tile`, k16 step kk.
 template <int Rows>
 FS_DEV uint64_t desc_k_major(uint32_t tile, int row0, int kk) {
-  return desc_plus(smem_desc_sw128(tile, 16u, 1024u), uint32_t(kk >> 2) * SwizzledTile<Rows>::kBlockBytes +
-                                                         uint32_t(row0) * 128u + uint32_t(kk & 3) * 32u);
+  return desc_plus(smem_desc_sw128(tile, 16u, 1024u), k_step_bytes<Rows>(kk) + uint32_t(row0) * 128u);
 }
 
 // N-major operand (N = the tile's channels, K = its rows), rows [16 kk, 16 kk + 16).
