@@ -359,7 +359,7 @@ TEST(GpuDecodeMla, Selection) {
     EXPECT_EQ(choice.kernel, wg ? fs::kernels::AttnKernelId::decode_mla_wgmma : fs::kernels::AttnKernelId::decode_mla);
     EXPECT_EQ(choice.rows_per_cta, w.rows);
     EXPECT_EQ(choice.head_slices, w.slices);
-    const size_t wg_smem = w.rows == 64 ? fs::kernels::mla_wgmma_smem_bytes() : fs::kernels::mla_heads_smem_bytes(2, 2);
+    const size_t wg_smem = w.rows == 64 ? fs::kernels::mla_rows64_smem_bytes() : fs::kernels::mla_heads_smem_bytes(2, 2);
     EXPECT_EQ(choice.smem_bytes, wg ? wg_smem : fs::kernels::mla_smem_bytes(w.rows));
   }
   {  // fp32 out (a DCP rank's partial output) as well

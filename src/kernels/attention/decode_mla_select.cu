@@ -77,7 +77,7 @@ std::string try_decode_mla(const detail::AttnProblem& pr, const DeviceProps& dev
   if ((!fp8 || rows == kMlaHeadsRows) && FLASHSERVE_SM90A && dev.cc_major == 9 && dev.cc_minor == 0 &&
       !kernel_disabled(AttnKernelId::decode_mla_wgmma)) {
     c.kernel = AttnKernelId::decode_mla_wgmma;
-    c.smem_bytes = rows == 64 ? mla_wgmma_smem_bytes() : mla_heads_smem_bytes(2, 2);
+    c.smem_bytes = rows == 64 ? mla_rows64_smem_bytes() : mla_heads_smem_bytes(2, 2);
   }
   return {};
 }

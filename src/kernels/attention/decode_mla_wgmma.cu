@@ -8,11 +8,13 @@
 #include <cstdlib>
 
 #include "kernels/attention/decode_mla_heads.cuh"
+#include "kernels/attention/decode_mla_pp.cuh"
 #include "kernels/attention/decode_mla_wgmma.cuh"
 #include "kernels/attention/launchers.hpp"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/dispatch.hpp"
 #include "kernels/common/smem_limit.cuh"
+#include "kernels/common/tma_map.cuh"
 
 namespace flashserve::kernels {
 
@@ -34,6 +36,25 @@ int forced_heads_ctas() {
     return env && (env[0] == '1' || env[0] == '2') && env[1] == '\0' ? env[0] - '0' : 0;
   }();
   return forced;
+}
+
+// FLASHSERVE_MLA_PP=0: 64 rows of a 16-bit cache stay on decode_mla_wgmma (A/B runs).
+bool pp_disabled() {
+  static const bool off = [] {
+    const char* env = std::getenv("FLASHSERVE_MLA_PP");
+    return env && env[0] == '0' && env[1] == '\0';
+  }();
+  return off;
+}
+
+// decode_mla_pp's scope within the 64-row 16-bit shape: k and v views TMA can map, and pages of
+// P = 16 x 2^i keys (a 64-key tile is one box, or 64 / P page segments of 16-row multiples).
+bool pp_fits(const AttnParams& p) {
+  if (pp_disabled()) return false;
+  const int64_t bs = p.kv_dim1;
+  if (p.paged && !(bs >= 16 && bs % 16 == 0 && (kMlaPpKeys % bs == 0 || bs % kMlaPpKeys == 0))) return false;
+  return tma_mappable(p.k, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kMlaD) &&
+         tma_mappable(p.v, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kMlaDv);
 }
 
 }  // namespace
@@ -64,6 +85,10 @@ void launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream) {
             if constexpr (is_fp8(kKv)) {
               if (pair) launch_heads<kDt, kKv, 1, 2>(p, grid, s);  // the RS shape, two CTAs per SM
               else launch_heads<kDt, kKv, 2, 2>(p, grid, s);
+            } else if (p.rows_per_cta == 64 && pp_fits(p)) {
+              constexpr auto kernel = &mla::decode_mla_pp<kDt>;
+              ensure_smem_limit<kernel>(mla_pp_smem_bytes(), /*max_carveout=*/true);
+              kernel<<<grid, 384, mla_pp_smem_bytes(), s>>>(mla::pp_params(p));
             } else if (p.rows_per_cta == 64) {
               constexpr auto kernel = &mla::decode_mla_wgmma<kDt>;
               ensure_smem_limit<kernel>(mla_wgmma_smem_bytes(), /*max_carveout=*/true);
