@@ -331,10 +331,11 @@ FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int 
     }
     wait_full(t);
     pp_issue_s<S>(sm.q, sm.stage(st_of(t)), acc);
-    wgmma_wait<0>();  // S, and the other tile's P V (P is free, O settled)
-    fence_operands(acc);
+    wgmma_wait<1>();  // the other tile's P V (P is free, O settled): its stage released under S
     fence_operands(o[0]);
     if (f >= 0) release(f);
+    wgmma_wait<0>();
+    fence_operands(acc);
     float alpha[2];
     pp_softmax(score, acc, rows, tl.base + t * S::kKeys, lane, m, l, alpha);
     pp_publish_p<S>(acc, pa, sm.base + S::kPOff, r0, lane);
