@@ -64,7 +64,8 @@ struct PpShape : WgShape<kDt> {
   static constexpr uint32_t kAlphaOff = kMOff + 64 * 4;
   static constexpr uint32_t kLOff = kAlphaOff + 64 * 4;
   static constexpr uint32_t kBarOff = kLOff + 2 * 64 * 4;
-  static constexpr uint32_t kBytes = kBarOff + 6 * 8;
+  static constexpr int kBlocks = kMlaWidth / 64;  // column blocks per tile: k, then 8 of the latent
+  static constexpr uint32_t kBytes = kBarOff + (2 * kBlocks + 2) * 8;
   static_assert(kBytes + 1024 == mla_pp_smem_bytes(), "decode_mla_config.hpp sizes shared memory with it");
   static_assert(kKeys == 64 && WgShape<kDt>::kM == 64, "64 rows x 64 keys");
 };
@@ -80,9 +81,9 @@ struct PpSmem {
   FS_DEV float* m() const { return reinterpret_cast<float*>(base + S::kMOff); }
   FS_DEV float* alpha() const { return reinterpret_cast<float*>(base + S::kAlphaOff); }
   FS_DEV float* l() const { return reinterpret_cast<float*>(base + S::kLOff); }
-  FS_DEV uint32_t kfull(int st) const { return q + S::kBarOff + 8 * uint32_t(st); }
-  FS_DEV uint32_t vfull(int st) const { return q + S::kBarOff + 16 + 8 * uint32_t(st); }
-  FS_DEV uint32_t empty(int st) const { return q + S::kBarOff + 32 + 8 * uint32_t(st); }
+  // column block c of stage st landed (one barrier per block: S starts on the first)
+  FS_DEV uint32_t full(int st, int c) const { return q + S::kBarOff + 8 * uint32_t(st * S::kBlocks + c); }
+  FS_DEV uint32_t empty(int st) const { return q + S::kBarOff + 8 * uint32_t(2 * S::kBlocks + st); }
 };
 
 // A row group's tiles: keys [base, base + 64 n) over the union u of its rows' visible keys
@@ -123,28 +124,45 @@ FS_DEV void pp_produce(const PpParams& tp, const DecodeSeq& s, const PpTiles& tl
     if (jg >= 2) mbar_wait(sm.empty(st), uint32_t((jg >> 1) & 1) ^ 1u);
     int row = 0, blk = 0;
     if (prefill::tma_tile_from<kN>(p, s.kv, s.cache, s.sk, n0, seg, lane, id, row, blk)) {
-      prefill::tma_stage<T, L, kN, kMlaD>(&tp.k, sm.stage(st), sm.kfull(st), kN * kMlaD * 2, seg, 0, row, blk, lane);
-      prefill::tma_stage<T, L, kN, kMlaDv>(&tp.v, sm.stage(st) + S::kBlock, sm.vfull(st), kN * kMlaDv * 2, seg, 0, row,
-                                            blk, lane);
+      // every lane arrives on each block's barrier (lane 0 with its bytes) before any box is issued
+#pragma unroll
+      for (int c = 0; c < S::kBlocks; ++c) {
+        if (lane == 0) mbar_arrive_expect_tx(sm.full(st, c), S::kBlock);
+        else mbar_arrive(sm.full(st, c));
+      }
+      __syncwarp();
+      if (lane < kN / seg) {  // page segment `lane`: seg rows of every column block
+        const uint32_t at = sm.stage(st) + uint32_t(lane * seg) * 128u;
+        tma_load_4d(at, &tp.k, sm.full(st, 0), 0, 0, row, blk);
+#pragma unroll
+        for (int c = 1; c < S::kBlocks; ++c)
+          tma_load_4d(at + uint32_t(c) * S::kBlock, &tp.v, sm.full(st, c), (c - 1) * 64, 0, row, blk);
+      }
     } else {
-      prefill::copy_tail<T, L, kN, kMlaD / 8, true>(p, s.kv, s.sk, n0, sm.stage(st), sm.kfull(st), lane);
-      prefill::copy_tail<T, L, kN, kMlaDv / 8, false>(p, s.kv, s.sk, n0, sm.stage(st) + S::kBlock, sm.vfull(st), lane);
+      prefill::copy_tail<T, L, kN, kMlaD / 8, true>(p, s.kv, s.sk, n0, sm.stage(st), sm.full(st, 0), lane);
+      prefill::copy_tail<T, L, kN, kMlaDv / 8, false>(p, s.kv, s.sk, n0, sm.stage(st) + S::kBlock, sm.full(st, 1), lane);
+#pragma unroll
+      for (int c = 2; c < S::kBlocks; ++c) mbar_arrive(sm.full(st, c));  // copy_tail waited for its copies
     }
     id = next;
   }
 }
 
-// S = Q [k | v]^T of a stage (36 wgmma m64n64k16, one commit group); descriptors warp-uniform.
-template <class S>
-FS_DEV void pp_issue_s(uint32_t q, uint32_t stage, float (&acc)[S::kKeys / 8][4]) {
+// S = Q [k | v]^T of a stage (36 wgmma m64n64k16, one commit group), each column block's four
+// k16 steps issued once it landed (full(c) at parity par); descriptors warp-uniform.
+template <class S, class Full>
+FS_DEV void pp_issue_s(uint32_t q, uint32_t stage, Full&& full, uint32_t par, float (&acc)[S::kKeys / 8][4]) {
   using T = typename S::T;
   const uint64_t da = desc_k_major<S::kKeys>(q, 0, 0), db = desc_k_major<S::kKeys>(stage, 0, 0);
   const uint32_t alo = warp_uniform(uint32_t(da)), ahi = warp_uniform(uint32_t(da >> 32));
   const uint32_t blo = warp_uniform(uint32_t(db)), bhi = warp_uniform(uint32_t(db >> 32));
   fence_operands(acc);
-  wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < kMlaWidth / 16; ++ks) {
+    if (ks % 4 == 0) {  // the fence after each wait: ptxas serializes the chain otherwise (C7520)
+      mbar_wait(full(ks / 4), par);
+      wgmma_fence();
+    }
     const uint32_t off = k_step_bytes<S::kKeys>(ks) >> 4;
     wgmma_ss<T, S::kKeys>(acc, (uint64_t(ahi) << 32) | (alo + off), (uint64_t(bhi) << 32) | (blo + off), ks > 0);
   }
@@ -295,10 +313,9 @@ FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int 
 
   const uint32_t vcol = S::kBlock * uint32_t(1 + 4 * wg);  // the warpgroup's latent channels in a stage
   const auto st_of = [&](int64_t t) { return int((j0 + t) & 1); };
+  const auto par_of = [&](int64_t t) { return uint32_t(((j0 + t) >> 1) & 1); };
   const auto wait_full = [&](int64_t t) {
-    const uint32_t par = uint32_t(((j0 + t) >> 1) & 1);
-    mbar_wait(sm.kfull(st_of(t)), par);
-    mbar_wait(sm.vfull(st_of(t)), par);
+    for (int c = 0; c < S::kBlocks; ++c) mbar_wait(sm.full(st_of(t), c), par_of(t));
   };
   const auto release = [&](int64_t t) {  // this warp's wgmmas reading tile t retired
     if (lane == 0) mbar_arrive(sm.empty(st_of(t)));
@@ -329,8 +346,7 @@ FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int 
       release(f);
       break;
     }
-    wait_full(t);
-    pp_issue_s<S>(sm.q, sm.stage(st_of(t)), acc);
+    pp_issue_s<S>(sm.q, sm.stage(st_of(t)), [&](int c) { return sm.full(st_of(t), c); }, par_of(t), acc);
     wgmma_wait<1>();  // the other tile's P V (P is free, O settled): its stage released under S
     fence_operands(o[0]);
     if (f >= 0) release(f);
@@ -385,8 +401,7 @@ __global__ void __launch_bounds__(384, 1) decode_mla_pp(const __grid_constant__ 
     tma_prefetch_desc(&tp.k);
     tma_prefetch_desc(&tp.v);
     for (int st = 0; st < 2; ++st) {
-      mbar_init(sm.kfull(st), prefill::kFullArrivals);
-      mbar_init(sm.vfull(st), prefill::kFullArrivals);
+      for (int c = 0; c < S::kBlocks; ++c) mbar_init(sm.full(st, c), prefill::kFullArrivals);
       mbar_init(sm.empty(st), 8);  // one arrival per consumer warp
     }
     mbar_init_fence();
