@@ -321,24 +321,39 @@ FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int 
     if (lane == 0) mbar_arrive(sm.empty(st_of(t)));
   };
   int64_t rs_tile = -1;  // the own tile whose P V (P from registers) is in flight
-  // The other warpgroup's tile f: wait for its P, take its max and alpha, issue its P V.
-  const auto take_foreign = [&](int64_t f) {
-    named_sync(2 + wg, 256);  // its P, m and alpha published
-    wait_full(f);             // landed (its owner saw it): visible to this warpgroup's wgmma too
-    const float al[2] = {sm.alpha()[r0], sm.alpha()[r0 + 8]};
-    m[0] = sm.m()[r0], m[1] = sm.m()[r0 + 8];
-    l[0] *= al[0], l[1] *= al[1];
-    pp_rescale(o, al);
-    pp_issue_pv_ss<S>(sm.pbuf(), sm.stage(st_of(f)) + vcol, o);
-  };
-  // The own tile's S retired (acc): the softmax, then (once the other tile's P V retired,
-  // `other`: P is free, O settled) P, the max and alpha published, O rescaled, P V issued.
-  const auto own_tile = [&](int64_t t, int64_t other) {
-    float alpha[2];
-    pp_softmax(score, acc, rows, tl.base + t * S::kKeys, lane, m, l, alpha);
+#pragma unroll 1
+  for (int64_t t = wg; t <= tl.n; t += 2) {
+    // The waits stay outside branches: ptxas serializes every wgmma (C7518) when it cannot
+    // prove the accumulators settled on every path that touches them.
     wgmma_wait<0>();
     fence_operands(o[0]);
-    if (other >= 0) release(other);
+    fence_fragments(pa);
+    if (rs_tile >= 0) release(rs_tile);
+    rs_tile = -1;
+    const int64_t f = t - 1;  // the other warpgroup's tile
+    if (f >= 0) {
+      named_sync(2 + wg, 256);  // its P, m and alpha published
+      wait_full(f);             // landed (its owner saw it): visible to this warpgroup's wgmma too
+      const float al[2] = {sm.alpha()[r0], sm.alpha()[r0 + 8]};
+      m[0] = sm.m()[r0], m[1] = sm.m()[r0 + 8];
+      l[0] *= al[0], l[1] *= al[1];
+      pp_rescale(o, al);
+      pp_issue_pv_ss<S>(sm.pbuf(), sm.stage(st_of(f)) + vcol, o);
+    }
+    if (t == tl.n) {  // no own tile left: the other's P V retired, its stage released
+      wgmma_wait<0>();
+      fence_operands(o[0]);
+      release(f);
+      break;
+    }
+    pp_issue_s<S>(sm.q, sm.stage(st_of(t)), [&](int c) { return sm.full(st_of(t), c); }, par_of(t), acc);
+    wgmma_wait<1>();  // the other tile's P V (P is free, O settled): its stage released under S
+    fence_operands(o[0]);
+    if (f >= 0) release(f);
+    wgmma_wait<0>();
+    fence_operands(acc);
+    float alpha[2];
+    pp_softmax(score, acc, rows, tl.base + t * S::kKeys, lane, m, l, alpha);
     pp_publish_p<S>(acc, pa, sm.base + S::kPOff, r0, lane);
     if (lane % 4 == 0) {
       sm.m()[r0] = m[0], sm.m()[r0 + 8] = m[1];
@@ -349,44 +364,11 @@ FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int 
     pp_rescale(o, alpha);
     pp_issue_pv_rs<S>(pa, sm.stage(st_of(t)) + vcol, o);
     rs_tile = t;
-  };
-  const auto issue_s = [&](int64_t t) {
-    pp_issue_s<S>(sm.q, sm.stage(st_of(t)), [&](int c) { return sm.full(st_of(t), c); }, par_of(t), acc);
-  };
-  int64_t t = wg;
-  if (wg == 0 && tl.n > 0) {  // tile 0: no other tile before it
-    issue_s(0);
-    wgmma_wait<0>();
-    fence_operands(acc);
-    own_tile(0, -1);
-    t = 2;
-  }
-  // The waits stay outside branches: ptxas serializes every wgmma (C7514/C7518/C7520) when it
-  // cannot prove the accumulators settled on every path that touches them.
-#pragma unroll 1
-  for (; t < tl.n; t += 2) {
-    wgmma_wait<0>();
-    fence_operands(o[0]);
-    fence_fragments(pa);
-    if (rs_tile >= 0) release(rs_tile);
-    // S of the own tile first (it runs under the other warpgroup's softmax), then the other
-    // tile's P V once its P is published (it runs under this warpgroup's softmax).
-    issue_s(t);
-    take_foreign(t - 1);
-    wgmma_wait<1>();  // S (the other tile's P V may still run)
-    fence_operands(acc);
-    own_tile(t, t - 1);
   }
   wgmma_wait<0>();
   fence_operands(o[0]);
   fence_fragments(pa);
   if (rs_tile >= 0) release(rs_tile);
-  if (t == tl.n && t >= 1) {  // the other warpgroup owns the last tile
-    take_foreign(t - 1);
-    wgmma_wait<0>();
-    fence_operands(o[0]);
-    release(t - 1);
-  }
   // Epilogue: l over the row's lanes and both warpgroups; v_descale-free scale 1 / l (with the
   // sink) and the LSE by warpgroup 0; out (or the split's partial) by both.
 #pragma unroll
