@@ -28,9 +28,14 @@ FS_DEV KeyRange row_keys(const AttnParams& p, const DecodeSeq& s, int64_t pos) {
 }
 
 // The union of the keys of rows [0, nrows) of the group at g0, as rows_key_union over their
-// RowMeta, computed without it: every thread, before q is staged.
+// RowMeta, computed without it: every thread, before q is staged. The packed rows of one query
+// row share its keys, so the union runs over the query rows the group spans (one for a
+// single-token decode, where it ran 64 times at the MLA kernels' 64 rows).
 FS_DEV KeyRange group_key_union(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows) {
-  return key_union(nrows, s.range, [&](int j) { return row_keys(p, s, row_pos(p, s, g0, j)); });
+  if (nrows <= 0) return KeyRange{s.range.end, s.range.begin};
+  const int64_t i0 = g0 / p.group, i1 = (g0 + nrows - 1) / p.group;
+  return key_union(int(i1 - i0 + 1), s.range,
+                   [&](int di) { return row_keys(p, s, i0 + di + s.sk_global - s.rows.sq()); });
 }
 
 // Packed row j's metadata (inactive when j >= nrows; qk_scale 1).

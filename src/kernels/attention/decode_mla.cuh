@@ -632,11 +632,18 @@ FS_DEV void store_o(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nro
           }
         }
       } else {
+        // the row's offset once; adjacent channel pairs as one 4-byte store where 16-bit out allows
         const int64_t q_row = s.rows.q_row(r, p.batched);
+        const int64_t at = s.rows.qb * p.out.stride[0] + q_row * p.out.stride[1] + pi.h * p.out.stride[2] + c0;
 #pragma unroll
         for (int n = 0; n < kNt; ++n) {
-          store_out(p, s.rows.qb, q_row, pi.h, c0 + chan(n, c), o[mb][n][2 * r2] * sc);
-          store_out(p, s.rows.qb, q_row, pi.h, c0 + chan(n, c + 1), o[mb][n][2 * r2 + 1] * sc);
+          if constexpr (kPermuted) {
+            store_from_float(const_cast<void*>(p.out.data), at + chan(n, c), p.out.dtype, o[mb][n][2 * r2] * sc);
+            store_from_float(const_cast<void*>(p.out.data), at + chan(n, c + 1), p.out.dtype, o[mb][n][2 * r2 + 1] * sc);
+          } else {
+            store2_from_float(const_cast<void*>(p.out.data), at + chan(n, c), p.out.dtype, o[mb][n][2 * r2] * sc,
+                              o[mb][n][2 * r2 + 1] * sc);
+          }
         }
       }
     }

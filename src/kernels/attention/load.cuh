@@ -54,6 +54,23 @@ FS_DEV void store_from_float(void* base, int64_t idx, DType t, float x) {
   }
 }
 
+// Elements idx and idx + 1 (store_from_float each): one 4-byte store of the pair for a 16-bit
+// type at a 4-byte-aligned address, else two.
+FS_DEV void store2_from_float(void* base, int64_t idx, DType t, float x0, float x1) {
+  if (t == DType::f16 || t == DType::bf16) {
+    uint16_t* at = static_cast<uint16_t*>(base) + idx;
+    if (reinterpret_cast<uintptr_t>(at) % 4 == 0) {
+      const auto bits = [&](float x) -> uint32_t {
+        return t == DType::f16 ? __half_as_ushort(__float2half_rn(x)) : __bfloat16_as_ushort(__float2bfloat16_rn(x));
+      };
+      *reinterpret_cast<uint32_t*>(at) = bits(x0) | (bits(x1) << 16);
+      return;
+    }
+  }
+  store_from_float(base, idx, t, x0);
+  store_from_float(base, idx + 1, t, x1);
+}
+
 // Element i of a 1-D int32 tensor; element (i, j) of a 2-D one.
 FS_DEV int64_t load_index(const StridedRef& r, int64_t i) {
   return static_cast<const int32_t*>(r.data)[i * r.stride[0]];
