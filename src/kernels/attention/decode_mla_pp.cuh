@@ -21,18 +21,25 @@
 // barrier, one arrival per consumer warp) once both warpgroups' wgmmas reading it retired;
 // the producer refills it with tile t + 2.
 //
-// Loads: a tile is one TMA box per 64-channel column block (prefill_tma.cuh's tma_stage: k on
-// one full barrier, the latent on another), at its page's block id (a page of >= 64 keys, or
-// page segments of 16-32 keys); tiles that leave the sequence or the cache, or whose block ids
-// are bad, go through copy_tail (cp.async: keys outside the cache NaN, values zero, tokens past
-// the sequence zero), so garbage never meets P = 0 in P V. Splits must start at multiples of
-// 64 keys (the GPU plan's 128-key granule) for tiles to start pages; the launcher checks.
+// Loads: a tile is one TMA box per 64-channel column block and page segment, each column block
+// on its own full barrier so that S starts on block 0 while the others land (FlashMLA's
+// pipelined Q K^T), at its page's block id (pages of >= 64 keys, or segments of 16-32 keys);
+// tiles that leave the sequence or the cache, or whose block ids are bad, go through prefill's
+// copy_tail (cp.async: keys outside the cache NaN, values zero, tokens past the sequence zero),
+// so garbage never meets P = 0 in P V. Tiles start pages when splits start at multiples of 64
+// keys (the GPU plan's 128-key granule); others take copy_tail (correct, slower).
 //
 // Arithmetic per 64-key tile (64 rows): S 64 x 64 x 576 + P V 64 x 512 x 64 = 4.46 M MAC =
-// 2176 clk of the tensor pipe at 2048 dense bf16 MAC/clk/SM (S 1152, the two P V 512 each);
-// shared memory read by wgmma at full rate (m64n64k16 SS: 4 KB per 32 clk). Serial per tile in
-// this order: S, the softmax (~400 clk), the two P V; predicted ~2700 clk per tile (80% of
-// the pipe), the loads hidden while a tile's compute (~1.4 us) exceeds their latency.
+// 2176 clk of the tensor pipe at 2048 dense bf16 MAC/clk/SM (S 1152, the two P V 512 each;
+// bench/wgmma_rate: m64n64k16 SS at the full rate, 32.4 clk, where decode_mla_wgmma's m64n32k16
+// took 24.4 clk for half the work). The running max makes the tiles a chain: per tile the
+// other tile's P V, S, the softmax and the hand-over run one after the other; predicted ~2700
+// clk per tile (~80% of the pipe).
+// Measured (H200, H = 128, B = 64, L = 4k, block 64; bench/RESULTS.md): 167.6 us (decode_mla_wgmma
+// 250.6), 436 TFLOP/s = 61% of cuBLAS's bf16 GEMM; ncu: the tensor pipe 41% active, 30% of the
+// warp samples at the hand-over barrier (the chain), ~10% in the epilogue's scattered 4-byte
+// out stores. Next: an epilogue through shared memory, and the other warpgroup's share of S
+// (FlashMLA's phases) to shorten the chain.
 #pragma once
 
 #include <cuda.h>
@@ -286,7 +293,7 @@ FS_DEV void pp_publish_p(const float (&acc)[8][4], uint32_t (&pa)[4][4], unsigne
 
 // A consumer warpgroup's row group: tiles of the other warpgroup by P from shared memory, its
 // own (t = wg, wg + 2, ..) by S, the softmax and P from registers; then the epilogue.
-template <class S>
+template <class S, bool kEarlyRelease>
 FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split, const PpTiles& tl,
                        int64_t j0, const PpSmem<S>& sm, int wg) {
   const int tid = int(threadIdx.x) % 128, ww = tid / 32, lane = tid % 32, r0 = 16 * ww + lane / 4;
@@ -340,14 +347,23 @@ FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int 
       pp_rescale(o, al);
       pp_issue_pv_ss<S>(sm.pbuf(), sm.stage(st_of(f)) + vcol, o);
     }
-    // The other tile's P V retired (P free, O settled) and its stage released before S waits
-    // for this tile's blocks: the producer loads tile t + 1 into it while tile t lands (held
-    // until S was issued, the loads ran one at a time: H200, 42% of the stall samples there).
-    wgmma_wait<0>();
-    fence_operands(o[0]);
-    if (f >= 0) release(f);
-    if (t == tl.n) break;  // no own tile left
-    pp_issue_s<S>(sm.q, sm.stage(st_of(t)), [&](int c) { return sm.full(st_of(t), c); }, par_of(t), acc);
+    if (kEarlyRelease || t == tl.n) {
+      // The other tile's P V retired (P free, O settled) and its stage released before S waits
+      // for this tile's blocks, so the producer loads tile t + 1 while tile t lands: pages of
+      // fewer than 64 keys (a tile of 4-36 boxes) measured 9% faster so, pages of 64 7% slower.
+      wgmma_wait<0>();
+      fence_operands(o[0]);
+      if (f >= 0) release(f);
+      if (t == tl.n) break;  // no own tile left
+      pp_issue_s<S>(sm.q, sm.stage(st_of(t)), [&](int c) { return sm.full(st_of(t), c); }, par_of(t), acc);
+    } else {
+      // S issued under the other tile's P V, which is waited for (and its stage released) once
+      // S's blocks landed.
+      pp_issue_s<S>(sm.q, sm.stage(st_of(t)), [&](int c) { return sm.full(st_of(t), c); }, par_of(t), acc);
+      wgmma_wait<1>();
+      fence_operands(o[0]);
+      if (f >= 0) release(f);
+    }
     wgmma_wait<0>();
     fence_operands(acc);
     float alpha[2];
@@ -388,7 +404,8 @@ FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int 
   named_sync(1, 256);  // the row scales are read before the next row group's epilogue
 }
 
-template <DType kDt>
+// kEarlyRelease: pp_consume's order for paged caches of fewer than 64 keys per page.
+template <DType kDt, bool kEarlyRelease>
 __global__ void __launch_bounds__(384, 1) decode_mla_pp(const __grid_constant__ PpParams tp) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using S = PpShape<kDt>;
@@ -425,7 +442,7 @@ __global__ void __launch_bounds__(384, 1) decode_mla_pp(const __grid_constant__ 
   for (int64_t g0 = int64_t(blockIdx.y) * 64; g0 < packed; g0 += int64_t(gridDim.y) * 64) {
     const int nrows = int(imin(64, packed - g0));
     const PpTiles tl = pp_tiles<S>(p, s, g0, nrows);
-    pp_consume<S>(p, s, g0, nrows, split, tl, j0, sm, wg);
+    pp_consume<S, kEarlyRelease>(p, s, g0, nrows, split, tl, j0, sm, wg);
     j0 += tl.n;
   }
 #endif

@@ -1,5 +1,6 @@
-// Instantiations and launch of the sm_90a MLA absorbed-decode kernels (decode_mla_wgmma.cuh for 64
-// rows of a 16-bit latent cache, decode_mla_heads.cuh for 16 of a 16-bit or fp8 one): per entry
+// Instantiations and launch of the sm_90a MLA absorbed-decode kernels (decode_mla_pp.cuh for 64
+// rows of a 16-bit latent cache TMA can load, decode_mla_wgmma.cuh for the other 64-row ones,
+// decode_mla_heads.cuh for 16 rows of a 16-bit or fp8 one): per entry
 // of kMlaConfigs. Compiled for every
 // architecture of the build; the kernel bodies exist only in the sm_90a image, and try_decode_mla
 // picks them only on 9.0 devices of builds with it.
@@ -26,6 +27,12 @@ void launch_heads(const AttnParams& p, dim3 grid, cudaStream_t s) {
   constexpr size_t smem = mla_heads_smem_bytes(kWgs, kStages, is_fp8(kKv) && kWgs == 1);
   ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);
   kernel<<<grid, 128 * kWgs, smem, s>>>(p);
+}
+
+template <auto kKernel>
+void launch_pp(const AttnParams& p, dim3 grid, cudaStream_t s) {
+  ensure_smem_limit<kKernel>(mla_pp_smem_bytes(), /*max_carveout=*/true);
+  kKernel<<<grid, 384, mla_pp_smem_bytes(), s>>>(mla::pp_params(p));
 }
 
 // FLASHSERVE_MLA_HEADS_CTAS_PER_SM=1 or 2: the 16-row kernel's shape forced whatever the grid
@@ -86,9 +93,8 @@ void launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream) {
               if (pair) launch_heads<kDt, kKv, 1, 2>(p, grid, s);  // the RS shape, two CTAs per SM
               else launch_heads<kDt, kKv, 2, 2>(p, grid, s);
             } else if (p.rows_per_cta == 64 && pp_fits(p)) {
-              constexpr auto kernel = &mla::decode_mla_pp<kDt>;
-              ensure_smem_limit<kernel>(mla_pp_smem_bytes(), /*max_carveout=*/true);
-              kernel<<<grid, 384, mla_pp_smem_bytes(), s>>>(mla::pp_params(p));
+              if (p.paged && p.kv_dim1 < kMlaPpKeys) launch_pp<mla::decode_mla_pp<kDt, true>>(p, grid, s);
+              else launch_pp<mla::decode_mla_pp<kDt, false>>(p, grid, s);
             } else if (p.rows_per_cta == 64) {
               constexpr auto kernel = &mla::decode_mla_wgmma<kDt>;
               ensure_smem_limit<kernel>(mla_wgmma_smem_bytes(), /*max_carveout=*/true);

@@ -40,7 +40,8 @@
 // wgmma: overlapping S(k + 1) with it needs O's rescale outside the in-flight window, see the
 // loop), and 32-key tiles pay a barrier pair and an S wait per 4.46 MFLOP. FlashMLA's shape
 // (64-key tiles, S and P in registers, P shared through 8 KB of shared memory, the two
-// warpgroups alternating tiles) is the next step.
+// warpgroups alternating tiles) is decode_mla_pp.cuh, which the launcher picks where TMA can
+// load the tiles; this kernel serves the rest (pages of other sizes, views TMA cannot map).
 #pragma once
 
 #include <cstdint>
