@@ -12,9 +12,9 @@
 // owned by warpgroup t % 2. The owner: S = Q [k | v]^T on wgmma m64n64k16 (36, both operands
 // from shared memory: the n64 rate is the tensor pipe's full rate, where n32 was shared-memory
 // bound), the online softmax in registers (the row's 4 lanes), P (16-bit) to shared memory with
-// the rows' new max and alpha, a named barrier to the other warpgroup, then O [64, 256 w ..
+// the rows' new max and alpha, a hand-over mbarrier to the other warpgroup, then O [64, 256 w ..
 // +256] = O alpha + P V with P from registers (4 wgmma m64n256k16). The other warpgroup, at
-// that barrier, rescales its O by alpha and adds P V with P from shared memory (wgmma_ss_tb),
+// that mbarrier, rescales its O by alpha and adds P V with P from shared memory (wgmma_ss_tb),
 // before issuing its own tile's S; it waits for that P V before it overwrites P with its own
 // tile's. The running max goes from owner to owner with P; each warpgroup keeps l over its own
 // tiles (rescaled by every tile's alpha), summed at the end. A stage is released (empty
@@ -72,7 +72,7 @@ struct PpShape : WgShape<kDt> {
   static constexpr uint32_t kLOff = kAlphaOff + 64 * 4;
   static constexpr uint32_t kBarOff = kLOff + 2 * 64 * 4;
   static constexpr int kBlocks = kMlaWidth / 64;  // column blocks per tile: k, then 8 of the latent
-  static constexpr uint32_t kBytes = kBarOff + (2 * kBlocks + 2) * 8;
+  static constexpr uint32_t kBytes = kBarOff + (2 * kBlocks + 4) * 8;
   static_assert(kBytes + 1024 == mla_pp_smem_bytes(), "decode_mla_config.hpp sizes shared memory with it");
   static_assert(kKeys == 64 && WgShape<kDt>::kM == 64, "64 rows x 64 keys");
 };
@@ -91,6 +91,10 @@ struct PpSmem {
   // column block c of stage st landed (one barrier per block: S starts on the first)
   FS_DEV uint32_t full(int st, int c) const { return q + S::kBarOff + 8 * uint32_t(st * S::kBlocks + c); }
   FS_DEV uint32_t empty(int st) const { return q + S::kBarOff + 8 * uint32_t(2 * S::kBlocks + st); }
+  // warpgroup w's next foreign tile published (P, m, alpha): the other warpgroup's 128 threads
+  // arrive, each after its own writes (a release per writer, which racecheck follows; a named
+  // barrier's arrive measured the same and racecheck reported the P stores as races)
+  FS_DEV uint32_t ready(int w) const { return q + S::kBarOff + 8 * uint32_t(2 * S::kBlocks + 2 + w); }
 };
 
 // A row group's tiles: keys [base, base + 64 n) over the union u of its rows' visible keys
@@ -294,8 +298,9 @@ FS_DEV void pp_publish_p(const float (&acc)[8][4], uint32_t (&pa)[4][4], unsigne
 // A consumer warpgroup's row group: tiles of the other warpgroup by P from shared memory, its
 // own (t = wg, wg + 2, ..) by S, the softmax and P from registers; then the epilogue.
 template <class S, bool kEarlyRelease>
+// ready_par: the phase of ready(wg) the next foreign tile completes (over the CTA's row groups).
 FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split, const PpTiles& tl,
-                       int64_t j0, const PpSmem<S>& sm, int wg) {
+                       int64_t j0, const PpSmem<S>& sm, int wg, uint32_t& ready_par) {
   const int tid = int(threadIdx.x) % 128, ww = tid / 32, lane = tid % 32, r0 = 16 * ww + lane / 4;
   issue_q<S>(p, s, g0, nrows, sm.q);
   cp_async_commit();
@@ -339,8 +344,9 @@ FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int 
     rs_tile = -1;
     const int64_t f = t - 1;  // the other warpgroup's tile
     if (f >= 0) {
-      named_sync(2 + wg, 256);  // its P, m and alpha published
-      wait_full(f);             // landed (its owner saw it): visible to this warpgroup's wgmma too
+      mbar_wait(sm.ready(wg), ready_par);  // its P, m and alpha published
+      ready_par ^= 1u;
+      wait_full(f);  // landed (its owner saw it): visible to this warpgroup's wgmma too
       const float al[2] = {sm.alpha()[r0], sm.alpha()[r0 + 8]};
       m[0] = sm.m()[r0], m[1] = sm.m()[r0 + 8];
       l[0] *= al[0], l[1] *= al[1];
@@ -374,7 +380,7 @@ FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int 
       sm.alpha()[r0] = alpha[0], sm.alpha()[r0 + 8] = alpha[1];
     }
     fence_proxy_async_shared();  // P visible to the other warpgroup's wgmma
-    named_arrive(2 + (1 - wg), 256);
+    mbar_arrive(sm.ready(1 - wg));
     pp_rescale(o, alpha);
     pp_issue_pv_rs<S>(pa, sm.stage(st_of(t)) + vcol, o);
     rs_tile = t;
@@ -418,6 +424,7 @@ __global__ void __launch_bounds__(384, 1) decode_mla_pp(const __grid_constant__ 
     for (int st = 0; st < 2; ++st) {
       for (int c = 0; c < S::kBlocks; ++c) mbar_init(sm.full(st, c), prefill::kFullArrivals);
       mbar_init(sm.empty(st), 8);  // one arrival per consumer warp
+      mbar_init(sm.ready(st), 128);
     }
     mbar_init_fence();
   }
@@ -439,10 +446,11 @@ __global__ void __launch_bounds__(384, 1) decode_mla_pp(const __grid_constant__ 
   }
   regs_alloc<232>();
   int64_t j0 = 0;
+  uint32_t ready_par = 0;
   for (int64_t g0 = int64_t(blockIdx.y) * 64; g0 < packed; g0 += int64_t(gridDim.y) * 64) {
     const int nrows = int(imin(64, packed - g0));
     const PpTiles tl = pp_tiles<S>(p, s, g0, nrows);
-    pp_consume<S, kEarlyRelease>(p, s, g0, nrows, split, tl, j0, sm, wg);
+    pp_consume<S, kEarlyRelease>(p, s, g0, nrows, split, tl, j0, sm, wg, ready_par);
     j0 += tl.n;
   }
 #endif
