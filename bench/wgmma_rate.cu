@@ -41,7 +41,10 @@ __global__ void __launch_bounds__(128 * kMaxWgs, 1) rate(long long* clocks, floa
   const uint32_t a = fk::smem_u32(sm) + uint32_t(wg) * uint32_t(kTileBytes);
   const uint32_t b = fk::smem_u32(sm) + uint32_t(kMaxWgs * kTileBytes) + uint32_t(wg) * 256u * 128u;
   const uint64_t da = fk::desc_k_major<64>(a, 0, 0);
-  const uint64_t db = kRs ? fk::desc_n_major<N>(b, 0) : fk::desc_k_major<N>(b, 0, 0);
+  // RS: B [16 (K), N] N-major, a SwizzledTile<16> of N / 64 column blocks (2 KB apart; N as the
+  // tile's rows put N = 256's blocks 32 KB apart, past the warpgroup's B area: the illegal
+  // address of the first run's last rows)
+  const uint64_t db = kRs ? fk::desc_n_major<16>(b, 0) : fk::desc_k_major<N>(b, 0, 0);
   float acc[kAccs][N / 8][4];
 #pragma unroll
   for (int j = 0; j < kAccs; ++j)
