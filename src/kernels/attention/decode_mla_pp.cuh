@@ -37,9 +37,11 @@
 // clk per tile (~80% of the pipe).
 // Measured (H200, H = 128, B = 64, L = 4k, block 64; bench/RESULTS.md): 167.6 us (decode_mla_wgmma
 // 250.6), 436 TFLOP/s = 61% of cuBLAS's bf16 GEMM; ncu: the tensor pipe 41% active, 30% of the
-// warp samples at the hand-over barrier (the chain), ~10% in the epilogue's scattered 4-byte
-// out stores. Next: an epilogue through shared memory, and the other warpgroup's share of S
-// (FlashMLA's phases) to shorten the chain.
+// warp samples at the hand-over wait (the chain). (Out through shared memory with 16-byte row
+// stores was tried: 1% faster without splits, 3-7% slower with them from the added registers.)
+// Next: the other warpgroup's share of S (FlashMLA's phases; a partial S needs shared memory
+// that a Q block kept in registers would free) to shorten the chain, and stages released per
+// column block so that more than a tile is in flight.
 #pragma once
 
 #include <cuda.h>
