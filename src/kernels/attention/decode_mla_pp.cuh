@@ -49,8 +49,9 @@
 #include <cstdint>
 
 #include "kernels/attention/decode_mla_wgmma.cuh"
-#include "kernels/attention/prefill_tma.cuh"
+#include "kernels/attention/tma_tiles.cuh"
 #include "kernels/common/tma.cuh"
+#include "kernels/common/tma_map.cuh"
 
 namespace flashserve::kernels::mla {
 
