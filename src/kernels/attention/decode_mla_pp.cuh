@@ -55,8 +55,8 @@
 
 namespace flashserve::kernels::mla {
 
-// The kernel's parameters: the tensor maps of k and v (boxes of mla_pp_box_rows keys x 64
-// channels) next to AttnParams.
+// The kernel's parameters: the tensor maps of k and v (boxes of prefill_tma_box_rows(64, ..) keys
+// x 64 channels: a tile, or a page of fewer keys) next to AttnParams.
 struct PpParams {
   CUtensorMap k, v;
   AttnParams p;
@@ -66,15 +66,15 @@ template <DType kDt>
 struct PpShape : WgShape<kDt> {
   using L = SwizzledTile<kMlaPpKeys>;
   static constexpr int kKeys = kMlaPpKeys;
-  static constexpr uint32_t kBlock = L::kBlockBytes;                    // one 64-channel column block
-  static constexpr uint32_t kTileBytes = uint32_t(kMlaWidth / 64) * kBlock;  // Q or a stage: 9 blocks
+  static constexpr int kBlocks = kMlaWidth / 64;       // column blocks of Q or a stage: k, then 8 of the latent
+  static constexpr uint32_t kBlock = L::kBlockBytes;  // one 64-channel column block
+  static constexpr uint32_t kTileBytes = uint32_t(kBlocks) * kBlock;
   static constexpr uint32_t kStageOff = kTileBytes;
   static constexpr uint32_t kPOff = kStageOff + 2 * kTileBytes;
   static constexpr uint32_t kMOff = kPOff + kBlock;
   static constexpr uint32_t kAlphaOff = kMOff + 64 * 4;
   static constexpr uint32_t kLOff = kAlphaOff + 64 * 4;
   static constexpr uint32_t kBarOff = kLOff + 2 * 64 * 4;
-  static constexpr int kBlocks = kMlaWidth / 64;  // column blocks per tile: k, then 8 of the latent
   static constexpr uint32_t kBytes = kBarOff + (2 * kBlocks + 4) * 8;
   static_assert(kBytes + 1024 == mla_pp_smem_bytes(), "decode_mla_config.hpp sizes shared memory with it");
   static_assert(kKeys == 64 && WgShape<kDt>::kM == 64, "64 rows x 64 keys");
