@@ -1,5 +1,5 @@
 // The MLA absorbed-decode kernels (src/kernels/attention/decode_mla.cuh, and on Hopper
-// decode_mla_wgmma.cuh for 64 rows of a 16-bit cache, decode_mla_heads.cuh for 16 rows of a
+// decode_mla_pp.cuh / decode_mla_wgmma.cuh for 64 rows of a 16-bit cache, decode_mla_heads.cuh for 16 rows of a
 // 16-bit or fp8 one: the default run puts the small grids here on its 2 x 2 shape, the "pair."
 // ctest entries on the two-CTA shape, or decode_mla for fp8) on problems that select them (checked:
 // attention_kernel_name is one of them), against the fp64 oracle and the CPU
@@ -112,6 +112,25 @@ TEST(GpuDecodeMla, HeadsQlenBlockSizesSplits) {
   CaseConfig c = mla_config(3, 500, 16, 3, rng);
   c.num_splits = 2;
   expect_mla(c, 150);
+}
+
+// 64 rows of a 16-bit cache in the pages decode_mla_pp loads by TMA (16, 32: page segments of a
+// 64-key tile; 64, 128, 256: a tile within a page) and contiguous caches, long enough for many
+// tiles, ragged tails and an odd tile count per split; H 64 (one row slice) and 128 (two), q_len
+// 1 and 3 (several row groups per CTA at H 64: 192 rows over the slices), splits 1, 3 and the
+// planner's. Under FLASHSERVE_MLA_PP=0 (the wg32. entries) the same cases run decode_mla_wgmma.
+TEST(GpuDecodeMla, PpPageSizesAndSplits) {
+  auto rng = fstest::make_rng(12);
+  int i = 0;
+  for (int64_t bs : {16, 32, 64, 128, 256, 0})
+    for (int64_t H : {64, 128}) {
+      CaseConfig c = mla_config(3, 1500, H, i % 3 == 2 ? 3 : 1, rng);
+      if (bs == 0) c.mode = KvMode::batched_contiguous;
+      else c.block_size = bs;
+      c.k_lens[0] = 1500 - 7;  // a ragged last tile
+      c.num_splits = i % 3 == 0 ? 1 : i % 3 == 1 ? 3 : 0;
+      expect_mla(c, 700 + uint64_t(i++));
+    }
 }
 
 // Long KV: the tile pipeline over many tiles, splits 1, 4, 16 (and the planner's own choice).
