@@ -298,10 +298,36 @@ FS_DEV void pp_publish_p(const float (&acc)[8][4], uint32_t (&pa)[4][4], unsigne
     }
 }
 
+// The row group's epilogue, once both warpgroups' P V retired: l over the row's lanes and both
+// warpgroups, the scale 1 / l (with the sink) and the LSE by warpgroup 0, out (or the split's
+// partial) by both; ends synchronized (the scales are read before the next row group's).
+template <class S>
+FS_DEV void pp_epilogue(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split, const PpSmem<S>& sm,
+                        const float (&o)[1][kMlaDv / 16][4], const float (&m)[2], float (&l)[2], int wg, int ww,
+                        int r0, int lane) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
+    l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
+  }
+  if (lane % 4 == 0) sm.l()[wg * 64 + r0] = l[0], sm.l()[wg * 64 + r0 + 8] = l[1];
+  named_sync(1, 256);  // both loops done (alpha free), both l written
+  if (wg == 0 && lane % 4 == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int j = r0 + 8 * h;
+      sm.alpha()[j] = finish_row(p, s, g0, nrows, split, j, m[h], sm.l()[j] + sm.l()[64 + j], 1.0f);
+    }
+  }
+  named_sync(1, 256);
+  store_o<S, 1, kMlaDv / 16, false>(p, s, g0, nrows, split, sm.alpha(), o, 16 * ww, wg * (kMlaDv / 2), lane);
+  named_sync(1, 256);
+}
+
 // A consumer warpgroup's row group: tiles of the other warpgroup by P from shared memory, its
-// own (t = wg, wg + 2, ..) by S, the softmax and P from registers; then the epilogue.
+// own (t = wg, wg + 2, ..) by S, the softmax and P from registers; then the epilogue. ready_par:
+// the phase of ready(wg) the next foreign tile completes (counted over the CTA's row groups).
 template <class S, bool kEarlyRelease>
-// ready_par: the phase of ready(wg) the next foreign tile completes (over the CTA's row groups).
 FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split, const PpTiles& tl,
                        int64_t j0, const PpSmem<S>& sm, int wg, uint32_t& ready_par) {
   const int tid = int(threadIdx.x) % 128, ww = tid / 32, lane = tid % 32, r0 = 16 * ww + lane / 4;
@@ -392,25 +418,7 @@ FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int 
   fence_operands(o[0]);
   fence_fragments(pa);
   if (rs_tile >= 0) release(rs_tile);
-  // Epilogue: l over the row's lanes and both warpgroups; v_descale-free scale 1 / l (with the
-  // sink) and the LSE by warpgroup 0; out (or the split's partial) by both.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
-    l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
-  }
-  if (lane % 4 == 0) sm.l()[wg * 64 + r0] = l[0], sm.l()[wg * 64 + r0 + 8] = l[1];
-  named_sync(1, 256);  // both loops done (alpha free), both l written
-  if (wg == 0 && lane % 4 == 0) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int j = r0 + 8 * h;
-      sm.alpha()[j] = finish_row(p, s, g0, nrows, split, j, m[h], sm.l()[j] + sm.l()[64 + j], 1.0f);
-    }
-  }
-  named_sync(1, 256);
-  store_o<S, 1, kMlaDv / 16, false>(p, s, g0, nrows, split, sm.alpha(), o, 16 * ww, wg * (kMlaDv / 2), lane);
-  named_sync(1, 256);  // the row scales are read before the next row group's epilogue
+  pp_epilogue<S>(p, s, g0, nrows, split, sm, o, m, l, wg, ww, r0, lane);
 }
 
 // kEarlyRelease: pp_consume's order for paged caches of fewer than 64 keys per page.
