@@ -58,8 +58,7 @@ bool pp_disabled() {
 // P = 16 x 2^i keys (a 64-key tile is one box, or 64 / P page segments of 16-row multiples).
 bool pp_fits(const AttnParams& p) {
   if (pp_disabled()) return false;
-  const int64_t bs = p.kv_dim1;
-  if (p.paged && !(bs >= 16 && bs % 16 == 0 && (kMlaPpKeys % bs == 0 || bs % kMlaPpKeys == 0))) return false;
+  if (p.paged && !tma_block_size_ok(kMlaPpKeys, p.kv_dim1)) return false;
   return tma_mappable(p.k, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kMlaD) &&
          tma_mappable(p.v, p.kv_dim0, p.kv_dim1, p.num_kv_heads, kMlaDv);
 }

@@ -39,6 +39,7 @@
 #pragma once
 
 #include "kernels/attention/prefill_tma.cuh"
+#include "kernels/common/wgmma_mma_fp8.cuh"
 
 namespace flashserve::kernels::prefill {
 

@@ -181,13 +181,17 @@ constexpr bool prefill_tma_config_built(DType t, int64_t d, int64_t dv) {
   return sm90_config_built(kPrefillTmaConfigs, t, d, dv);
 }
 
+// Pages of P keys a TMA producer loads kn-key tiles from (prefill_tma, decode_mla_pp): a
+// multiple of 16 that divides the tile (one box per page segment) or is divided by it.
+constexpr bool tma_block_size_ok(int64_t kn, int64_t p) {
+  return p >= 16 && p % 16 == 0 && (kn % p == 0 || p % kn == 0);
+}
 // The paged block sizes it serves: P a multiple of 16 (a page segment starts on a 2 KB, so
 // 1024-byte aligned, row of the swizzled tile) that divides the kN-key tile or is divided by it
 // (16, 32, 64, 128, 256, ...), so that a tile starting on a multiple of min(kN, P) keys is whole
 // page segments. Other block sizes (1, 80, ...) stay on prefill_wgmma.
 constexpr bool prefill_tma_block_size_ok(int64_t d, int64_t dv, int64_t p) {
-  const int64_t n = wgmma_tile_keys(d, dv);
-  return p >= 16 && p % 16 == 0 && (n % p == 0 || p % n == 0);
+  return tma_block_size_ok(wgmma_tile_keys(d, dv), p);
 }
 // Rows of its K/V TMA box: the whole kN-key tile (contiguous, or pages of at least kN keys), or
 // one page of P < kN keys (tma_map.cu's box, prefill_tma.cuh's segments).
