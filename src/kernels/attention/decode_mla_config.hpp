@@ -96,12 +96,12 @@ static_assert(mla_wgmma_smem_bytes() <= 232448, "one CTA per H100/H200 SM");
 // The sm_90a 64-row kernel in FlashMLA's shape (decode_mla_pp.cuh; the launcher takes it over
 // decode_mla_wgmma where the k / v views suit TMA and pages hold 16 * 2^i keys): Q [64, 576] | 2
 // stages [64 keys, 576] | P [64, 64] (16-bit, 128-byte-swizzled tiles) | m, alpha [64] | l [2, 64]
-// fp32 | mbarriers (a full one per stage and column block, an empty one per stage, a hand-over one
-// per warpgroup); plus 1024
+// fp32 | mbarriers (a full one per stage and column block, three empty ones per stage: k and the two
+// latent halves, a hand-over one per warpgroup); plus 1024
 // bytes to align the tiles. 226 KB.
 inline constexpr int kMlaPpKeys = 64;
 constexpr size_t mla_pp_smem_bytes() {
-  return size_t(3) * 64 * kMlaWidth * 2 + size_t(64) * kMlaPpKeys * 2 + 4 * 64 * 4 + (2 * kMlaWidth / 64 + 4) * 8 + 1024;
+  return size_t(3) * 64 * kMlaWidth * 2 + size_t(64) * kMlaPpKeys * 2 + 4 * 64 * 4 + (2 * kMlaWidth / 64 + 8) * 8 + 1024;
 }
 static_assert(mla_pp_smem_bytes() <= 232448, "one CTA per H100/H200 SM");
 // The sm_90a 64-row kernel's shared memory as the selection reports it: the larger of the two

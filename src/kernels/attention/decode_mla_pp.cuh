@@ -17,9 +17,10 @@
 // that mbarrier, rescales its O by alpha and adds P V with P from shared memory (wgmma_ss_tb),
 // before issuing its own tile's S; it waits for that P V before it overwrites P with its own
 // tile's. The running max goes from owner to owner with P; each warpgroup keeps l over its own
-// tiles (rescaled by every tile's alpha), summed at the end. A stage is released (empty
-// barrier, one arrival per consumer warp) once both warpgroups' wgmmas reading it retired;
-// the producer refills it with tile t + 2.
+// tiles (rescaled by every tile's alpha), summed at the end. A stage is released in three parts
+// (empty barriers, one arrival per reading warp): k once the owner's S retired, each latent
+// half once its warpgroup's P V did; the producer refills part by part with tile t + 2, so the
+// next tile's k and first half load while the second half is still read.
 //
 // Loads: a tile is one TMA box per 64-channel column block and page segment, each column block
 // on its own full barrier so that S starts on block 0 while the others land (FlashMLA's
@@ -39,9 +40,9 @@
 // 250.6), 436 TFLOP/s = 61% of cuBLAS's bf16 GEMM; ncu: the tensor pipe 41% active, 30% of the
 // warp samples at the hand-over wait (the chain). (Out through shared memory with 16-byte row
 // stores was tried: 1% faster without splits, 3-7% slower with them from the added registers.)
+// The release in parts: 1-2% on every 64-row shape (169.6 -> 167.2 us at H = 128 B = 64).
 // Next: the other warpgroup's share of S (FlashMLA's phases; a partial S needs shared memory
-// that a Q block kept in registers would free) to shorten the chain, and stages released per
-// column block so that more than a tile is in flight.
+// that a Q block kept in registers would free) to shorten the chain.
 #pragma once
 
 #include <cuda.h>
@@ -75,7 +76,7 @@ struct PpShape : WgShape<kDt> {
   static constexpr uint32_t kAlphaOff = kMOff + 64 * 4;
   static constexpr uint32_t kLOff = kAlphaOff + 64 * 4;
   static constexpr uint32_t kBarOff = kLOff + 2 * 64 * 4;
-  static constexpr uint32_t kBytes = kBarOff + (2 * kBlocks + 4) * 8;
+  static constexpr uint32_t kBytes = kBarOff + (2 * kBlocks + 8) * 8;
   static_assert(kBytes + 1024 == mla_pp_smem_bytes(), "decode_mla_config.hpp sizes shared memory with it");
   static_assert(kKeys == 64 && WgShape<kDt>::kM == 64, "64 rows x 64 keys");
 };
@@ -93,11 +94,16 @@ struct PpSmem {
   FS_DEV float* l() const { return reinterpret_cast<float*>(base + S::kLOff); }
   // column block c of stage st landed (one barrier per block: S starts on the first)
   FS_DEV uint32_t full(int st, int c) const { return q + S::kBarOff + 8 * uint32_t(st * S::kBlocks + c); }
-  FS_DEV uint32_t empty(int st) const { return q + S::kBarOff + 8 * uint32_t(2 * S::kBlocks + st); }
+  // part of stage st released: 0 k (column block 0; S read it), 1 + w warpgroup w's latent half
+  // (blocks 1 + 4 w .. 4 + 4 w; S and w's P V read it): the producer refills each part as soon
+  // as its readers are done
+  FS_DEV uint32_t empty(int st, int part) const {
+    return q + S::kBarOff + 8 * uint32_t(2 * S::kBlocks + 3 * st + part);
+  }
   // warpgroup w's next foreign tile published (P, m, alpha): the other warpgroup's 128 threads
   // arrive, each after its own writes (a release per writer, which racecheck follows; a named
   // barrier's arrive measured the same and racecheck reported the P stores as races)
-  FS_DEV uint32_t ready(int w) const { return q + S::kBarOff + 8 * uint32_t(2 * S::kBlocks + 2 + w); }
+  FS_DEV uint32_t ready(int w) const { return q + S::kBarOff + 8 * uint32_t(2 * S::kBlocks + 6 + w); }
 };
 
 // A row group's tiles: keys [base, base + 64 n) over the union u of its rows' visible keys
@@ -135,24 +141,31 @@ FS_DEV void pp_produce(const PpParams& tp, const DecodeSeq& s, const PpTiles& tl
     const int64_t next = id_of(j + 1);  // in flight during the wait
     const int64_t jg = j0 + j, n0 = tl.base + j * kN;
     const int st = int(jg & 1);
-    if (jg >= 2) mbar_wait(sm.empty(st), uint32_t((jg >> 1) & 1) ^ 1u);
+    const uint32_t epar = uint32_t((jg >> 1) & 1) ^ 1u;
     int row = 0, blk = 0;
     if (prefill::tma_tile_from<kN>(p, s.kv, s.cache, s.sk, n0, seg, lane, id, row, blk)) {
-      // every lane arrives on each block's barrier (lane 0 with its bytes) before any box is issued
+      // part by part as released: k, then the latent halves; every lane arrives on each block's
+      // barrier (lane 0 with its bytes) before the block's boxes are issued
 #pragma unroll
-      for (int c = 0; c < S::kBlocks; ++c) {
-        if (lane == 0) mbar_arrive_expect_tx(sm.full(st, c), S::kBlock);
-        else mbar_arrive(sm.full(st, c));
-      }
-      __syncwarp();
-      if (lane < kN / seg) {  // page segment `lane`: seg rows of every column block
-        const uint32_t at = sm.stage(st) + uint32_t(lane * seg) * 128u;
-        tma_load_4d(at, &tp.k, sm.full(st, 0), 0, 0, row, blk);
-#pragma unroll
-        for (int c = 1; c < S::kBlocks; ++c)
-          tma_load_4d(at + uint32_t(c) * S::kBlock, &tp.v, sm.full(st, c), (c - 1) * 64, 0, row, blk);
+      for (int part = 0; part < 3; ++part) {
+        if (jg >= 2) mbar_wait(sm.empty(st, part), epar);
+        const int c0 = part == 0 ? 0 : 1 + 4 * (part - 1), c1 = part == 0 ? 1 : c0 + 4;
+        for (int c = c0; c < c1; ++c) {
+          if (lane == 0) mbar_arrive_expect_tx(sm.full(st, c), S::kBlock);
+          else mbar_arrive(sm.full(st, c));
+        }
+        __syncwarp();
+        if (lane < kN / seg) {  // page segment `lane`: seg rows of each column block
+          const uint32_t at = sm.stage(st) + uint32_t(lane * seg) * 128u;
+          for (int c = c0; c < c1; ++c) {
+            if (c == 0) tma_load_4d(at, &tp.k, sm.full(st, 0), 0, 0, row, blk);
+            else tma_load_4d(at + uint32_t(c) * S::kBlock, &tp.v, sm.full(st, c), (c - 1) * 64, 0, row, blk);
+          }
+        }
       }
     } else {
+      if (jg >= 2)
+        for (int part = 0; part < 3; ++part) mbar_wait(sm.empty(st, part), epar);
       prefill::copy_tail<T, L, kN, kMlaD / 8, true>(p, s.kv, s.sk, n0, sm.stage(st), sm.full(st, 0), lane);
       prefill::copy_tail<T, L, kN, kMlaDv / 8, false>(p, s.kv, s.sk, n0, sm.stage(st) + S::kBlock, sm.full(st, 1), lane);
 #pragma unroll
@@ -355,11 +368,16 @@ FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int 
   const uint32_t vcol = S::kBlock * uint32_t(1 + 4 * wg);  // the warpgroup's latent channels in a stage
   const auto st_of = [&](int64_t t) { return int((j0 + t) & 1); };
   const auto par_of = [&](int64_t t) { return uint32_t(((j0 + t) >> 1) & 1); };
-  const auto wait_full = [&](int64_t t) {
-    for (int c = 0; c < S::kBlocks; ++c) mbar_wait(sm.full(st_of(t), c), par_of(t));
+  // The other warpgroup's tile: this warpgroup's latent half landed (its owner saw it; waited
+  // here for the async proxy's view; k and the other half may already hold tile t + 2's blocks)
+  const auto wait_half = [&](int64_t t) {
+    for (int c = 1 + 4 * wg; c < 5 + 4 * wg; ++c) mbar_wait(sm.full(st_of(t), c), par_of(t));
   };
-  const auto release = [&](int64_t t) {  // this warp's wgmmas reading tile t retired
-    if (lane == 0) mbar_arrive(sm.empty(st_of(t)));
+  const auto release = [&](int64_t t) {  // this warp's P V of tile t retired: its latent half
+    if (lane == 0) mbar_arrive(sm.empty(st_of(t), 1 + wg));
+  };
+  const auto release_k = [&](int64_t t) {  // the owner's S of tile t retired: k
+    if (lane == 0) mbar_arrive(sm.empty(st_of(t), 0));
   };
   int64_t rs_tile = -1;  // the own tile whose P V (P from registers) is in flight
 #pragma unroll 1
@@ -375,7 +393,7 @@ FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int 
     if (f >= 0) {
       mbar_wait(sm.ready(wg), ready_par);  // its P, m and alpha published
       ready_par ^= 1u;
-      wait_full(f);  // landed (its owner saw it): visible to this warpgroup's wgmma too
+      wait_half(f);
       const float al[2] = {sm.alpha()[r0], sm.alpha()[r0 + 8]};
       m[0] = sm.m()[r0], m[1] = sm.m()[r0 + 8];
       l[0] *= al[0], l[1] *= al[1];
@@ -401,6 +419,7 @@ FS_DEV void pp_consume(const AttnParams& p, const DecodeSeq& s, int64_t g0, int 
     }
     wgmma_wait<0>();
     fence_operands(acc);
+    release_k(t);
     float alpha[2];
     pp_softmax(score, acc, rows, tl.base + t * S::kKeys, lane, m, l, alpha);
     pp_publish_p<S>(acc, pa, sm.base + S::kPOff, r0, lane);
@@ -434,7 +453,7 @@ __global__ void __launch_bounds__(384, 1) decode_mla_pp(const __grid_constant__ 
     tma_prefetch_desc(&tp.v);
     for (int st = 0; st < 2; ++st) {
       for (int c = 0; c < S::kBlocks; ++c) mbar_init(sm.full(st, c), prefill::kFullArrivals);
-      mbar_init(sm.empty(st), 8);  // one arrival per consumer warp
+      for (int part = 0; part < 3; ++part) mbar_init(sm.empty(st, part), 4);  // one per reading warp
       mbar_init(sm.ready(st), 128);
     }
     mbar_init_fence();
