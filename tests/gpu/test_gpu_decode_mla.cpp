@@ -114,21 +114,23 @@ TEST(GpuDecodeMla, HeadsQlenBlockSizesSplits) {
   expect_mla(c, 150);
 }
 
-// 64 rows of a 16-bit cache in the pages decode_mla_pp loads by TMA (16, 32: page segments of a
-// 64-key tile; 64, 128, 256: a tile within a page) and contiguous caches, long enough for many
-// tiles, ragged tails and an odd tile count per split; H 64 (one row slice) and 128 (two), q_len
-// 1 and 3 (several row groups per CTA at H 64: 192 rows over the slices), splits 1, 3 and the
-// planner's. Under FLASHSERVE_MLA_PP=0 (the wg32. entries) the same cases run decode_mla_wgmma.
+// 16 and 64 rows of a 16-bit cache in the pages decode_mla_heads_tma / decode_mla_pp load by TMA
+// (16, 32: page segments of a 64-key tile; 64, 128, 256: a tile within a page) and contiguous
+// caches, long enough for many tiles, ragged tails and an odd tile count per split; H 16 (q_len
+// 1: 16 rows; 3: 48 rows, one 64-row CTA), 64 (one row slice) and 128 (two), q_len 1 and 3
+// (several row groups per CTA at H 64: 192 rows over the slices), splits 1, 3 and the planner's.
+// Under FLASHSERVE_MLA_PP=0 (the wg32. entries) the same cases run the cp.async kernels.
 TEST(GpuDecodeMla, PpPageSizesAndSplits) {
   auto rng = fstest::make_rng(12);
   int i = 0;
   for (int64_t bs : {16, 32, 64, 128, 256, 0})
-    for (int64_t H : {64, 128}) {
-      CaseConfig c = mla_config(3, 1500, H, i % 3 == 2 ? 3 : 1, rng);
+    for (int64_t H : {16, 64, 128}) {
+      const int v = i + i / 3;  // the variant (q_len, splits) cycles apart from H
+      CaseConfig c = mla_config(3, 1500, H, v % 3 == 2 ? 3 : 1, rng);
       if (bs == 0) c.mode = KvMode::batched_contiguous;
       else c.block_size = bs;
       c.k_lens[0] = 1500 - 7;  // a ragged last tile
-      c.num_splits = i % 3 == 0 ? 1 : i % 3 == 1 ? 3 : 0;
+      c.num_splits = v % 3 == 0 ? 1 : v % 3 == 1 ? 3 : 0;
       expect_mla(c, 700 + uint64_t(i++));
     }
 }
@@ -378,7 +380,7 @@ TEST(GpuDecodeMla, Selection) {
     EXPECT_EQ(choice.kernel, wg ? fs::kernels::AttnKernelId::decode_mla_wgmma : fs::kernels::AttnKernelId::decode_mla);
     EXPECT_EQ(choice.rows_per_cta, w.rows);
     EXPECT_EQ(choice.head_slices, w.slices);
-    const size_t wg_smem = w.rows == 64 ? fs::kernels::mla_rows64_smem_bytes() : fs::kernels::mla_heads_smem_bytes(2, 2);
+    const size_t wg_smem = w.rows == 64 ? fs::kernels::mla_rows64_smem_bytes() : fs::kernels::mla_rows16_smem_bytes(false);
     EXPECT_EQ(choice.smem_bytes, wg ? wg_smem : fs::kernels::mla_smem_bytes(w.rows));
   }
   {  // fp32 out (a DCP rank's partial output) as well
@@ -413,7 +415,7 @@ TEST(GpuDecodeMla, Selection) {
     EXPECT_EQ(choice.kernel, wg16 ? fs::kernels::AttnKernelId::decode_mla_wgmma : fs::kernels::AttnKernelId::decode_mla);
     EXPECT_EQ(choice.rows_per_cta, w.rows);
     EXPECT_EQ(choice.head_slices, w.slices);
-    EXPECT_EQ(choice.smem_bytes, wg16 ? fs::kernels::mla_heads_smem_bytes(2, 2) : fs::kernels::mla_smem_bytes(w.rows, 1));
+    EXPECT_EQ(choice.smem_bytes, wg16 ? fs::kernels::mla_rows16_smem_bytes(true) : fs::kernels::mla_smem_bytes(w.rows, 1));
   }
   declines([](CaseConfig& c) { c.kv_latent = false, c.kv_pad = 3; }, "16 bytes");
   declines([](CaseConfig& c) { c.q_pad = 3; }, "16 bytes");

@@ -98,6 +98,7 @@
 #include "kernels/attention/decode_fwd.cuh"
 #include "flashserve/status.hpp"
 #include "kernels/attention/decode_mla_config.hpp"
+#include "kernels/common/tma.cuh"
 
 namespace flashserve::kernels::mla {
 
@@ -664,6 +665,19 @@ struct RowSmem {
         loc(reinterpret_cast<TokenLoc*>(sm + S::kLocOff)), bad(reinterpret_cast<uint32_t*>(sm + S::kBadOff)) {}
 };
 
+// The barrier of the threads that run a row group: the CTA's, or, in a shape whose producer
+// warp loads the stages (S::kTma), the S::kThreads consumers' (named barrier 1).
+template <class S>
+FS_DEV void rows_sync() {
+  if constexpr (requires { requires S::kTma; }) named_sync(1, S::kThreads);
+  else __syncthreads();
+}
+template <class S>
+FS_DEV bool rows_sync_or(bool pred) {
+  if constexpr (requires { requires S::kTma; }) return named_sync_or(1, S::kThreads, pred);
+  else return __syncthreads_or(pred);
+}
+
 // A row group's start: the rows' meta, Q's copies issued (fp8: committed as their own group, to
 // be converted once they land), barrier; returns the union of the rows' visible keys.
 template <class S>
@@ -671,7 +685,7 @@ FS_DEV KeyRange start_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
   if (int(threadIdx.x) < S::kM) meta[threadIdx.x] = decode::row_meta(p, s, 0, g0, nrows, int(threadIdx.x));
   issue_q<S>(p, s, g0, nrows, q);
   if constexpr (S::kFp8) cp_async_commit();
-  __syncthreads();
+  rows_sync<S>();
   return decode::rows_key_union(meta, nrows, s.range);
 }
 

@@ -128,10 +128,11 @@ inline constexpr int kMlaHeadsRawRow = kMlaWidth + 16;
 constexpr size_t mla_heads_stage_bytes(bool raw_fp8) {
   return size_t(kMlaHeadsTileKeys) * (raw_fp8 ? size_t(kMlaHeadsRawRow) : size_t(kMlaWidth) * 2);
 }
-constexpr size_t mla_heads_smem_bytes(int wgs, int stages, bool raw_fp8 = false) {
+constexpr size_t mla_heads_smem_bytes(int wgs, int stages, bool raw_fp8 = false, bool tma = false) {
   return size_t(kMlaHeadsRows) * kMlaWidth * 2 + size_t(stages) * mla_heads_stage_bytes(raw_fp8) + kMlaHeadsRows * 128 +
          (wgs > 1 ? size_t(wgs) * kMlaHeadsTileKeys * kMlaHeadsRows * 4 : 0) + size_t(wgs) * 5 * kMlaHeadsRows * 4 +
-         kMlaHeadsRows * (kMlaRowMetaBytes + 4) + 2 * kMlaHeadsTileKeys * 24 + 4 * (kMlaHeadsTileKeys / 32) * 4 + 1024;
+         kMlaHeadsRows * (kMlaRowMetaBytes + 4) + 2 * kMlaHeadsTileKeys * 24 + 4 * (kMlaHeadsTileKeys / 32) * 4 +
+         (tma ? size_t(stages) * (kMlaWidth / 64 + 1) * 8 : 0) + 1024;
 }
 // CTAs per SM: two when two fit in shared memory (228 KB) and registers (one warpgroup).
 constexpr int mla_heads_ctas_per_sm(int wgs, int stages, bool raw_fp8 = false) {
@@ -140,6 +141,14 @@ constexpr int mla_heads_ctas_per_sm(int wgs, int stages, bool raw_fp8 = false) {
 static_assert(mla_heads_smem_bytes(2, 2) <= 232448 && mla_heads_ctas_per_sm(1, 1) == 2 &&
                   mla_heads_ctas_per_sm(1, 2, true) == 2 && mla_heads_stage_bytes(true) % 1024 == 0,
               "the shapes' occupancy");
+// The 16-row kernels' shared memory as the selection reports it: the largest the launcher may
+// pick (a 16-bit cache: the 2 x 2 shape with TMA's barriers; fp8: the 2 x 2 shape).
+constexpr size_t mla_rows16_smem_bytes(bool fp8) {
+  return fp8 ? mla_heads_smem_bytes(2, 2) : mla_heads_smem_bytes(2, 2, false, true);
+}
+static_assert(mla_heads_smem_bytes(2, 2, false, true) <= 232448 &&
+                  mla_heads_smem_bytes(2, 2, false, true) >= mla_heads_smem_bytes(1, 1),
+              "the 16-bit 16-row shapes' largest: one CTA per H100/H200 SM");
 // The launcher's pick: the two-CTA shape (1 warpgroup, 1 stage) for grids of at least 1.5 CTAs
 // per SM (measured, H=16 B=64 L=4k: 256 CTAs 106.5 us vs 116.5; 128 CTAs 137.1 vs 107.9).
 constexpr bool mla_heads_pair(int64_t ctas, int sms) { return 2 * ctas >= 3 * int64_t(sms); }

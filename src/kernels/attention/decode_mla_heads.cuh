@@ -55,7 +55,7 @@
 
 namespace flashserve::kernels::mla {
 
-template <DType kDt, DType kKv, int kWgs_, int kStages_>
+template <DType kDt, DType kKv, int kWgs_, int kStages_, bool kTma_ = false>
 struct HeadsShape {
   static constexpr int kVb = kv_bytes(kKv);  // KV bytes per element (2, or 1: fp8)
   static constexpr bool kFp8 = kVb == 1;
@@ -67,8 +67,11 @@ struct HeadsShape {
   static constexpr int kM = kMlaHeadsRows;  // packed rows: the wgmma N
   static constexpr int kN = kMlaHeadsTileKeys;  // keys per tile: the wgmma M
   static constexpr int kWgs = kWgs_;  // warpgroups: parts of S's contraction, of P V's channels
-  static constexpr int kThreads = 128 * kWgs;
+  static constexpr int kThreads = 128 * kWgs;  // the warpgroups' (kTma: a producer warp after them)
   static constexpr int kWarps = kThreads / 32;
+  // A producer warp loads the stages by TMA (decode_mla_heads_tma.cuh: 16-bit, 2 x 2)
+  static constexpr bool kTma = kTma_;
+  static constexpr int kCtaThreads = kThreads + (kTma ? 32 : 0);
   static constexpr int kStages = kStages_;
   // fp8 with one warpgroup (the RS shape): raw fp8 stages of kRawRow-byte rows, the MMAs' A
   // operands converted to f16 in registers (issue_s_rs, issue_pv_rs); q in fp8_q_column's order.
@@ -87,6 +90,11 @@ struct HeadsShape {
   using QL = SwizzledTile<kM>;
   using KvL = SwizzledTile<kN>;
   using PL = SwizzledTile<kM>;
+  // the producer's view of a stage (decode_mla_pp.cuh's pp_produce): 9 column blocks of 64 keys
+  using L = KvL;
+  static constexpr int kKeys = kN;
+  static constexpr int kBlocks = kMlaWidth / 64;
+  static constexpr uint32_t kBlock = KvL::kBlockBytes;
   static constexpr size_t kStageBytes = mla_heads_stage_bytes(kRs);
   static constexpr size_t kQOff = 0;
   static constexpr size_t kKvOff = size_t(kM) * kMlaWidth * 2;
@@ -99,8 +107,11 @@ struct HeadsShape {
   static constexpr size_t kScaleOff = kMetaOff + kM * sizeof(RowMeta);
   static constexpr size_t kLocOff = kScaleOff + kM * sizeof(float);
   static constexpr size_t kBadOff = kLocOff + 2 * kN * sizeof(TokenLoc);
-  static constexpr size_t kBytes = kBadOff + 4 * kSub * sizeof(uint32_t);  // tile k's masks in slot k % 4
-  static_assert(kBytes + 1024 == mla_heads_smem_bytes(kWgs, kStages, kRs), "decode_mla_config.hpp sizes shared memory");
+  // kTma: full barriers [kStages, kBlocks] and empty ones [kStages] (the bad masks unused)
+  static constexpr size_t kBarOff = kBadOff + 4 * kSub * sizeof(uint32_t);  // tile k's masks in slot k % 4
+  static constexpr size_t kBytes = kBarOff + (kTma ? size_t(kStages) * (kBlocks + 1) * 8 : 0);
+  static_assert(kBytes + 1024 == mla_heads_smem_bytes(kWgs, kStages, kRs, kTma), "decode_mla_config.hpp sizes shared memory");
+  static_assert(kBarOff % 8 == 0 && (!kTma || (!kFp8 && kWgs == 2 && kStages == 2)), "TMA: the 16-bit 2 x 2 shape");
   static_assert(!kFp8 || (kStages == 2 && (kN * kChunks) % kThreads == 0), "fp8: two stages, whole chunk rounds");
   static_assert(!kRs || kStageBytes == size_t(kN) * kRawRow, "RS: raw rows");
   static_assert(kKvOff % 1024 == 0 && kStageBytes % 1024 == 0 && kPOff % 1024 == 0, "swizzle atoms 1024-aligned");
@@ -360,7 +371,7 @@ FS_DEV void softmax_cols(const AttnParams& p, float (&x)[4][2], const RowMeta* m
   }
   store_pt<S>(pbuf, pr, wg, ww, lane);
   fence_proxy_async_shared();  // P^T, written by stmatrix, read by wgmma
-  if (!__syncthreads_or(need)) {  // P^T complete against the running maxima
+  if (!rows_sync_or<S>(need)) {  // P^T complete against the running maxima
 #pragma unroll
     for (int i = 0; i < 4; ++i) al[i] = 1.0f, cs.l[i] += pr[i][0] + pr[i][1];
     return;
@@ -388,14 +399,15 @@ FS_DEV void softmax_cols(const AttnParams& p, float (&x)[4][2], const RowMeta* m
   }
   store_pt<S>(pbuf, x, wg, ww, lane);
   fence_proxy_async_shared();
-  __syncthreads();  // P^T complete
+  rows_sync<S>();  // P^T complete
 }
 
 // Issues the warpgroup's partial S^T = [k | v] Q^T over its part of the contraction (k16 steps
-// kWgs j + wg; one commit group). fp8: the k steps (column block 0) accumulate into acck, apart
-// from the latent's (their descales differ: S = k_desc q.k + v_desc q_v.v).
-template <class S>
-FS_DEV void issue_s_heads(uint32_t q, uint32_t stage, int wg, float (&acc)[2][4], float (&acck)[2][4]) {
+// kWgs j + wg; one commit group), each column block's steps after full(c) (kTma: the block's
+// full barrier waited; else a no-op). fp8: the k steps (column block 0) accumulate into acck,
+// apart from the latent's (their descales differ: S = k_desc q.k + v_desc q_v.v).
+template <class S, class Full>
+FS_DEV void issue_s_heads(uint32_t q, uint32_t stage, int wg, float (&acc)[2][4], float (&acck)[2][4], Full&& full) {
   using T = typename S::T;
   const uint64_t da = desc_k_major<S::kN>(stage, 0, wg), db = desc_k_major<S::kM>(q, 0, wg);
   const uint32_t alo = warp_uniform(uint32_t(da)), ahi = warp_uniform(uint32_t(da >> 32));
@@ -407,6 +419,7 @@ FS_DEV void issue_s_heads(uint32_t q, uint32_t stage, int wg, float (&acc)[2][4]
   for (int j = 0; j < S::kKSteps / S::kWgs; ++j) {
     // k16 step kWgs j (+ wg, in the base): column block kWgs j / 4, 32 bytes per step into it
     const int ks = S::kWgs * j;
+    if (ks % 4 == 0) full(ks / 4);  // the warpgroup's first step in column block ks / 4
     const uint64_t a = (uint64_t(ahi) << 32) | (alo + (k_step_bytes<S::kN>(ks) >> 4));
     const uint64_t b = (uint64_t(bhi) << 32) | (blo + (k_step_bytes<S::kM>(ks) >> 4));
     constexpr int kRope = 4 / S::kWgs;  // the warpgroup's k16 steps in column block 0 (k)
@@ -456,13 +469,13 @@ FS_DEV void finish_cols(const AttnParams& p, const DecodeSeq& s, int64_t g0, int
       if (ww == 0) red[4 * S::kM + heads_col(lane, i)] = cs.m[i];
     }
   }
-  __syncthreads();
+  rows_sync<S>();
   if (tid < S::kM) {
     const int c = tid;
     const float l = red[c] + red[S::kM + c] + red[2 * S::kM + c] + red[3 * S::kM + c];
     rscale[c] = finish_row(p, s, g0, nrows, split, c, red[4 * S::kM + c], l, S::kFp8 ? s.kv.v_desc : 1.0f);
   }
-  __syncthreads();
+  rows_sync<S>();
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int c = heads_col(lane, i);
@@ -501,7 +514,7 @@ FS_DEV void sum_partial_s(const float (&acc)[2][4], float* spart, int wg, float 
   const float* other = spart + (1 - wg) * 8 * 128;
 #pragma unroll
   for (int v = 0; v < 8; ++v) mine[v * 128 + t] = acc[v / 4][v % 4];
-  __syncthreads();
+  rows_sync<S>();
 #pragma unroll
   for (int i = 0; i < 4; ++i)
 #pragma unroll
@@ -609,7 +622,7 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
     }
     const uint32_t bad0 = b[0], bad1 = b[1];
     if constexpr (S::kRs) issue_s_rs<S>(q, st, acc, acck, ww, lane);
-    else issue_s_heads<S>(q, st, wg, acc, acck);
+    else issue_s_heads<S>(q, st, wg, acc, acck, [](int) {});
     if constexpr (S::kConvert) {  // under S: tile k + 1 into its stage, k + 2 loaded
       if (k + 1 < n) store_tile_fp8<S>(raw, stage(k + 1));
       issue_tile(k + 2);

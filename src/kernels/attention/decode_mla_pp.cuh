@@ -123,10 +123,10 @@ FS_DEV PpTiles pp_tiles(const AttnParams& p, const DecodeSeq& s, int64_t g0, int
 
 // The producer warp: tile j of the row group (the CTA's tile j0 + j) into stage (j0 + j) % 2 once
 // its consumers released it, by TMA where prefill's tma_tile allows (its block ids read a tile
-// ahead), else by copy_tail.
-template <class S>
-FS_DEV void pp_produce(const PpParams& tp, const DecodeSeq& s, const PpTiles& tl, int64_t j0, const PpSmem<S>& sm,
-                       int lane) {
+// ahead), else by copy_tail. Sm: the kernel's shared memory (stage(st), full(st, c), empty(st, part);
+// PpSmem, decode_mla_heads_tma.cuh's HeadsTmaSmem).
+template <class S, class Sm>
+FS_DEV void pp_produce(const PpParams& tp, const DecodeSeq& s, const PpTiles& tl, int64_t j0, const Sm& sm, int lane) {
   using T = typename S::T;
   using L = typename S::L;
   constexpr int kN = S::kKeys;

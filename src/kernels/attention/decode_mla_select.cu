@@ -71,13 +71,14 @@ std::string try_decode_mla(const detail::AttnProblem& pr, const DeviceProps& dev
   c.head_slices = int(slices);
   c.smem_bytes = smem;
   // On an H100/H200 in a build with sm_90a: the wgmma kernels (64 rows of a 16-bit latent
-  // cache: decode_mla_pp.cuh where TMA can load the tiles, else decode_mla_wgmma.cuh; 16 rows of a 16-bit or fp8 one: decode_mla_heads.cuh, whose
-  // launcher picks one of two shapes by the grid: smem_bytes is the larger). Their shared memory
+  // cache: decode_mla_pp.cuh where TMA can load the tiles, else decode_mla_wgmma.cuh; 16 rows of
+  // a 16-bit or fp8 one: decode_mla_heads.cuh (decode_mla_heads_tma.cuh where TMA can load a
+  // 16-bit cache), whose launcher picks one of two shapes by the grid: smem_bytes is the largest). Their shared memory
   // fits a 9.0 device (decode_mla_config.hpp's static_asserts).
   if ((!fp8 || rows == kMlaHeadsRows) && FLASHSERVE_SM90A && dev.cc_major == 9 && dev.cc_minor == 0 &&
       !kernel_disabled(AttnKernelId::decode_mla_wgmma)) {
     c.kernel = AttnKernelId::decode_mla_wgmma;
-    c.smem_bytes = rows == 64 ? mla_rows64_smem_bytes() : mla_heads_smem_bytes(2, 2);
+    c.smem_bytes = rows == 64 ? mla_rows64_smem_bytes() : mla_rows16_smem_bytes(fp8);
   }
   return {};
 }

@@ -8,7 +8,7 @@
 
 #include <cstdlib>
 
-#include "kernels/attention/decode_mla_heads.cuh"
+#include "kernels/attention/decode_mla_heads_tma.cuh"
 #include "kernels/attention/decode_mla_pp.cuh"
 #include "kernels/attention/decode_mla_wgmma.cuh"
 #include "kernels/attention/launchers.hpp"
@@ -29,6 +29,14 @@ void launch_heads(const AttnParams& p, dim3 grid, cudaStream_t s) {
   kernel<<<grid, 128 * kWgs, smem, s>>>(p);
 }
 
+template <DType kDt>
+void launch_heads_tma(const AttnParams& p, dim3 grid, cudaStream_t s) {
+  constexpr auto kernel = &mla::decode_mla_heads_tma<kDt>;
+  constexpr size_t smem = mla_heads_smem_bytes(2, 2, false, true);
+  ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);
+  kernel<<<grid, mla::HeadsTmaShape<kDt>::kCtaThreads, smem, s>>>(mla::pp_params(p));
+}
+
 template <auto kKernel>
 void launch_pp(const AttnParams& p, dim3 grid, cudaStream_t s) {
   ensure_smem_limit<kKernel>(mla_pp_smem_bytes(), /*max_carveout=*/true);
@@ -45,7 +53,8 @@ int forced_heads_ctas() {
   return forced;
 }
 
-// FLASHSERVE_MLA_PP=0: 64 rows of a 16-bit cache stay on decode_mla_wgmma (A/B runs).
+// FLASHSERVE_MLA_PP=0: the TMA-producer kernels off (A/B runs, the GPU tests' wg32. entries): 64
+// rows of a 16-bit cache stay on decode_mla_wgmma, 16 rows on decode_mla_heads' cp.async copies.
 bool pp_disabled() {
   static const bool off = [] {
     const char* env = std::getenv("FLASHSERVE_MLA_PP");
@@ -54,8 +63,32 @@ bool pp_disabled() {
   return off;
 }
 
-// decode_mla_pp's scope within the 64-row 16-bit shape: k and v views TMA can map, and pages of
-// P = 16 x 2^i keys (a 64-key tile is one box, or 64 / P page segments of 16-row multiples).
+// FLASHSERVE_MLA_HEADS_TMA=0 or 1: decode_mla_heads_tma declined or taken wherever it fits
+// (A/B runs, the GPU tests); otherwise -1: heads_tma_pays decides.
+int forced_heads_tma() {
+  static const int forced = [] {
+    const char* env = std::getenv("FLASHSERVE_MLA_HEADS_TMA");
+    return env && (env[0] == '0' || env[0] == '1') && env[1] == '\0' ? env[0] - '0' : -1;
+  }();
+  return forced;
+}
+
+// Where the 16-row 2 x 2 shape takes decode_mla_heads_tma over its cp.async copies: where a
+// CTA's chain binds, not HBM: grids under 3/4 of the SMs, or CTAs of at most 8 tiles (a split's
+// prologue and first loads in the chain). Measured (H200, H = 16, bf16, us, cp.async -> TMA):
+// B = 64 L = 4k one split (64 CTAs, 64 tiles each) 152.5 -> 110.6, B = 1 L = 32k (128 splits of
+// 4 tiles) 29.3 -> 27.7; but where 128 CTAs stream long splits HBM binds and the TMA boxes (a
+// 128-byte column of 64 key rows each) stream slower than the threads' row-contiguous copies:
+// B = 64 L = 4k 2 splits (32 tiles) 92.7 -> 93.7, B = 128 L = 8k (128 tiles) 299.1 -> 311.2.
+bool heads_tma_pays(const AttnParams& p, int64_t ctas, int num_sms) {
+  if (forced_heads_tma() >= 0) return forced_heads_tma() == 1;
+  const int64_t tiles = (p.max_split_keys + kMlaHeadsTileKeys - 1) / kMlaHeadsTileKeys;
+  return 4 * ctas < 3 * int64_t(num_sms) || (p.max_split_keys > 0 && tiles <= 8);
+}
+
+// The TMA-producer kernels' scope (decode_mla_pp, decode_mla_heads_tma) within the 16-bit shapes:
+// k and v views TMA can map, and pages of P = 16 x 2^i keys (a 64-key tile is one box, or 64 / P
+// page segments of 16-row multiples).
 bool pp_fits(const AttnParams& p) {
   if (pp_disabled()) return false;
   if (p.paged && !tma_block_size_ok(kMlaPpKeys, p.kv_dim1)) return false;
@@ -100,6 +133,8 @@ void launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream) {
               kernel<<<grid, 256, mla_wgmma_smem_bytes(), s>>>(p);
             } else if (pair) {
               launch_heads<kDt, kKv, 1, 1>(p, grid, s);
+            } else if (pp_fits(p) && heads_tma_pays(p, int64_t(grid.x) * grid.y * grid.z, num_sms)) {
+              launch_heads_tma<kDt>(p, grid, s);
             } else {
               launch_heads<kDt, kKv, 2, 2>(p, grid, s);
             }

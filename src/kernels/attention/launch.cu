@@ -2,6 +2,8 @@
 // kernel (and the split combine) run on the caller's stream.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "flashserve/status.hpp"
 #include "kernels/attention.hpp"
 #include "kernels/attention/launchers.hpp"
@@ -83,6 +85,9 @@ void set_splits(AttnParams& a, const Plan& plan, const ExecContext& ctx, AttnKer
   a.num_splits = unsplit ? 1 : plan.num_splits;
   a.split_granularity = plan.split_granularity;
   a.split_size = unsplit ? 0 : plan.split_size;
+  const int64_t sk = plan.shape.max_seqlen_k;  // the longest sequence's first split is its longest
+  const int64_t g = std::max<int64_t>(1, a.split_granularity);
+  a.max_split_keys = a.split_size > 0 ? std::min(sk, a.split_size) : split_kv_range(sk, a.num_splits, 0, g).end;
   if (a.num_splits <= 1) return;
   const WorkspaceBuffer& o = plan.workspace.get("o_partial");
   const WorkspaceBuffer& l = plan.workspace.get("lse_partial");

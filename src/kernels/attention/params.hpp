@@ -71,6 +71,7 @@ struct AttnParams {
   int64_t split_granularity = 1;
   int64_t split_size = 0;        // > 0: batch-invariant fixed-size splits (plan.hpp, Plan::split_size):
                                  // a sequence has its own seq_num_splits; one split is written directly
+  int64_t max_split_keys = 0;    // a CTA's most keys: the plan's max_seqlen_k per split (0: unknown)
   float* o_partial = nullptr;    // f32 [num_splits, Bq * rows, H, Dv] (workspace)
   float* lse_partial = nullptr;  // f32 [num_splits, Bq * rows, H] (workspace)
 

@@ -50,6 +50,16 @@ FS_DEV void tma_prefetch_desc(const void* map) {
 
 // Named barriers 1..15 over `threads` threads (barrier 0 is __syncthreads').
 FS_DEV void named_sync(int id, int threads) { asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory"); }
+// bar.red.or over `threads` threads at barrier `id`: whether any of them passed true.
+FS_DEV bool named_sync_or(int id, int threads, bool pred) {
+  uint32_t r;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r)
+      : "r"(uint32_t(pred)), "r"(id), "r"(threads)
+      : "memory");
+  return r != 0u;
+}
 FS_DEV void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
