@@ -43,8 +43,13 @@
 // the same with 8 CTAs on the GPU as with 128 (the CTA's serial chain binds, not HBM). Two CTAs
 // per SM (1 x 1) overlap two chains: H=16 B=64 L=4k 120.2 us (decode_mla) -> 107.1 (planner's 4
 // splits: 256 CTAs), B=128 L=8k 388.8 -> 324.4, B=1 L=32k 49.6 -> 39.0 (2 x 2: 64 CTAs), 66% of
-// the copy ceiling at B=64. What would move it: the copies on TMA (~750 clk per tile off the
-// chain, for pages of 64) and the softmax of one tile under the MMAs of the next.
+// the copy ceiling at B=64. The copies on TMA (decode_mla_heads_tma.cuh) shorten a CTA's chain
+// (B=64 L=4k one split, 64 CTAs: 152.5 -> 110.6 us) but stream HBM slower where 128 CTAs run
+// long splits (B=128 L=8k 299.1 -> 311.2): the launcher takes them where the chain binds. ncu
+// (2026-11-25; B=1 L=32k, 4 tiles per CTA): 24% of the warps' samples at the tiles' full
+// barriers, 22% in the epilogue's stores (instruction fetch: store_out per element, now one
+// dispatch per thread: B=1 L=32k 28.0 -> 26.3 us); B=64 L=4k: 17% at the landed barrier, 11% at
+// the partial-S exchange, 8% at start_rows' barrier (the rows' metadata).
 #pragma once
 
 #include <cstdint>
@@ -453,6 +458,15 @@ FS_DEV void issue_pv_heads(uint32_t pbuf, uint32_t stage, int wg, const float (&
   wgmma_commit();
 }
 
+// decode::packed_idx (KV head 0) by a 32-bit division where the index fits (the 64-bit one is
+// ~70 instructions; kept there: the GQA decode kernels measured slower with this branch).
+FS_DEV PackedIdx packed_idx32(const AttnParams& p, int64_t g0, int j) {
+  const int64_t x = g0 + j;
+  if (x > INT32_MAX || p.group > INT32_MAX) return decode::packed_idx(p, 0, g0, j);
+  const uint32_t i = uint32_t(x) / uint32_t(p.group);
+  return {int64_t(i), x - int64_t(i) * p.group};
+}
+
 // Epilogue: per column, 1 / l (times the sink's weight) and the LSE (or the split's partial
 // LSE) from warpgroup 0's state, then out (or the split's fp32 partial) = O^T's column x that
 // scale, each warpgroup its kMb latent blocks.
@@ -476,26 +490,37 @@ FS_DEV void finish_cols(const AttnParams& p, const DecodeSeq& s, int64_t g0, int
     rscale[c] = finish_row(p, s, g0, nrows, split, c, red[4 * S::kM + c], l, S::kFp8 ? s.kv.v_desc : 1.0f);
   }
   rows_sync<S>();
+  // O^T's rows lane / 4 + 8 h of the warp's 16 in latent block mb; RS shape: channels
+  // 2 (lane / 4) + h (issue_pv_rs)
+  const auto ch = [&](int mb, int h) {
+    return 64 * (S::kMb * wg + mb) + 16 * ww + (S::kRs ? 2 * (lane / 4) + h : lane / 4 + 8 * h);
+  };
+  // The stores by destination type, one dispatch per thread (store_out per element made the
+  // epilogue large and cold: 22% of the warps' samples at B = 1 L = 32k were instruction fetch).
+  const auto store_cols = [&](auto* out, auto cvt) {
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int c = heads_col(lane, i);
-    if (c >= nrows) continue;
-    const float sc = rscale[c];
-    const PackedIdx pi = decode::packed_idx(p, 0, g0, c);
-    const int64_t r = s.rows.row_begin + pi.i;
-    float* part = p.num_splits > 1 ? p.o_partial + partial_index(p, split, r, pi.h) * kMlaDv : nullptr;
-    const int64_t q_row = s.rows.q_row(r, p.batched);
+    for (int i = 0; i < 4; ++i) {
+      const int c = heads_col(lane, i);
+      if (c >= nrows) continue;
+      const float sc = rscale[c];
+      const PackedIdx pi = packed_idx32(p, g0, c);
+      const int64_t r = s.rows.row_begin + pi.i;
+      const auto row = p.num_splits > 1 ? out + partial_index(p, split, r, pi.h) * kMlaDv
+                                        : out + s.rows.qb * p.out.stride[0] +
+                                              s.rows.q_row(r, p.batched) * p.out.stride[1] + pi.h * p.out.stride[2];
 #pragma unroll
-    for (int mb = 0; mb < S::kMb; ++mb)
+      for (int mb = 0; mb < S::kMb; ++mb)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        // O^T's rows lane / 4 + 8 h of the warp's 16; RS shape: channels 2 (lane / 4) + h (issue_pv_rs)
-        const int ch = 64 * (S::kMb * wg + mb) + 16 * ww + (S::kRs ? 2 * (lane / 4) + h : lane / 4 + 8 * h);
-        const float v = o[mb][i / 2][2 * h + i % 2] * sc;
-        if (part) part[ch] = v;
-        else store_out(p, s.rows.qb, q_row, pi.h, ch, v);
-      }
-  }
+        for (int h = 0; h < 2; ++h) row[ch(mb, h)] = cvt(o[mb][i / 2][2 * h + i % 2] * sc);
+    }
+  };
+  void* out = const_cast<void*>(p.out.data);
+  const auto f32 = [](float x) { return x; };
+  if (p.num_splits > 1) store_cols(p.o_partial, f32);
+  else if (p.out.dtype == DType::bf16)
+    store_cols(static_cast<__nv_bfloat16*>(out), [](float x) { return __float2bfloat16_rn(x); });
+  else if (p.out.dtype == DType::f16) store_cols(static_cast<__half*>(out), [](float x) { return __float2half_rn(x); });
+  else store_cols(static_cast<float*>(out), f32);
 }
 
 // S^T from the two warpgroups' partials: each stores its 8 fragment values ([value][thread]
