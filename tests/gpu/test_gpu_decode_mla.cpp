@@ -148,6 +148,23 @@ TEST(GpuDecodeMla, LongKvSplits) {
     }
 }
 
+// Many short splits (the planner's: 4 tiles per CTA at B = 1 L = 16k and B = 8 L = 4k, where the
+// launcher takes decode_mla_heads_tma), each shape three times: every CTA's Q must have landed
+// before its first S (a missing cp.async commit gave non-finite rows now and then, in the
+// benchmark's runs only).
+TEST(GpuDecodeMla, ManyShortSplits) {
+  auto rng = fstest::make_rng(13);
+  int i = 0;
+  for (int64_t B : {1, 8})
+    for (int rep = 0; rep < 3; ++rep) {
+      const int64_t L = B == 1 ? 16384 : 4096;
+      CaseConfig c = mla_config(B, L, 16, 1, rng);
+      c.k_lens.assign(size_t(B), L);
+      c.num_splits = 0;
+      expect_mla(c, 900 + uint64_t(i++));
+    }
+}
+
 // Paged and contiguous, varlen and batched; latent, separate and interleaved k/v; zero-length
 // sequences and q_len 0.
 TEST(GpuDecodeMla, ModesAndLayouts) {

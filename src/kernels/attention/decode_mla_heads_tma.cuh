@@ -62,7 +62,8 @@ FS_DEV void run_rows_heads_tma(const AttnParams& p, const DecodeSeq& s, int64_t 
 #pragma unroll
       for (int e = 0; e < 4; ++e) o[mb][n][e] = 0.0f;
   float acc[2][4], acck[2][4];
-  cp_async_wait<0>();  // Q (start_rows' copies)
+  cp_async_commit();  // start_rows' Q copies as a group: wait_group waits for committed groups only
+  cp_async_wait<0>();
   fence_proxy_async_shared();
   rows_sync<S>();
 #pragma unroll 1
