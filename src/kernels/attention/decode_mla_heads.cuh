@@ -549,6 +549,19 @@ FS_DEV void sum_partial_s(const float (&acc)[2][4], float* spart, int wg, float 
     }
 }
 
+// A row group's state at its start: the columns' softmax state and O^T zero.
+template <class S>
+FS_DEV void start_cols(ColState& cs, float (&o)[S::kMb][2][4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) cs.m[i] = kNegInf, cs.l[i] = 0.0f;
+#pragma unroll
+  for (int mb = 0; mb < S::kMb; ++mb)
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mb][n][e] = 0.0f;
+}
+
 // One row group: packed rows [g0, g0 + nrows) of the CTA's sequence.
 template <class S>
 FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split,
@@ -569,15 +582,8 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
   for (int j = 0; j < nrows; ++j) all_lo = imax(all_lo, meta[j].lo), all_hi = imin(all_hi, meta[j].hi);
   const bool plain_rows = make_score_transform(p).plain();
   ColState cs;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) cs.m[i] = kNegInf, cs.l[i] = 0.0f;
   float o[S::kMb][2][4];
-#pragma unroll
-  for (int mb = 0; mb < S::kMb; ++mb)
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[mb][n][e] = 0.0f;
+  start_cols<S>(cs, o);
   float acc[2][4], acck[2][4];
   uint4 raw[S::kConvert ? S::kRawPerThread : 1];  // the next tile, in flight
 

@@ -48,19 +48,12 @@ FS_DEV void run_rows_heads_tma(const AttnParams& p, const DecodeSeq& s, int64_t 
   RowMeta* meta = reinterpret_cast<RowMeta*>(sm + S::kMetaOff);
   float* rscale = reinterpret_cast<float*>(sm + S::kScaleOff);
   start_rows<S>(p, s, g0, nrows, q, meta);
+  ColState cs;
+  float o[S::kMb][2][4];
+  start_cols<S>(cs, o);
+  const bool plain_rows = make_score_transform(p).plain();
   int64_t all_lo = tl.u.lo, all_hi = tl.u.hi;  // the keys every row sees: plain tiles
   for (int j = 0; j < nrows; ++j) all_lo = imax(all_lo, meta[j].lo), all_hi = imin(all_hi, meta[j].hi);
-  const bool plain_rows = make_score_transform(p).plain();
-  ColState cs;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) cs.m[i] = kNegInf, cs.l[i] = 0.0f;
-  float o[S::kMb][2][4];
-#pragma unroll
-  for (int mb = 0; mb < S::kMb; ++mb)
-#pragma unroll
-    for (int n = 0; n < 2; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[mb][n][e] = 0.0f;
   float acc[2][4], acck[2][4];
   cp_async_commit();  // start_rows' Q copies as a group: wait_group waits for committed groups only
   cp_async_wait<0>();
