@@ -77,9 +77,10 @@ int forced_heads_tma() {
 // CTA's chain binds, not HBM: grids under 3/4 of the SMs, or CTAs of at most 8 tiles (a split's
 // prologue and first loads in the chain). Measured (H200, H = 16, bf16, us, cp.async -> TMA):
 // B = 64 L = 4k one split (64 CTAs, 64 tiles each) 152.5 -> 110.6, B = 1 L = 32k (128 splits of
-// 4 tiles) 29.3 -> 27.7; but where 128 CTAs stream long splits HBM binds and the TMA boxes (a
-// 128-byte column of 64 key rows each) stream slower than the threads' row-contiguous copies:
-// B = 64 L = 4k 2 splits (32 tiles) 92.7 -> 93.7, B = 128 L = 8k (128 tiles) 299.1 -> 311.2.
+// 4 tiles) 29.3 -> 27.7; but where 128 CTAs stream long splits, HBM binds and the TMA shape
+// streams slower (the cause not isolated: its boxes read 128-byte columns of 64 key rows, the
+// threads' copies whole rows): B = 64 L = 4k 2 splits (32 tiles) 92.7 -> 93.7, B = 128 L = 8k
+// (128 tiles) 299.1 -> 311.2.
 bool heads_tma_pays(const AttnParams& p, int64_t ctas, int num_sms) {
   if (forced_heads_tma() >= 0) return forced_heads_tma() == 1;
   const int64_t tiles = (p.max_split_keys + kMlaHeadsTileKeys - 1) / kMlaHeadsTileKeys;
