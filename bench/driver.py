@@ -445,6 +445,10 @@ def print_table(header: dict, configs: list[Config], rows: list[dict]) -> None:
 # ---------------------------------------------------------------- main
 
 def git_commit() -> str:
+    # FLASHSERVE_COMMIT first: the GPU machine's copy of the tree may carry a stale .git (its HEAD
+    # an older commit than the files), where the caller knows the commit of what it sent.
+    if os.environ.get("FLASHSERVE_COMMIT"):
+        return os.environ["FLASHSERVE_COMMIT"]
     try:
         sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10).stdout.strip()
@@ -454,7 +458,7 @@ def git_commit() -> str:
             return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("FLASHSERVE_COMMIT", "unknown")
+    return "unknown"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
