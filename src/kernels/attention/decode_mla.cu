@@ -1,8 +1,8 @@
-// Instantiations and launch of the MLA absorbed-decode kernel (decode_mla.cuh): one per entry of
+// Instantiations and launch of the MLA absorbed-decode kernel (decode_mla_mma.cuh): one per entry of
 // decode_mla_config.hpp's kMlaConfigs (q dtype, KV dtype) x rows per CTA (16, 64).
 #include <cuda_runtime.h>
 
-#include "kernels/attention/decode_mla.cuh"
+#include "kernels/attention/decode_mla_mma.cuh"
 #include "kernels/attention/launchers.hpp"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/dispatch.hpp"
