@@ -43,33 +43,32 @@ void launch_pp(const AttnParams& p, dim3 grid, cudaStream_t s) {
   kKernel<<<grid, 384, mla_pp_smem_bytes(), s>>>(mla::pp_params(p));
 }
 
+// The launcher's shape switches (A/B runs, the GPU tests' ctest entries): environment variable
+// `name` as one digit in [lo, hi], read once; `otherwise` when unset or anything else.
+template <int kLo, int kHi, int kOtherwise>
+int env_digit(const char* name) {
+  const char* env = std::getenv(name);
+  return env && env[0] >= '0' + kLo && env[0] <= '0' + kHi && env[1] == '\0' ? env[0] - '0' : kOtherwise;
+}
+
 // FLASHSERVE_MLA_HEADS_CTAS_PER_SM=1 or 2: the 16-row kernel's shape forced whatever the grid
 // (the GPU tests' "pair." entries run every case on the two-CTA shape); otherwise 0.
 int forced_heads_ctas() {
-  static const int forced = [] {
-    const char* env = std::getenv("FLASHSERVE_MLA_HEADS_CTAS_PER_SM");
-    return env && (env[0] == '1' || env[0] == '2') && env[1] == '\0' ? env[0] - '0' : 0;
-  }();
+  static const int forced = env_digit<1, 2, 0>("FLASHSERVE_MLA_HEADS_CTAS_PER_SM");
   return forced;
 }
 
 // FLASHSERVE_MLA_PP=0: the TMA-producer kernels off (A/B runs, the GPU tests' wg32. entries): 64
 // rows of a 16-bit cache stay on decode_mla_wgmma, 16 rows on decode_mla_heads' cp.async copies.
 bool pp_disabled() {
-  static const bool off = [] {
-    const char* env = std::getenv("FLASHSERVE_MLA_PP");
-    return env && env[0] == '0' && env[1] == '\0';
-  }();
+  static const bool off = env_digit<0, 0, -1>("FLASHSERVE_MLA_PP") == 0;
   return off;
 }
 
 // FLASHSERVE_MLA_HEADS_TMA=0 or 1: decode_mla_heads_tma declined or taken wherever it fits
 // (A/B runs, the GPU tests); otherwise -1: heads_tma_pays decides.
 int forced_heads_tma() {
-  static const int forced = [] {
-    const char* env = std::getenv("FLASHSERVE_MLA_HEADS_TMA");
-    return env && (env[0] == '0' || env[0] == '1') && env[1] == '\0' ? env[0] - '0' : -1;
-  }();
+  static const int forced = env_digit<0, 1, -1>("FLASHSERVE_MLA_HEADS_TMA");
   return forced;
 }
 
