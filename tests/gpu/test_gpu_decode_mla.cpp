@@ -1,4 +1,4 @@
-// The MLA absorbed-decode kernels (src/kernels/attention/decode_mla.cuh, and on Hopper
+// The MLA absorbed-decode kernels (src/kernels/attention/decode_mla_mma.cuh, and on Hopper
 // decode_mla_pp.cuh / decode_mla_wgmma.cuh for 64 rows of a 16-bit cache, decode_mla_heads.cuh for 16 rows of a
 // 16-bit or fp8 one: the default run puts the small grids here on its 2 x 2 shape, the "pair."
 // ctest entries on the two-CTA shape, or decode_mla for fp8) on problems that select them (checked:
