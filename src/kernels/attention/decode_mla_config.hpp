@@ -1,6 +1,7 @@
 // The MLA absorbed-decode kernel's fixed shape and its one table of instantiations, read by
 // the selection (decode_mla_select.cu), the launcher (decode_mla.cu) and the shared-memory
-// sizing. Plain C++ (no CUDA headers). The scheme: decode_mla.cuh; the mma.sync kernel's cost model: decode_mla_mma.cuh.
+// sizing. Plain C++ (no CUDA headers). The scheme: decode_mla.cuh; the mma.sync kernel's cost
+// model: decode_mla_mma.cuh.
 //
 // Served (try_decode_mla): q_v present, D = 64 (rope) and Dv = 512 (latent), H_kv = 1, q, q_v
 // and out of one 16-bit dtype (f16/bf16), k and v of that dtype or of one fp8 format (e4m3 /
