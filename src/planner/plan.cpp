@@ -60,6 +60,12 @@ bool eligible(int64_t granules, int64_t n) { return n == 1 || ceil_div(granules,
 // 91.5 -> 86.8, GQA 4 B=4 L=16k 87.3 -> 84.5; the rest within 1%. MLA's absorbed decode
 // already aimed at one wave (H = 16 B = 64 L = 4k: 126 us in 4 splits, 140 us in 8).
 constexpr int64_t kStreamRows = 16;
+// Packed rows up to which a GQA shape runs on the decode kernel, in row-group passes (verify
+// steps: decode_config.hpp's kDecodeVerifyMaxRows16 / 8): a stream whatever its pass count.
+int64_t stream_rows_bound(const ProblemShape& s) {
+  if (planner::is_mla_decode(s.head_dim, s.head_dim_v)) return kStreamRows;
+  return s.kv_8bit ? 64 : 32;
+}
 constexpr int64_t kStreamSlotsPerSm = 2;
 constexpr int64_t kStreamWaves = 1;
 constexpr int64_t kStreamMinSplitKeys = 1024;
@@ -151,7 +157,7 @@ int choose_unbounded(const ProblemShape& s, const DeviceProps& dev, int requeste
   const int64_t packed = std::max<int64_t>(1, s.max_seqlen_q) * group;
   const int64_t sms = std::max(1, dev.num_sms);
   if (s.batch * s.num_kv_heads == 0 || granules < 2) return 1;
-  if (dev.device.type == DeviceType::cuda && packed <= kStreamRows)
+  if (dev.device.type == DeviceType::cuda && packed <= stream_rows_bound(s))
     return stream_splits(s.batch * s.num_kv_heads, granules, cap, g, sms, stream_min_split_keys(s, g),
                          stream_slots(s));
   const bool packs_heads = packed <= kStreamRows || planner::is_mla_decode(s.head_dim, s.head_dim_v);

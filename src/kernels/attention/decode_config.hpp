@@ -45,6 +45,11 @@ constexpr int decode_tile_keys(DecodeKv f) { return f.kb == 1 && f.vb == 1 ? 2 *
 // 4 for K8V16.
 constexpr int decode_stages(DecodeKv f) { return f.kb != f.vb ? 4 : 3; }
 inline constexpr int kDecodeMaxRows = 16;     // packed rows per (sequence, KV head) it is picked for
+// ... and for verify steps past it (q_len x group up to these; the CTA streams the split's KV once
+// per 16-row group): 2 passes of a 16-bit cache (prefill_tma ran q_len 8 x group 4 at 18% of the
+// copy ceiling), 4 of an 8-bit one (the generic kernel ran fp8 q_len 8 at 1%).
+inline constexpr int kDecodeVerifyMaxRows16 = 32;
+inline constexpr int kDecodeVerifyMaxRows8 = 64;
 inline constexpr int kDecodeChunk = 16;       // bytes per cp.async / per K shared-memory read
 
 constexpr int decode_warps(int d) { return d > 128 ? 2 : 4; }

@@ -65,8 +65,9 @@ std::string try_decode(const detail::AttnProblem& pr, const DeviceProps& dev, At
   // follow the batch's max_seqlen_q.
   const int64_t sq = pr.batched ? pr.q.size(1) : pr.params->max_seqlen_q;
   const bool invariant = pr.params->batch_invariant && sq <= kBatchInvariantDecodeMaxQ;
-  if (!invariant && rows > kDecodeMaxRows)
-    return detail::cat("decode kernel: q_len x group <= ", kDecodeMaxRows, ", got ", rows);
+  const int max_rows = kv_bytes(pr.k.dtype) == 1 ? kDecodeVerifyMaxRows8 : kDecodeVerifyMaxRows16;
+  if (!invariant && rows > max_rows)
+    return detail::cat("decode kernel: q_len x group <= ", max_rows, ", got ", rows);
   if (!chunk_aligned(pr.k) || !chunk_aligned(pr.v))
     return "decode kernel: k/v base and strides multiples of 16 bytes";
   if (pr.k_scale_cache && reinterpret_cast<uintptr_t>(pr.k_scale_cache->data) % 4 != 0)
