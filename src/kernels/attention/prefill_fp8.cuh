@@ -183,10 +183,10 @@ FS_DEV void produce_fp8(const TmaAttnParams& tp, const CtaWork& w, const SeqKv& 
       int row = 0, blk = 0;
       const bool whole = tma_tile_from<kN>(p, kv, cache, sk, n0, seg, lane, id, row, blk);
       if (j >= 2) mbar_wait(sm.k_empty(st), parity);
-      if (whole) tma_stage<T, L, kN, kD>(&tp.k, sm.k(st), sm.k_full(st), Sm::kKBytes, seg, g, row, blk, lane);
+      if (whole) tma_stage<T, L, kN, kD>(&tp.k, sm.k(st), sm.k_full(st), Sm::kKBytes, seg, g, row, blk, 0, 1, lane);
       else copy_tail<T, L, kN, kD / 16, true>(p, kv, sk, n0, sm.k(st), sm.k_full(st), lane);
       if (j >= 2) mbar_wait(sm.v_empty(st), parity);
-      if (whole) tma_stage<T, L, kN, kDv>(&tp.v, sm.v(st), sm.v_full(st), Sm::kVBytes, seg, g, row, blk, lane);
+      if (whole) tma_stage<T, L, kN, kDv>(&tp.v, sm.v(st), sm.v_full(st), Sm::kVBytes, seg, g, row, blk, 0, 1, lane);
       else copy_tail<T, L, kN, kDv / 16, false>(p, kv, sk, n0, sm.v(st), sm.v_full(st), lane);
     }
     if (j >= 1) transpose(j - 1);

@@ -10,8 +10,9 @@
 // page segment (min(kN, P) rows), at the page's block id.
 //
 // CTA: 384 threads = consumer warpgroups 0, 1 (threads 0-255: rows 64 wg .. 64 wg + 63, the
-// TileShape and epilogue of prefill_wgmma) + the producer warpgroup 2 (one warp works, 40
-// registers; the consumers take 232 with setmaxnreg). The CTA schedule (prefill_common.cuh:
+// TileShape and epilogue of prefill_wgmma) + the producer warpgroup 2 (one warp works, or all
+// four where pages are shorter than the tile: Producer; 40 registers; the consumers take 232
+// with setmaxnreg). The CTA schedule (prefill_common.cuh:
 // 128 query rows of one sequence x head x split) and the epilogue (store_rows, through the
 // warp's own Q rows) are prefill_wgmma's. At D = 64 (select.hpp: prefill_tma_rows) a CTA may
 // take 192 rows instead: three consumer warpgroups in a ping-pong round robin, 512 threads, 160
@@ -23,10 +24,10 @@
 // (H200: D = 64 S = 2k 735 -> 666 us, S = 8k 2812 -> 2475, paged blocks of 16 637 -> 546).
 //
 // Pipelines (mbarriers, 2 stages each): K full / empty, V full / empty, and Q full. A full
-// barrier completes on the producer warp's 32 arrivals plus the TMA bytes; an empty one on one arrival
-// per consumer warp after its wgmma reading the stage completed. A tile whose keys leave the
+// barrier completes on its producer warps' 32 arrivals each plus the TMA bytes; an empty one on
+// one arrival per consumer warp after its wgmma reading the stage completed. A tile whose keys leave the
 // sequence or the cache (the last of a CTA, or bad metadata: a block id outside the cache, which
-// TMA would zero-fill) or, paged, does not start a page segment is copied by the producer warp
+// TMA would zero-fill) or, paged, does not start a page segment is copied by a producer warp
 // with cp.async instead (keys outside the cache NaN, values zero; tokens past the sequence zero), as
 // prefill_common.cuh's copies do, so garbage past a sequence never meets P = 0 in P V.
 //
@@ -138,56 +139,96 @@ FS_DEV void load_q(const TmaAttnParams& tp, const Sm& sm, const CtaWork& w, int6
                 int(w.q_row0), int(w.qb));
 }
 
-// The producer warp: K and V of every tile into the stage (j % 2) its consumers released, by TMA
-// where tma_tile allows, else copy_tail (the kernel's thread 0 loads Q: load_q).
+// The producer warps: K and V of every tile into the stage (j % 2) its consumers released, by TMA
+// where tma_tile allows (one box per page segment and 128-byte column block, issued lane by lane
+// after the segment's block id), else copy_tail. Where a tile is one box per column block
+// (contiguous K/V, pages >= the tile) one warp loads both (run_both); where a paged tile is
+// several page segments (`split`: pages shorter than the tile), 2 x kTmaParts warps do, each
+// operand's column blocks dealt over kTmaParts warps (run_operand), so the chains of block-id
+// loads and box issues run side by side: one warp issuing all 32 boxes of a 128-key tile at
+// block size 16 was the bound there (ncu, bench/RESULTS.md 2026-11-25 19:30-20:10: the consumers'
+// K / V full waits a third of their samples, the producer never waiting on an empty stage;
+// split, block 16: 1.30-1.42x at D = 128 and 256), while at one box per block the extra warps
+// cost 2-5% (S = 512). The kernel's thread 0 loads Q (load_q).
+inline constexpr int kTmaParts = 2;
+static_assert(2 * kTmaParts <= 4, "the producer warpgroup's warps");
+
 template <class T, int kD, int kDv, class Sm>
-FS_DEV void produce(const TmaAttnParams& tp, const CtaWork& w, const SeqKv& kv, const CtaKeys& ck, const Sm& sm,
-                    int lane) {
+struct Producer {
   using L = typename Sm::KvL;
-  constexpr int kN = Sm::kN;
-  const AttnParams& p = tp.p;
-  const int64_t sk = kv_len(p, w.b);
-  const KeyRange cache = generic::cache_tokens(p, kv);
-  const int seg = prefill_tma_box_rows(kN, p.paged, p.kv_dim1), g = int(kv.g);
-  // At 128-key tiles K runs a tile ahead of V: K(j + 1) waits only for S(j - 1) to release its
-  // stage, not behind V(j), whose stage P V(j - 2) frees half a period later (ncu, D = 128 S = 8k:
-  // the consumers' K-full wait 3.8% -> 1.4% of samples, the tensor pipe 71% -> 74% active, 6%
-  // less time); at 64-key tiles (D = 256) it measured 1.6% slower, so there K(j) precedes V(j).
-  constexpr bool kKAhead = kN >= 128;
+  static constexpr int kN = Sm::kN;
   struct Tile {
     bool whole = false;
     int row = 0, blk = 0;
     int64_t n0 = 0;
   };
-  const auto locate = [&](int j) {
+  const TmaAttnParams& tp;
+  const SeqKv& kv;
+  const CtaKeys& ck;
+  const Sm& sm;
+  int64_t sk;
+  KeyRange cache;
+  int seg, lane;
+
+  FS_DEV Producer(const TmaAttnParams& tp_, const CtaWork& w, const SeqKv& kv_, const CtaKeys& ck_, const Sm& sm_,
+                  int lane_)
+      : tp(tp_), kv(kv_), ck(ck_), sm(sm_), sk(kv_len(tp_.p, w.b)), cache(generic::cache_tokens(tp_.p, kv_)),
+        seg(prefill_tma_box_rows(kN, tp_.p.paged, tp_.p.kv_dim1)), lane(lane_) {}
+  static FS_DEV bool split(const AttnParams& p) { return prefill_tma_box_rows(kN, p.paged, p.kv_dim1) < kN; }
+
+  FS_DEV Tile locate(int j) const {
     Tile t;
     t.n0 = ck.n_begin + int64_t(j) * kN;
-    t.whole = tma_tile<kN>(p, kv, cache, sk, t.n0, seg, lane, t.row, t.blk);
+    t.whole = tma_tile<kN>(tp.p, kv, cache, sk, t.n0, seg, lane, t.row, t.blk);
     return t;
-  };
-  const auto parity = [](int j) { return uint32_t((j >> 1) & 1) ^ 1u; };
-  const auto load_k = [&](int j, const Tile& t) {
-    const int st = j & 1;
-    if (j >= 2) mbar_wait(sm.k_empty(st), parity(j));
-    if (t.whole) tma_stage<T, L, kN, kD>(&tp.k, sm.k(st), sm.k_full(st), Sm::kKBytes, seg, g, t.row, t.blk, lane);
-    else copy_tail<T, L, kN, kD / 8, true>(p, kv, sk, t.n0, sm.k(st), sm.k_full(st), lane);
-  };
-  if (ck.tiles <= 0) return;
-  Tile t = locate(0);  // tile j's location (the next one's block ids read a tile early)
-  if (kKAhead) load_k(0, t);
-#pragma unroll 1
-  for (int j = 0; j < ck.tiles; ++j) {
-    Tile next;
-    if (j + 1 < ck.tiles) next = locate(j + 1);
-    if (!kKAhead) load_k(j, t);
-    else if (j + 1 < ck.tiles) load_k(j + 1, next);
-    const int st = j & 1;
-    if (j >= 2) mbar_wait(sm.v_empty(st), parity(j));
-    if (t.whole) tma_stage<T, L, kN, kDv>(&tp.v, sm.v(st), sm.v_full(st), Sm::kVBytes, seg, g, t.row, t.blk, lane);
-    else copy_tail<T, L, kN, kDv / 8, false>(p, kv, sk, t.n0, sm.v(st), sm.v_full(st), lane);
-    t = next;
   }
-}
+  // Stage j % 2 of K (kKeys) or V, part `part` of `parts`, once the consumers released it.
+  template <bool kKeys>
+  FS_DEV void load(int j, const Tile& t, int part, int parts) const {
+    constexpr int kW = kKeys ? kD : kDv;
+    const int st = j & 1;
+    const uint32_t dst = kKeys ? sm.k(st) : sm.v(st), full = kKeys ? sm.k_full(st) : sm.v_full(st);
+    if (j >= 2) mbar_wait(kKeys ? sm.k_empty(st) : sm.v_empty(st), uint32_t((j >> 1) & 1) ^ 1u);
+    if (t.whole)
+      tma_stage<T, L, kN, kW>(kKeys ? &tp.k : &tp.v, dst, full, kKeys ? Sm::kKBytes : Sm::kVBytes, seg, int(kv.g),
+                              t.row, t.blk, part, parts, lane);
+    else if (part == 0) copy_tail<T, L, kN, kW / 8, kKeys>(tp.p, kv, sk, t.n0, dst, full, lane);
+    else mbar_arrive(full);
+  }
+  // One operand's part of every tile (split), the next tile's block ids read before the wait.
+  template <bool kKeys>
+  FS_DEV void run_operand(int part) const {
+    if (ck.tiles <= 0) return;
+    Tile t = locate(0);
+#pragma unroll 1
+    for (int j = 0; j < ck.tiles; ++j) {
+      Tile next;
+      if (j + 1 < ck.tiles) next = locate(j + 1);
+      load<kKeys>(j, t, part, kTmaParts);
+      t = next;
+    }
+  }
+  // Both operands from one warp. At 128-key tiles K runs a tile ahead of V: K(j + 1) waits only
+  // for S(j - 1) to release its stage, not behind V(j), whose stage P V(j - 2) frees half a
+  // period later (ncu, D = 128 S = 8k: the consumers' K-full wait 3.8% -> 1.4% of samples, the
+  // tensor pipe 71% -> 74% active, 6% less time); at 64-key tiles (D = 256) it measured 1.6%
+  // slower, so there K(j) precedes V(j).
+  FS_DEV void run_both() const {
+    constexpr bool kKAhead = kN >= 128;
+    if (ck.tiles <= 0) return;
+    Tile t = locate(0);  // tile j's location (the next one's block ids read a tile early)
+    if (kKAhead) load<true>(0, t, 0, 1);
+#pragma unroll 1
+    for (int j = 0; j < ck.tiles; ++j) {
+      Tile next;
+      if (j + 1 < ck.tiles) next = locate(j + 1);
+      if (!kKAhead) load<true>(j, t, 0, 1);
+      else if (j + 1 < ck.tiles) load<true>(j + 1, next, 0, 1);
+      load<false>(j, t, 0, 1);
+      t = next;
+    }
+  }
+};
 
 // Ping-pong (a round robin of kWgs consumer warpgroups): warpgroup wg waits for its turn (named
 // barrier 1 + wg) before issuing its GEMMs and hands the turn over after (the next warpgroup's
@@ -294,12 +335,14 @@ __global__ void __launch_bounds__(tma_threads(kWgs), 1) prefill_tma(const __grid
   const AttnParams& p = tp.p;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const Sm sm(smem_raw);
+  const bool split_load = Producer<T, kD, kDv, Sm>::split(p);
+  const uint32_t producer_parts = split_load ? kTmaParts : 1;  // producer warps per full barrier
   if (threadIdx.x == 0) {  // before the CTA's work lookup, which waits for device metadata
     tma_prefetch_desc(&tp.q);
     mbar_init(sm.q_full(), 1);
     for (int st = 0; st < 2; ++st) {
-      mbar_init(sm.k_full(st), kFullArrivals);
-      mbar_init(sm.v_full(st), kFullArrivals);
+      mbar_init(sm.k_full(st), kFullArrivals * producer_parts);
+      mbar_init(sm.v_full(st), kFullArrivals * producer_parts);
       mbar_init(sm.k_empty(st), S::kWarps);
       mbar_init(sm.v_empty(st), S::kWarps);
     }
@@ -317,7 +360,15 @@ __global__ void __launch_bounds__(tma_threads(kWgs), 1) prefill_tma(const __grid
   __syncthreads();
   if (wg == kWgs) {  // the producer warpgroup
     regs_dealloc<tma_producer_regs(kWgs)>();
-    if (warp == 4 * kWgs) produce<T, kD, kDv>(tp, w, kv, ck, sm, lane);
+    const Producer<T, kD, kDv, Sm> pr(tp, w, kv, ck, sm, lane);
+    const int pw = warp - 4 * kWgs;  // split: K on producer warps 0 .. kTmaParts - 1, V on the next kTmaParts
+    if (!split_load) {
+      if (pw == 0) pr.run_both();
+    } else if (pw < kTmaParts) {
+      pr.template run_operand<true>(pw);
+    } else if (pw < 2 * kTmaParts) {
+      pr.template run_operand<false>(pw - kTmaParts);
+    }
     return;
   }
   regs_alloc<tma_consumer_regs(kWgs)>();

@@ -97,21 +97,25 @@ FS_DEV bool tma_tile(const AttnParams& p, const SeqKv& kv, const KeyRange& cache
                            blk);
 }
 
-// One stage of K or V (kW channels of T) by TMA: lane 0 expects the whole tile's bytes on
-// `full`, then each of the tile's kN / seg lanes loads its page segment (seg rows at tile row
-// lane x seg: a multiple of 16 rows, 2 KB, so the box lands 1024-byte aligned and the 128-byte
-// swizzle TMA derives from the address is SwizzledTile's), one box per 128-byte column block.
+// One stage of K or V (kW channels of T) by TMA, or its part `part` of `parts` (a power of two: producer warps
+// sharing the stage, column blocks dealt round robin; every lane of each arrives on `full`, which
+// counts parts x kFullArrivals): part 0's lane 0 expects the whole tile's bytes (the others'
+// arrivals cannot complete the phase before it), then each of the tile's kN / seg lanes loads its
+// page segment (seg rows at tile row lane x seg: a multiple of 16 rows, 2 KB, so the box lands
+// 1024-byte aligned and the 128-byte swizzle TMA derives from the address is SwizzledTile's), one
+// box per 128-byte column block of its part.
 template <class T, class L, int kN, int kW>
 FS_DEV void tma_stage(const CUtensorMap* map, uint32_t dst, uint32_t full, uint32_t bytes, int seg, int g, int row,
-                      int blk, int lane) {
-  if (lane == 0) mbar_arrive_expect_tx(full, bytes);  // the others' arrivals cannot complete the phase before it
+                      int blk, int part, int parts, int lane) {
+  if (part == 0 && lane == 0) mbar_arrive_expect_tx(full, bytes);
   else mbar_arrive(full);
   __syncwarp();
   if (lane >= kN / seg) return;
   const uint32_t at = dst + uint32_t(lane * seg) * 128u;
 #pragma unroll
   for (int c = 0; c < tile_row_bytes(kW, sizeof(T)) / 128; ++c)
-    tma_load_4d(at + uint32_t(c) * L::kBlockBytes, map, full, c * (128 / int(sizeof(T))), g, row, blk);
+    if ((c & (parts - 1)) == part)  // parts: a power of two
+      tma_load_4d(at + uint32_t(c) * L::kBlockBytes, map, full, c * (128 / int(sizeof(T))), g, row, blk);
 }
 
 }  // namespace flashserve::kernels::prefill
