@@ -66,6 +66,10 @@ int64_t stream_rows_bound(const ProblemShape& s) {
   if (planner::is_mla_decode(s.head_dim, s.head_dim_v)) return kStreamRows;
   return s.kv_8bit ? 64 : 32;
 }
+// The decode kernel's CTAs per (sequence, KV head) stream unit: one per 16 packed rows, up to 4
+// (decode_config.hpp's decode_row_ctas: verify steps past 16 rows run their row groups side by
+// side).
+int64_t stream_row_ctas(int64_t packed) { return std::clamp<int64_t>(ceil_div(packed, kStreamRows), 1, 4); }
 constexpr int64_t kStreamSlotsPerSm = 2;
 constexpr int64_t kStreamWaves = 1;
 constexpr int64_t kStreamMinSplitKeys = 1024;
@@ -158,8 +162,8 @@ int choose_unbounded(const ProblemShape& s, const DeviceProps& dev, int requeste
   const int64_t sms = std::max(1, dev.num_sms);
   if (s.batch * s.num_kv_heads == 0 || granules < 2) return 1;
   if (dev.device.type == DeviceType::cuda && packed <= stream_rows_bound(s))
-    return stream_splits(s.batch * s.num_kv_heads, granules, cap, g, sms, stream_min_split_keys(s, g),
-                         stream_slots(s));
+    return stream_splits(s.batch * s.num_kv_heads * stream_row_ctas(packed), granules, cap, g, sms,
+                         stream_min_split_keys(s, g), stream_slots(s));
   const bool packs_heads = packed <= kStreamRows || planner::is_mla_decode(s.head_dim, s.head_dim_v);
   const int64_t units =
       packs_heads ? s.batch * s.num_kv_heads * ceil_div(packed, planner::kDecodePackedRows)

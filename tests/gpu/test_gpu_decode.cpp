@@ -362,17 +362,21 @@ TEST(GpuDecode, Fuzz) {
 
 // A varlen max_seqlen_q below the truth (the GPU never trusts it): 5 rows x group 8 = 40
 // packed rows, selected as decode by the bound of 1 x 8, computed in row groups.
+// (max_seqlen_q 4 x group 8: two row CTAs per sequence, decode_row_ctas; sequence 0's 40 rows
+// are three row groups, the third served by the first CTA's loop.)
 TEST(GpuDecode, UnderstatedMaxSeqlenQ) {
-  auto rng = fstest::make_rng(7);
-  CaseConfig c = decode_config(3, 400, 8, rng);
-  c.mode = KvMode::varlen_paged;
-  c.q_lens = {5, 1, 3};
-  c.causal = true;
-  c.num_splits = 1;
-  fstest::AttentionCase ac = fstest::build_case(c, rng);
-  const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams& p) { p.max_seqlen_q = 1; });
-  EXPECT_EQ(o.kernel, "decode");
-  EXPECT_EQ(o.error, "") << fstest::describe(c);
+  for (int64_t stated : {1, 4}) {
+    auto rng = fstest::make_rng(7);
+    CaseConfig c = decode_config(3, 400, 8, rng);
+    c.mode = KvMode::varlen_paged;
+    c.q_lens = {5, 1, 3};
+    c.causal = true;
+    c.num_splits = stated == 1 ? 1 : 2;
+    fstest::AttentionCase ac = fstest::build_case(c, rng);
+    const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [&](fs::AttentionParams& p) { p.max_seqlen_q = stated; });
+    EXPECT_EQ(o.kernel, "decode");
+    EXPECT_EQ(o.error, "") << fstest::describe(c) << " stated max_seqlen_q " << stated;
+  }
 }
 
 // A block index outside the cache is never read: exactly the rows that see its keys are NaN.

@@ -50,6 +50,16 @@ inline constexpr int kDecodeMaxRows = 16;     // packed rows per (sequence, KV h
 // copy ceiling), 4 of an 8-bit one (the generic kernel ran fp8 q_len 8 at 1%).
 inline constexpr int kDecodeVerifyMaxRows16 = 32;
 inline constexpr int kDecodeVerifyMaxRows8 = 64;
+// CTAs per (sequence, KV head, split) past one row group: each takes every R-th 16-row group,
+// the R side by side in the grid (x = sequence x R + r), so they stream the split's KV at the
+// same time and the second read comes from L2. R for the call's bound on packed rows (its
+// max_seqlen_q x group; rows past an understated bound are still served, by the loop over
+// every R-th group). The planner counts R x (sequence, KV head) stream units (plan.cpp).
+inline constexpr int kDecodeMaxRowCtas = 4;
+constexpr int decode_row_ctas(int64_t max_seqlen_q, int64_t group) {
+  const int64_t groups = (max_seqlen_q * group + kDecodeMaxRows - 1) / kDecodeMaxRows;
+  return int(groups < 1 ? 1 : groups > kDecodeMaxRowCtas ? kDecodeMaxRowCtas : groups);
+}
 inline constexpr int kDecodeChunk = 16;       // bytes per cp.async / per K shared-memory read
 
 constexpr int decode_warps(int d) { return d > 128 ? 2 : 4; }

@@ -21,7 +21,7 @@ void launch_rows(const AttnParams& p, cudaStream_t stream) {
   constexpr size_t smem = decode_smem_bytes(kFmt<I>, c.d, kRows, kTile);
   constexpr auto kernel = &decode::decode_fwd<c.kv, c.v, c.d, kRows, kTile>;
   ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);  // 2 CTAs per SM need ~228 KB
-  const dim3 grid(unsigned(p.batch), unsigned(p.num_kv_heads), unsigned(p.num_splits));
+  const dim3 grid(unsigned(p.batch * p.row_ctas), unsigned(p.num_kv_heads), unsigned(p.num_splits));
   kernel<<<grid, 32 * decode_warps(c.d), smem, stream>>>(p);
   FS_CUDA_CHECK_LAUNCH();
 }

@@ -452,11 +452,11 @@ __global__ void __launch_bounds__(32 * decode_warps(kD), 2)
   RowMeta* meta = reinterpret_cast<RowMeta*>(q + S::kRows * S::kQStride);       // [kRows]
   unsigned char* warps_base = reinterpret_cast<unsigned char*>(meta + S::kRows);
   const int64_t g = blockIdx.y;
-  const int split = int(blockIdx.z);
-  const DecodeSeq s = decode_sequence(p, blockIdx.x, g, split);
+  const int split = int(blockIdx.z), r = int(blockIdx.x % unsigned(p.row_ctas));
+  const DecodeSeq s = decode_sequence(p, blockIdx.x / unsigned(p.row_ctas), g, split);
   if (split >= s.splits) return;  // fixed-size splits: past this sequence's own (the whole CTA)
   const int64_t packed = s.rows.sq() * p.group;
-  for (int64_t g0 = 0; g0 < packed; g0 += S::kRows) {
+  for (int64_t g0 = int64_t(r) * S::kRows; g0 < packed; g0 += int64_t(p.row_ctas) * S::kRows) {
     const int nrows = int(imin(S::kRows, packed - g0));
     __syncthreads();  // the previous row group is done with shared memory
     run_row_group<kKv, S>(p, s, g, g0, nrows, split, q, meta, warps_base);
