@@ -191,15 +191,16 @@ def all_configs() -> list[Config]:
                           plain="prefill_d128_s8k_causal"))
     # fp8 prefill (q, k, v e4m3, out bf16: vLLM's and SGLang's prefill over an fp8 KV cache)
     # against the bf16 row of the same shape (vs_bf16 = bf16 time / fp8 time; the issue's
-    # target is >= 1.5), contiguous and over a paged cache of 64-token blocks.
+    # target is >= 1.5), contiguous and over a paged cache of 16- and 64-token blocks.
     for s in (2048, 8192):
         for causal in (False, True):
             bf16 = f"prefill_d128_s{_k(s)}{'_causal' if causal else ''}"
             out.append(Config(name=bf16.replace("prefill_", "prefill_fp8_"), family="fp8_prefill", op="prefill",
                               B=16384 // s, H=16, Hkv=16, D=128, S=s, causal=causal, kv="fp8", quick=s == 8192))
-    out.append(Config(name="prefill_fp8_paged_d128_s8k_causal_bs64", family="fp8_prefill", op="prefill", B=2, H=16,
-                      Hkv=16, D=128, S=8192, causal=True, kv="fp8", paged=True, block=64,
-                      plain="prefill_fp8_d128_s8k_causal"))
+    for bs in (16, 64):
+        out.append(Config(name=f"prefill_fp8_paged_d128_s8k_causal_bs{bs}", family="fp8_prefill", op="prefill", B=2,
+                          H=16, Hkv=16, D=128, S=8192, causal=True, kv="fp8", paged=True, block=bs,
+                          plain="prefill_fp8_d128_s8k_causal"))
     decode_shapes = ((1, 32768), (16, 8192), (64, 4096), (256, 1024))
     common = dict(op="decode", H=32, Hkv=8, D=128)
     for b, l in decode_shapes:

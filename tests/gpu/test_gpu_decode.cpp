@@ -311,9 +311,10 @@ TEST(GpuDecode, Int8Selection) {
 }
 
 // The fuzz generator's configurations moved into the decode kernel's scope: a built (KV dtype,
-// D) (fp8 with bf16/f16 q, or fp8 q with q_descale; int8 K8V8 / K8V16 with int8 q), q_len x group <= 16, no q_v; every layout,
-// stride, mode, modifier, split and length the generator draws, against the oracle and the
-// reference. Prints how many cases the decode kernel served (alignment pads and understated
+// D) (fp8 with bf16/f16 q, or fp8 q with q_descale; int8 K8V8 / K8V16 with int8 q), q_len x
+// group up to the verify bound (32 rows of a 16-bit cache, 64 of an 8-bit one: row groups in
+// side-by-side CTAs), no q_v; every layout, stride, mode, modifier, split and length the
+// generator draws, against the oracle and the reference. Prints how many cases the decode kernel served (alignment pads and understated
 // bounds send some to the generic kernel, which is checked the same way).
 TEST(GpuDecode, Fuzz) {
   constexpr int kCases = 400;
@@ -340,7 +341,9 @@ TEST(GpuDecode, Fuzz) {
       c.q_dtype = c.kv_dtype = built.kv;
       c.out_dtype = i % 5 == 1 ? DType::f32 : built.kv;
     }
-    const int64_t group = c.H / c.H_kv, max_q = std::max<int64_t>(1, 16 / group);
+    const int64_t bound = fs::kernels::kv_bytes(built.kv) == 1 ? fs::kernels::kDecodeVerifyMaxRows8
+                                                                 : fs::kernels::kDecodeVerifyMaxRows16;
+    const int64_t group = c.H / c.H_kv, max_q = std::max<int64_t>(1, (i % 3 == 2 ? bound : 16) / group);
     for (int64_t& q : c.q_lens) q = std::min(q, max_q);
     if (c.batched()) c.q_lens.assign(c.q_lens.size(), c.q_lens.empty() ? 1 : c.q_lens[0]);
     auto crng = fstest::make_rng(2000 + uint64_t(i));

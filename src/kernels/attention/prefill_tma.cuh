@@ -12,9 +12,8 @@
 // CTA: 384 threads = consumer warpgroups 0, 1 (threads 0-255: rows 64 wg .. 64 wg + 63, the
 // TileShape and epilogue of prefill_wgmma) + the producer warpgroup 2 (one warp works, or all
 // four where pages are shorter than the tile: Producer; 40 registers; the consumers take 232
-// with setmaxnreg). The CTA schedule (prefill_common.cuh:
-// 128 query rows of one sequence x head x split) and the epilogue (store_rows, through the
-// warp's own Q rows) are prefill_wgmma's. At D = 64 (select.hpp: prefill_tma_rows) a CTA may
+// with setmaxnreg). The CTA schedule (prefill_common.cuh: 128 query rows of one sequence x head
+// x split) and the epilogue (store_rows, through the warp's own Q rows) are prefill_wgmma's. At D = 64 (select.hpp: prefill_tma_rows) a CTA may
 // take 192 rows instead: three consumer warpgroups in a ping-pong round robin, 512 threads, 160
 // registers each and 32 for the producer (FlashAttention-3's D = 64 tile). There a warpgroup's
 // GEMMs of a 128-key tile take 512 clk of the tensor pipe while its softmax (64 MUFU
@@ -25,11 +24,12 @@
 //
 // Pipelines (mbarriers, 2 stages each): K full / empty, V full / empty, and Q full. A full
 // barrier completes on its producer warps' 32 arrivals each plus the TMA bytes; an empty one on
-// one arrival per consumer warp after its wgmma reading the stage completed. A tile whose keys leave the
-// sequence or the cache (the last of a CTA, or bad metadata: a block id outside the cache, which
-// TMA would zero-fill) or, paged, does not start a page segment is copied by a producer warp
-// with cp.async instead (keys outside the cache NaN, values zero; tokens past the sequence zero), as
-// prefill_common.cuh's copies do, so garbage past a sequence never meets P = 0 in P V.
+// one arrival per consumer warp after its wgmma reading the stage completed. A tile whose keys
+// leave the sequence or the cache (the last of a CTA, or bad metadata: a block id outside the
+// cache, which TMA would zero-fill) or, paged, does not start a page segment is copied by a
+// producer warp with cp.async instead (keys outside the cache NaN, values zero; tokens past the
+// sequence zero), as prefill_common.cuh's copies do, so garbage past a sequence never meets
+// P = 0 in P V.
 //
 // Per 128-key tile at D = 128 (H200 SM: 4096 dense bf16 FLOP/clk): 2 GEMMs x 64 x 128 x 128 x 2
 // per warpgroup = 4.2 MFLOP = 1024 clk of the tensor pipe per warpgroup; the softmax of one
@@ -149,7 +149,9 @@ FS_DEV void load_q(const TmaAttnParams& tp, const Sm& sm, const CtaWork& w, int6
 // block size 16 was the bound there (ncu, bench/RESULTS.md 2026-11-25 19:30-20:10: the consumers'
 // K / V full waits a third of their samples, the producer never waiting on an empty stage;
 // split, block 16: 1.30-1.42x at D = 128 and 256), while at one box per block the extra warps
-// cost 2-5% (S = 512). The kernel's thread 0 loads Q (load_q).
+// cost 2-5% (S = 512). At D = 64 (one column block) the second warp of a pair only arrives:
+// dealing it alternate page segments instead measured no faster (RESULTS.md 2026-11-25 20:00).
+// The kernel's thread 0 loads Q (load_q).
 inline constexpr int kTmaParts = 2;
 static_assert(2 * kTmaParts <= 4, "the producer warpgroup's warps");
 

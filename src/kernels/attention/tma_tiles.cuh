@@ -97,13 +97,13 @@ FS_DEV bool tma_tile(const AttnParams& p, const SeqKv& kv, const KeyRange& cache
                            blk);
 }
 
-// One stage of K or V (kW channels of T) by TMA, or its part `part` of `parts` (a power of two: producer warps
-// sharing the stage, column blocks dealt round robin; every lane of each arrives on `full`, which
-// counts parts x kFullArrivals): part 0's lane 0 expects the whole tile's bytes (the others'
-// arrivals cannot complete the phase before it), then each of the tile's kN / seg lanes loads its
-// page segment (seg rows at tile row lane x seg: a multiple of 16 rows, 2 KB, so the box lands
-// 1024-byte aligned and the 128-byte swizzle TMA derives from the address is SwizzledTile's), one
-// box per 128-byte column block of its part.
+// One stage of K or V (kW channels of T) by TMA, or part `part` of it of `parts` (a power of
+// two: producer warps sharing the stage, column blocks dealt round robin; every lane of each
+// arrives on `full`, which counts parts x kFullArrivals): part 0's lane 0 expects the whole
+// tile's bytes (the others' arrivals cannot complete the phase before it), then each of the
+// tile's kN / seg lanes loads its page segment (seg rows at tile row lane x seg: a multiple of 16
+// rows, 2 KB, so the box lands 1024-byte aligned and the 128-byte swizzle TMA derives from the
+// address is SwizzledTile's), one box per 128-byte column block of its part.
 template <class T, class L, int kN, int kW>
 FS_DEV void tma_stage(const CUtensorMap* map, uint32_t dst, uint32_t full, uint32_t bytes, int seg, int g, int row,
                       int blk, int part, int parts, int lane) {
