@@ -5,6 +5,7 @@
 #include <array>
 #include <cmath>
 
+#include "common/decode_rows.hpp"
 #include "flashserve/plan.hpp"
 #include "flashserve/status.hpp"
 #include "planner/cta_shapes.hpp"
@@ -60,16 +61,11 @@ bool eligible(int64_t granules, int64_t n) { return n == 1 || ceil_div(granules,
 // 91.5 -> 86.8, GQA 4 B=4 L=16k 87.3 -> 84.5; the rest within 1%. MLA's absorbed decode
 // already aimed at one wave (H = 16 B = 64 L = 4k: 126 us in 4 splits, 140 us in 8).
 constexpr int64_t kStreamRows = 16;
-// Packed rows up to which a GQA shape runs on the decode kernel, in row-group passes (verify
-// steps: decode_config.hpp's kDecodeVerifyMaxRows16 / 8): a stream whatever its pass count.
+// Packed rows up to which a GQA shape runs on the decode kernel (verify steps in row groups,
+// common/decode_rows.hpp): a stream whatever its pass count; MLA's absorbed decode up to 16.
 int64_t stream_rows_bound(const ProblemShape& s) {
-  if (planner::is_mla_decode(s.head_dim, s.head_dim_v)) return kStreamRows;
-  return s.kv_8bit ? 64 : 32;
+  return planner::is_mla_decode(s.head_dim, s.head_dim_v) ? kStreamRows : decode_max_rows(s.kv_8bit);
 }
-// The decode kernel's CTAs per (sequence, KV head) stream unit: one per 16 packed rows, up to 4
-// (decode_config.hpp's decode_row_ctas: verify steps past 16 rows run their row groups side by
-// side).
-int64_t stream_row_ctas(int64_t packed) { return std::clamp<int64_t>(ceil_div(packed, kStreamRows), 1, 4); }
 constexpr int64_t kStreamSlotsPerSm = 2;
 constexpr int64_t kStreamWaves = 1;
 constexpr int64_t kStreamMinSplitKeys = 1024;
@@ -162,7 +158,7 @@ int choose_unbounded(const ProblemShape& s, const DeviceProps& dev, int requeste
   const int64_t sms = std::max(1, dev.num_sms);
   if (s.batch * s.num_kv_heads == 0 || granules < 2) return 1;
   if (dev.device.type == DeviceType::cuda && packed <= stream_rows_bound(s))
-    return stream_splits(s.batch * s.num_kv_heads * stream_row_ctas(packed), granules, cap, g, sms,
+    return stream_splits(s.batch * s.num_kv_heads * decode_row_ctas(packed), granules, cap, g, sms,
                          stream_min_split_keys(s, g), stream_slots(s));
   const bool packs_heads = packed <= kStreamRows || planner::is_mla_decode(s.head_dim, s.head_dim_v);
   const int64_t units =

@@ -94,7 +94,7 @@ TEST(SplitKv, HeuristicSplitsOnlyWhenTheGpuWouldIdle) {
   pre.max_seqlen_q = pre.total_q = 8192;  // a long prefill fills the GPU unsplit
   EXPECT_EQ(fs::choose_num_splits(pre, fs::DeviceProps::h200(), 0), 1);
   // A verify step past 16 packed rows (q_len 8 x GQA 4 = 32 rows) runs two decode CTAs per
-  // (sequence, KV head), side by side (decode_config.hpp: decode_row_ctas): half the decode
+  // (sequence, KV head), side by side (common/decode_rows.hpp: decode_row_ctas): half the decode
   // step's splits fill the same slots.
   fs::ProblemShape verify = decode_shape(1, 32768);
   const int decode_splits = fs::choose_num_splits(verify, fs::DeviceProps::h200(), 0);

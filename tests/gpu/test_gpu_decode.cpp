@@ -118,7 +118,7 @@ TEST(GpuDecode, ShortVerifyCausal) {
 }
 
 // Verify steps past 16 packed rows stay on the decode kernel, one pass over the split per
-// 16-row group (decode_config.hpp's kDecodeVerifyMaxRows16 / 8): 32 rows of a 16-bit cache,
+// 16-row group (common/decode_rows.hpp: decode_max_rows): 32 rows of a 16-bit cache,
 // up to 64 of an fp8 or int8 one; causal, splits 1 and 3, sinks and a window now and then.
 TEST(GpuDecode, VerifyPastSixteenRows) {
   auto rng = fstest::make_rng(11);
@@ -341,8 +341,7 @@ TEST(GpuDecode, Fuzz) {
       c.q_dtype = c.kv_dtype = built.kv;
       c.out_dtype = i % 5 == 1 ? DType::f32 : built.kv;
     }
-    const int64_t bound = fs::kernels::kv_bytes(built.kv) == 1 ? fs::kernels::kDecodeVerifyMaxRows8
-                                                                 : fs::kernels::kDecodeVerifyMaxRows16;
+    const int64_t bound = fs::decode_max_rows(fs::kernels::kv_bytes(built.kv) == 1);
     const int64_t group = c.H / c.H_kv, max_q = std::max<int64_t>(1, (i % 3 == 2 ? bound : 16) / group);
     for (int64_t& q : c.q_lens) q = std::min(q, max_q);
     if (c.batched()) c.q_lens.assign(c.q_lens.size(), c.q_lens.empty() ? 1 : c.q_lens[0]);

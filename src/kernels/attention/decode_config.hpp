@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/decode_rows.hpp"
 #include "problem/attention.hpp"
 #include "flashserve/plan.hpp"
 #include "flashserve/tensor.hpp"
@@ -44,22 +45,8 @@ constexpr int decode_tile_keys(DecodeKv f) { return f.kb == 1 && f.vb == 1 ? 2 *
 // cp.async stages per warp: 3 (2 tiles = 16 KB in flight per warp at D=128, 16-bit or 8-bit K/V);
 // 4 for K8V16.
 constexpr int decode_stages(DecodeKv f) { return f.kb != f.vb ? 4 : 3; }
-inline constexpr int kDecodeMaxRows = 16;     // packed rows per (sequence, KV head) it is picked for
-// ... and for verify steps past it (q_len x group up to these; the CTA streams the split's KV once
-// per 16-row group): 2 passes of a 16-bit cache (prefill_tma ran q_len 8 x group 4 at 18% of the
-// copy ceiling), 4 of an 8-bit one (the generic kernel ran fp8 q_len 8 at 1%).
-inline constexpr int kDecodeVerifyMaxRows16 = 32;
-inline constexpr int kDecodeVerifyMaxRows8 = 64;
-// CTAs per (sequence, KV head, split) past one row group: each takes every R-th 16-row group,
-// the R side by side in the grid (x = sequence x R + r), so they stream the split's KV at the
-// same time and the second read comes from L2. R for the call's bound on packed rows (its
-// max_seqlen_q x group; rows past an understated bound are still served, by the loop over
-// every R-th group). The planner counts R x (sequence, KV head) stream units (plan.cpp).
-inline constexpr int kDecodeMaxRowCtas = 4;
-constexpr int decode_row_ctas(int64_t max_seqlen_q, int64_t group) {
-  const int64_t groups = (max_seqlen_q * group + kDecodeMaxRows - 1) / kDecodeMaxRows;
-  return int(groups < 1 ? 1 : groups > kDecodeMaxRowCtas ? kDecodeMaxRowCtas : groups);
-}
+inline constexpr int kDecodeMaxRows = int(kDecodeRowGroup);  // packed rows per pass (common/decode_rows.hpp:
+                                                              // verify steps up to decode_max_rows in passes)
 inline constexpr int kDecodeChunk = 16;       // bytes per cp.async / per K shared-memory read
 
 constexpr int decode_warps(int d) { return d > 128 ? 2 : 4; }

@@ -8,7 +8,7 @@
 // CTA = (sequence b, KV head g, split, r); grid (B x R, H_kv, num_splits). Its packed rows are
 // the sequence's q_len x group (query row, head) pairs of KV head g, taken 16 at a time (the
 // mma's M; one pass over the split's KV per row group), every R-th group from group r: R = 1 up
-// to 16 rows, more CTAs side by side for verify steps past them (decode_config.hpp:
+// to 16 rows, more CTAs side by side for verify steps past them (common/decode_rows.hpp:
 // decode_row_ctas). Warps split the keys: warp w owns tiles w,
 // w + W, ... (16 keys; 32 for 8-bit K and V) and streams them through its own
 // decode_stages()-deep cp.async ring (16-byte copies, no CTA barrier in the main loop; each

@@ -65,7 +65,7 @@ std::string try_decode(const detail::AttnProblem& pr, const DeviceProps& dev, At
   // follow the batch's max_seqlen_q.
   const int64_t sq = pr.batched ? pr.q.size(1) : pr.params->max_seqlen_q;
   const bool invariant = pr.params->batch_invariant && sq <= kBatchInvariantDecodeMaxQ;
-  const int max_rows = kv_bytes(pr.k.dtype) == 1 ? kDecodeVerifyMaxRows8 : kDecodeVerifyMaxRows16;
+  const int64_t max_rows = decode_max_rows(kv_bytes(pr.k.dtype) == 1);
   if (!invariant && rows > max_rows)
     return detail::cat("decode kernel: q_len x group <= ", max_rows, ", got ", rows);
   if (!chunk_aligned(pr.k) || !chunk_aligned(pr.v))
