@@ -433,13 +433,15 @@ FS_DEV bool rows_sync_or(bool pred) {
   else return __syncthreads_or(pred);
 }
 
-// A row group's start: the rows' meta, Q's copies issued (fp8: committed as their own group, to
-// be converted once they land), barrier; returns the union of the rows' visible keys.
+// A row group's start: the rows' meta, Q's copies issued (committed as their own group where the
+// caller waits for Q alone: fp8, to convert it once it lands; a TMA-fed shape, whose tiles take
+// no cp.async group to share: cp.async.wait_group waits for committed groups only), barrier;
+// returns the union of the rows' visible keys.
 template <class S>
 FS_DEV KeyRange start_rows(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, uint32_t q, RowMeta* meta) {
   if (int(threadIdx.x) < S::kM) meta[threadIdx.x] = decode::row_meta(p, s, 0, g0, nrows, int(threadIdx.x));
   issue_q<S>(p, s, g0, nrows, q);
-  if constexpr (S::kFp8) cp_async_commit();
+  if constexpr (S::kFp8 || requires { requires S::kTma; }) cp_async_commit();
   rows_sync<S>();
   return decode::rows_key_union(meta, nrows, s.range);
 }

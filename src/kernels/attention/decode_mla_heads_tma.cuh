@@ -55,8 +55,7 @@ FS_DEV void run_rows_heads_tma(const AttnParams& p, const DecodeSeq& s, int64_t 
   int64_t all_lo = tl.u.lo, all_hi = tl.u.hi;  // the keys every row sees: plain tiles
   for (int j = 0; j < nrows; ++j) all_lo = imax(all_lo, meta[j].lo), all_hi = imin(all_hi, meta[j].hi);
   float acc[2][4], acck[2][4];
-  cp_async_commit();  // start_rows' Q copies as a group: wait_group waits for committed groups only
-  cp_async_wait<0>();
+  cp_async_wait<0>();  // start_rows' Q copies
   fence_proxy_async_shared();
   rows_sync<S>();
 #pragma unroll 1
