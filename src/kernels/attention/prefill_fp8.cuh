@@ -147,9 +147,10 @@ FS_DEV void transpose_v(uint32_t raw, uint32_t vt, int w) {
 }
 
 // The producer warpgroup (the kernel's thread 0 loads Q: load_q): warp 8 loads K and raw V of
-// every tile (prefill_tma's loads: TMA where tma_tile allows, else copy_tail); all four warps
-// transpose tile j - 1 after warp 8 issued tile j's loads, so loads run about two tiles ahead of
-// the consumers.
+// every tile (prefill_tma's loads: TMA where tma_tile allows, else copy_tail), or K only, warp 9
+// raw V, where a paged tile is several page segments (prefill_tma's Producer::split: one warp
+// issuing every box of a tile bound its paged loads at block 16); all four warps transpose tile
+// j - 1 after tile j's loads were issued, so loads run about two tiles ahead of the consumers.
 template <class T, int kD, int kDv>
 FS_DEV void produce_fp8(const TmaAttnParams& tp, const CtaWork& w, const SeqKv& kv, const CtaKeys& ck,
                         const Fp8Smem<kD, kDv>& sm, int warp, int lane) {
@@ -171,10 +172,12 @@ FS_DEV void produce_fp8(const TmaAttnParams& tp, const CtaWork& w, const SeqKv& 
     mbar_arrive(sm.v_empty(st));
   };
   const auto tile_n0 = [&](int j) { return ck.n_begin + int64_t(j) * kN; };
-  int64_t next_id = warp == 0 && ck.tiles > 0 ? tma_tile_id<kN>(p, kv, cache, sk, tile_n0(0), seg, lane) : 0;
+  const bool loads_k = warp == 0, loads_v = warp == (seg < kN ? 1 : 0);
+  int64_t next_id =
+      (loads_k || loads_v) && ck.tiles > 0 ? tma_tile_id<kN>(p, kv, cache, sk, tile_n0(0), seg, lane) : 0;
 #pragma unroll 1
   for (int j = 0; j < ck.tiles; ++j) {
-    if (warp == 0) {
+    if (loads_k || loads_v) {
       const int st = j & 1;
       const uint32_t parity = uint32_t((j >> 1) & 1) ^ 1u;
       const int64_t n0 = tile_n0(j), id = next_id;
@@ -182,12 +185,17 @@ FS_DEV void produce_fp8(const TmaAttnParams& tp, const CtaWork& w, const SeqKv& 
       if (j + 1 < ck.tiles) next_id = tma_tile_id<kN>(p, kv, cache, sk, tile_n0(j + 1), seg, lane);
       int row = 0, blk = 0;
       const bool whole = tma_tile_from<kN>(p, kv, cache, sk, n0, seg, lane, id, row, blk);
-      if (j >= 2) mbar_wait(sm.k_empty(st), parity);
-      if (whole) tma_stage<T, L, kN, kD>(&tp.k, sm.k(st), sm.k_full(st), Sm::kKBytes, seg, g, row, blk, 0, 1, lane);
-      else copy_tail<T, L, kN, kD / 16, true>(p, kv, sk, n0, sm.k(st), sm.k_full(st), lane);
-      if (j >= 2) mbar_wait(sm.v_empty(st), parity);
-      if (whole) tma_stage<T, L, kN, kDv>(&tp.v, sm.v(st), sm.v_full(st), Sm::kVBytes, seg, g, row, blk, 0, 1, lane);
-      else copy_tail<T, L, kN, kDv / 16, false>(p, kv, sk, n0, sm.v(st), sm.v_full(st), lane);
+      if (loads_k) {
+        if (j >= 2) mbar_wait(sm.k_empty(st), parity);
+        if (whole) tma_stage<T, L, kN, kD>(&tp.k, sm.k(st), sm.k_full(st), Sm::kKBytes, seg, g, row, blk, 0, 1, lane);
+        else copy_tail<T, L, kN, kD / 16, true>(p, kv, sk, n0, sm.k(st), sm.k_full(st), lane);
+      }
+      if (loads_v) {
+        if (j >= 2) mbar_wait(sm.v_empty(st), parity);
+        if (whole)
+          tma_stage<T, L, kN, kDv>(&tp.v, sm.v(st), sm.v_full(st), Sm::kVBytes, seg, g, row, blk, 0, 1, lane);
+        else copy_tail<T, L, kN, kDv / 16, false>(p, kv, sk, n0, sm.v(st), sm.v_full(st), lane);
+      }
     }
     if (j >= 1) transpose(j - 1);
   }
