@@ -204,7 +204,7 @@ TEST(GpuDecode, Fp8KvAndOtherHeadSizes) {
 // row), f16, or fp8 of either format with q_descale; descales per KV head ([B, H_kv], or stride 0
 // over B) and per tensor (strides (0, 0)); block sizes 1/16/64; q_len 1 (group 8) and 4 (group
 // 4, causal verify: 16 rows); splits 1..4; fp32 out (P's residue mma) now and then; short
-// contexts (16-key tiles) and long ones (32-key tiles).
+// contexts (16-key tiles) and long ones (32-key tiles); q rows padded (aligned or not).
 TEST(GpuDecode, Fp8KvTensorCores) {
   auto rng = fstest::make_rng(9);
   int i = 0, skipped = 0;
@@ -219,6 +219,7 @@ TEST(GpuDecode, Fp8KvTensorCores) {
           c.quant = fs::is_fp8(q) ? fstest::QuantMode::fp8_qkv : fstest::QuantMode::fp8_kv;
           c.out_dtype = fs::is_fp8(q) ? (i % 2 ? DType::f16 : DType::bf16) : i % 7 == 3 ? DType::f32 : q;
           c.descale_broadcast = i % 3;
+          c.q_pad = i % 4 == 1 ? 3 : i % 4 == 2 ? 8 : 0;  // q rows off 8-element alignment: element-wise staging
           c.block_size = bs;
           c.q_lens.assign(c.k_lens.size(), q_len);
           for (int64_t& k : c.k_lens) k = std::max(k, q_len);

@@ -8,6 +8,18 @@
 
 namespace flashserve::kernels::decode {
 
+// a / b and a % b for 0 <= a, 1 <= b, in 32 bits when both fit (the usual case).
+FS_DEV void div_mod(int64_t a, int64_t b, int64_t& q, int64_t& r) {
+  if (((a | b) >> 31) == 0) {
+    const uint32_t q32 = uint32_t(a) / uint32_t(b);
+    q = q32;
+    r = uint32_t(a) - q32 * uint32_t(b);
+  } else {
+    q = a / b;
+    r = a - q * b;
+  }
+}
+
 // Packed row j of the group starting at packed index g0: query row i = (g0 + j) / group,
 // head g * group + (g0 + j) % group.
 struct PackedIdx {
@@ -65,54 +77,99 @@ FS_DEV float q_elem(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t 
   return load_as_float(p.q.data, q_offset(p, s, g, g0, j) + d, p.q.dtype);
 }
 
-// fp8 K/V: the row group's q as f16 in the channel order of decode_mma.cuh (fp8_q_column), one
-// warp per row. f16 and fp8 q convert exactly; a bf16 row is first multiplied by 2^e (e such
-// that its largest |q| lands in [2^15, 2^16), which f16 holds with bf16's 8 significant bits:
-// exact for every element down to 2^-32 of the row's largest, which keeps 2^-40 of it), and
-// 2^-e joins the row's qk_scale with the descales.
+// Eight consecutive elements of q from a 16-byte (16-bit q) or 8-byte (fp8 q) chunk as floats
+// (exact).
+FS_DEV void q_chunk_floats(uint4 raw, DType t, float (&x)[8]) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    if (t == DType::bf16) {
+      x[e] = __uint_as_float((w[e / 2] >> (16 * (e % 2))) << 16);
+    } else if (t == DType::f16) {
+      x[e] = __half2float(__ushort_as_half(uint16_t(w[e / 2] >> (16 * (e % 2)))));
+    } else {
+      const uint8_t b = uint8_t(w[e / 4] >> (8 * (e % 4)));
+      x[e] = fp8_to_float(b, t == DType::f8e4m3 ? __NV_E4M3 : __NV_E5M2);
+    }
+  }
+}
+
+// fp8 K/V: the row group's q as f16 in the channel order of decode_mma.cuh (fp8_q_column). Each
+// row is read by D/8 lanes, eight consecutive channels each (one 16-byte load of 16-bit q, one
+// 8-byte load of fp8 q; element-wise where q's base or strides are not multiples of eight
+// elements), 32 / (D/8) rows of a warp at a time, all of a lane's loads issued before any is
+// used. f16 and fp8 q convert exactly; a bf16 row is first multiplied by 2^e (e such that its
+// largest |q| lands in [2^15, 2^16), which f16 holds with bf16's 8 significant bits: exact for
+// every element down to 2^-32 of the row's largest, which keeps 2^-40 of it), and 2^-e joins
+// the row's qk_scale with the descales. A lane's eight channels land as four f16 pairs
+// (fp8_q_column maps channels 8c + {0, 1}, {2, 3}, ... to adjacent columns).
 template <class S>
 FS_DEV void stage_rows_fp8(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows,
                            unsigned char* q, RowMeta* meta) {
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  const bool q_fp8 = is_fp8(p.q.dtype);
+  const DType qt = p.q.dtype;
+  const bool q_fp8 = is_fp8(qt);
   const float desc = s.kv.k_desc * (q_fp8 ? load_f32_2d(p.q_descale, s.rows.b, g, 1.0f) : 1.0f);
-  constexpr int kPerWarp = S::kRows / S::kWarps;
-  static_assert(S::kRows % S::kWarps == 0, "whole rows per warp");
-  float xs[kPerWarp][S::kChan];  // every load of the warp's rows issued before any is used
+  constexpr int kLanesPerRow = S::kDim / 8, kRowsPerPass = 32 / kLanesPerRow;
+  constexpr int kPasses = S::kRows / (S::kWarps * kRowsPerPass);
+  static_assert(32 % kLanesPerRow == 0 && kPasses * S::kWarps * kRowsPerPass == S::kRows, "whole rows per pass");
+  const int c = lane % kLanesPerRow;  // the lane's channels [8c, 8c + 8)
+  const auto row_of = [&](int i) { return warp + (i * kRowsPerPass + lane / kLanesPerRow) * S::kWarps; };
+  const int esize = q_fp8 ? 1 : 2;
+  const bool vec = reinterpret_cast<uintptr_t>(p.q.data) % (8 * esize) == 0 &&
+                   (p.q.stride[0] | p.q.stride[1] | p.q.stride[2]) % 8 == 0;
+  const char* qg = static_cast<const char*>(p.q.data);
+  uint4 raw[kPasses];
 #pragma unroll
-  for (int i = 0; i < kPerWarp; ++i)
-#pragma unroll
-    for (int k = 0; k < S::kChan; ++k) xs[i][k] = q_elem(p, s, g, g0, nrows, warp + i * S::kWarps, lane + 32 * k);
-#pragma unroll
-  for (int i = 0; i < kPerWarp; ++i) {
-    const int j = warp + i * S::kWarps;
-    if (j >= nrows) {  // inactive: its q row is left as it is (stale_rows_ok)
-      if (lane == 0) meta[j] = row_meta(p, s, g, g0, nrows, j);
-      continue;
+  for (int i = 0; i < kPasses; ++i) {
+    raw[i] = make_uint4(0u, 0u, 0u, 0u);
+    const int j = row_of(i);
+    if (j >= nrows || !vec) continue;
+    const char* at = qg + (q_offset(p, s, g, g0, j) + 8 * c) * esize;
+    if (q_fp8) {
+      const uint2 v = *reinterpret_cast<const uint2*>(at);
+      raw[i].x = v.x;
+      raw[i].y = v.y;
+    } else {
+      raw[i] = *reinterpret_cast<const uint4*>(at);
     }
-    const float* x = xs[i];
+  }
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int j = row_of(i);
+    const bool act = j < nrows;  // an inactive row's q is left as it is (stale_rows_ok); its lanes
+                                 // still take part in the row maxima's shuffles (whole warp)
+    float x[8] = {};
+    if (act && vec) {
+      q_chunk_floats(raw[i], qt, x);
+    } else if (act) {
+      const int64_t off = q_offset(p, s, g, g0, j) + 8 * c;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) x[e] = load_as_float(p.q.data, off + e, qt);
+    }
     float amax = 0.0f;
 #pragma unroll
-    for (int k = 0; k < S::kChan; ++k) amax = fmaxf(amax, fabsf(x[k]));
+    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(x[e]));
     int shift = 0;
-    if (p.q.dtype == DType::bf16) {
+    if (qt == DType::bf16) {
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
+      for (int o = kLanesPerRow / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
       if (amax > 0.0f && amax < INFINITY) {
         const int e = int((__float_as_uint(amax) >> 23) & 0xffu) - 127;  // subnormal: -127 (clamped below)
         shift = int(imin(imax(15 - e, -126), 126));
       }
     }
     const float up = ldexpf(1.0f, shift);
-    __half* row = reinterpret_cast<__half*>(q + j * S::kQStride);
+    if (act) {
+      __half* row = reinterpret_cast<__half*>(q + j * S::kQStride);
 #pragma unroll
-    for (int k = 0; k < S::kChan; ++k) {
-      const int d = lane + 32 * k;
-      row[fp8_q_column<S>(d)] = __float2half_rn(x[k] * up);  // exact (see above)
+      for (int e = 0; e < 8; e += 2) {  // exact (see above); channel 8c + e + 1 lands at col + 1
+        *reinterpret_cast<__half2*>(row + fp8_q_column<S>(8 * c + e)) = __floats2half2_rn(x[e] * up, x[e + 1] * up);
+      }
     }
-    if (lane == 0) {
+    if (c == 0) {
       RowMeta m = row_meta(p, s, g, g0, nrows, j);
-      m.qk_scale = desc * ldexpf(1.0f, -shift);
+      if (act) m.qk_scale = desc * ldexpf(1.0f, -shift);
       meta[j] = m;
     }
   }
@@ -214,18 +271,6 @@ struct TileKey {
                   // read: 27% of the bf16 decode's stall samples on the H200)
   int32_t state;
 };
-
-// a / b and a % b for 0 <= a, 1 <= b, in 32 bits when both fit (the usual case).
-FS_DEV void div_mod(int64_t a, int64_t b, int64_t& q, int64_t& r) {
-  if (((a | b) >> 31) == 0) {
-    const uint32_t q32 = uint32_t(a) / uint32_t(b);
-    q = q32;
-    r = uint32_t(a) - q32 * uint32_t(b);
-  } else {
-    q = a / b;
-    r = a - q * b;
-  }
-}
 
 template <int kTileKeys>
 FS_DEV TileKey tile_key(const AttnParams& p, const SeqKv& kv, int64_t t0, int64_t lo, int64_t hi, int lane) {
