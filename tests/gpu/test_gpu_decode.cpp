@@ -237,8 +237,8 @@ TEST(GpuDecode, Fp8KvTensorCores) {
 // K8V16 (V f16/bf16), int8 q with q_scale (the fork's decode); q.k on the s8 mma with the keys'
 // scales copied per tile; block sizes 1/16/64; q_len 1-4 with GQA groups 1/4/8 (q_len x group <=
 // 16); splits 1 and forced 2..4; short contexts (K8V8's 16-key tiles) and long ones (32-key
-// tiles); f16/bf16 out; NHD and HND; sinks and soft-cap now and then. Out and LSE are poisoned
-// before the GPU run (run_gpu).
+// tiles); f16/bf16 out; NHD and HND; sinks and soft-cap now and then; q rows padded (aligned or
+// not). Out and LSE are poisoned before the GPU run (run_gpu).
 TEST(GpuDecode, Int8TensorCores) {
   auto rng = fstest::make_rng(10);
   int i = 0, skipped = 0;
@@ -249,6 +249,7 @@ TEST(GpuDecode, Int8TensorCores) {
           if (q_len * group > 16) continue;
           CaseConfig c = decode_config(5, i % 4 == 3 ? 60 : 700, group, rng);
           make_int8(c, fmt == 0, fmt == 2 ? DType::f16 : DType::bf16, i % 2 ? DType::f16 : DType::bf16);
+          c.q_pad = i % 4 == 1 ? 3 : i % 4 == 2 ? 8 : 0;  // q rows off 8-element alignment: element-wise staging
           c.block_size = bs;
           c.q_lens.assign(c.k_lens.size(), q_len);
           for (int64_t& k : c.k_lens) k = std::max(k, q_len);

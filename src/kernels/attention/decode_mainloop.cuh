@@ -77,83 +77,98 @@ FS_DEV float q_elem(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t 
   return load_as_float(p.q.data, q_offset(p, s, g, g0, j) + d, p.q.dtype);
 }
 
-// Eight consecutive elements of q from a 16-byte (16-bit q) or 8-byte (fp8 q) chunk as floats
-// (exact).
+// Eight consecutive elements of q from a 16-byte (16-bit q) or 8-byte (fp8, int8 q) chunk as
+// floats (exact).
 FS_DEV void q_chunk_floats(uint4 raw, DType t, float (&x)[8]) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
-    if (t == DType::bf16) {
-      x[e] = __uint_as_float((w[e / 2] >> (16 * (e % 2))) << 16);
-    } else if (t == DType::f16) {
-      x[e] = __half2float(__ushort_as_half(uint16_t(w[e / 2] >> (16 * (e % 2)))));
-    } else {
-      const uint8_t b = uint8_t(w[e / 4] >> (8 * (e % 4)));
-      x[e] = fp8_to_float(b, t == DType::f8e4m3 ? __NV_E4M3 : __NV_E5M2);
-    }
+    const uint32_t h = w[e / 2] >> (16 * (e % 2)), b = w[e / 4] >> (8 * (e % 4));
+    if (t == DType::bf16) x[e] = __uint_as_float(h << 16);
+    else if (t == DType::f16) x[e] = __half2float(__ushort_as_half(uint16_t(h)));
+    else if (t == DType::i8) x[e] = float(int8_t(uint8_t(b)));
+    else x[e] = fp8_to_float(uint8_t(b), t == DType::f8e4m3 ? __NV_E4M3 : __NV_E5M2);
   }
 }
 
-// fp8 K/V: the row group's q as f16 in the channel order of decode_mma.cuh (fp8_q_column). Each
-// row is read by D/8 lanes, eight consecutive channels each (one 16-byte load of 16-bit q, one
-// 8-byte load of fp8 q; element-wise where q's base or strides are not multiples of eight
-// elements), 32 / (D/8) rows of a warp at a time, all of a lane's loads issued before any is
-// used. f16 and fp8 q convert exactly; a bf16 row is first multiplied by 2^e (e such that its
-// largest |q| lands in [2^15, 2^16), which f16 holds with bf16's 8 significant bits: exact for
-// every element down to 2^-32 of the row's largest, which keeps 2^-40 of it), and 2^-e joins
-// the row's qk_scale with the descales. A lane's eight channels land as four f16 pairs
-// (fp8_q_column maps channels 8c + {0, 1}, {2, 3}, ... to adjacent columns).
+// The row group's q as 8-element chunks, for the 8-bit K stagings (which reorder channels): each
+// row read by D/8 lanes, eight consecutive channels [8c, 8c + 8) each (one 16-byte load of 16-bit
+// q, one 8-byte load of 8-bit q; element-wise where q's base or strides are not multiples of
+// eight elements), 32 / (D/8) rows of a warp per pass, every load of the lane issued before any
+// is used (the row's offset computed once per row).
+template <class S>
+struct QChunks {
+  static constexpr int kLanesPerRow = S::kDim / 8, kRowsPerPass = 32 / kLanesPerRow;
+  static constexpr int kPasses = S::kRows / (S::kWarps * kRowsPerPass);
+  static_assert(32 % kLanesPerRow == 0 && kPasses * S::kWarps * kRowsPerPass == S::kRows, "whole rows per pass");
+  int warp, c;  // the lane's warp and chunk
+  bool vec;
+  uint4 raw[kPasses];
+
+  FS_DEV QChunks(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows, int lane)
+      : warp(int(threadIdx.x) / 32), c(lane % kLanesPerRow) {
+    const int esize = kv_bytes(p.q.dtype);
+    vec = reinterpret_cast<uintptr_t>(p.q.data) % (8 * esize) == 0 &&
+          (p.q.stride[0] | p.q.stride[1] | p.q.stride[2]) % 8 == 0;
+    const char* qg = static_cast<const char*>(p.q.data);
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      raw[i] = make_uint4(0u, 0u, 0u, 0u);
+      const int j = row(i, lane);
+      if (j >= nrows || !vec) continue;
+      const char* at = qg + (q_offset(p, s, g, g0, j) + 8 * c) * esize;
+      if (esize == 1) {
+        const uint2 v = *reinterpret_cast<const uint2*>(at);
+        raw[i].x = v.x;
+        raw[i].y = v.y;
+      } else {
+        raw[i] = *reinterpret_cast<const uint4*>(at);
+      }
+    }
+  }
+  // The lane's row in pass i.
+  FS_DEV int row(int i, int lane) const { return warp + (i * kRowsPerPass + lane / kLanesPerRow) * S::kWarps; }
+  // Pass i's chunk as floats (row j active).
+  FS_DEV void floats(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int i, int j,
+                     float (&x)[8]) const {
+    if (vec) {
+      q_chunk_floats(raw[i], p.q.dtype, x);
+      return;
+    }
+    const int64_t off = q_offset(p, s, g, g0, j) + 8 * c;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] = load_as_float(p.q.data, off + e, p.q.dtype);
+  }
+};
+
+// fp8 K/V: the row group's q as f16 in the channel order of decode_mma.cuh (fp8_q_column), read
+// as QChunks. f16 and fp8 q convert exactly; a bf16 row is first multiplied by 2^e (e such that
+// its largest |q| lands in [2^15, 2^16), which f16 holds with bf16's 8 significant bits: exact for
+// every element down to 2^-32 of the row's largest, which keeps 2^-40 of it), and 2^-e joins the
+// row's qk_scale with the descales. A lane's eight channels land as four f16 pairs (fp8_q_column
+// maps channels 8c + {0, 1}, {2, 3}, ... to adjacent columns).
 template <class S>
 FS_DEV void stage_rows_fp8(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows,
                            unsigned char* q, RowMeta* meta) {
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int lane = int(threadIdx.x) % 32;
   const DType qt = p.q.dtype;
-  const bool q_fp8 = is_fp8(qt);
-  const float desc = s.kv.k_desc * (q_fp8 ? load_f32_2d(p.q_descale, s.rows.b, g, 1.0f) : 1.0f);
-  constexpr int kLanesPerRow = S::kDim / 8, kRowsPerPass = 32 / kLanesPerRow;
-  constexpr int kPasses = S::kRows / (S::kWarps * kRowsPerPass);
-  static_assert(32 % kLanesPerRow == 0 && kPasses * S::kWarps * kRowsPerPass == S::kRows, "whole rows per pass");
-  const int c = lane % kLanesPerRow;  // the lane's channels [8c, 8c + 8)
-  const auto row_of = [&](int i) { return warp + (i * kRowsPerPass + lane / kLanesPerRow) * S::kWarps; };
-  const int esize = q_fp8 ? 1 : 2;
-  const bool vec = reinterpret_cast<uintptr_t>(p.q.data) % (8 * esize) == 0 &&
-                   (p.q.stride[0] | p.q.stride[1] | p.q.stride[2]) % 8 == 0;
-  const char* qg = static_cast<const char*>(p.q.data);
-  uint4 raw[kPasses];
+  const float desc = s.kv.k_desc * (is_fp8(qt) ? load_f32_2d(p.q_descale, s.rows.b, g, 1.0f) : 1.0f);
+  using Q = QChunks<S>;
+  const Q ch(p, s, g, g0, nrows, lane);
 #pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    raw[i] = make_uint4(0u, 0u, 0u, 0u);
-    const int j = row_of(i);
-    if (j >= nrows || !vec) continue;
-    const char* at = qg + (q_offset(p, s, g, g0, j) + 8 * c) * esize;
-    if (q_fp8) {
-      const uint2 v = *reinterpret_cast<const uint2*>(at);
-      raw[i].x = v.x;
-      raw[i].y = v.y;
-    } else {
-      raw[i] = *reinterpret_cast<const uint4*>(at);
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < kPasses; ++i) {
-    const int j = row_of(i);
+  for (int i = 0; i < Q::kPasses; ++i) {
+    const int j = ch.row(i, lane);
     const bool act = j < nrows;  // an inactive row's q is left as it is (stale_rows_ok); its lanes
                                  // still take part in the row maxima's shuffles (whole warp)
     float x[8] = {};
-    if (act && vec) {
-      q_chunk_floats(raw[i], qt, x);
-    } else if (act) {
-      const int64_t off = q_offset(p, s, g, g0, j) + 8 * c;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) x[e] = load_as_float(p.q.data, off + e, qt);
-    }
+    if (act) ch.floats(p, s, g, g0, i, j, x);
     float amax = 0.0f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(x[e]));
     int shift = 0;
     if (qt == DType::bf16) {
 #pragma unroll
-      for (int o = kLanesPerRow / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
+      for (int o = Q::kLanesPerRow / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, o));
       if (amax > 0.0f && amax < INFINITY) {
         const int e = int((__float_as_uint(amax) >> 23) & 0xffu) - 127;  // subnormal: -127 (clamped below)
         shift = int(imin(imax(15 - e, -126), 126));
@@ -164,10 +179,11 @@ FS_DEV void stage_rows_fp8(const AttnParams& p, const DecodeSeq& s, int64_t g, i
       __half* row = reinterpret_cast<__half*>(q + j * S::kQStride);
 #pragma unroll
       for (int e = 0; e < 8; e += 2) {  // exact (see above); channel 8c + e + 1 lands at col + 1
-        *reinterpret_cast<__half2*>(row + fp8_q_column<S>(8 * c + e)) = __floats2half2_rn(x[e] * up, x[e + 1] * up);
+        const int col = fp8_q_column<S>(8 * ch.c + e);
+        *reinterpret_cast<__half2*>(row + col) = __floats2half2_rn(x[e] * up, x[e + 1] * up);
       }
     }
-    if (c == 0) {
+    if (ch.c == 0) {
       RowMeta m = row_meta(p, s, g, g0, nrows, j);
       if (act) m.qk_scale = desc * ldexpf(1.0f, -shift);
       meta[j] = m;
@@ -176,25 +192,35 @@ FS_DEV void stage_rows_fp8(const AttnParams& p, const DecodeSeq& s, int64_t g, i
 }
 
 // int8 q and K: the row group's int8 q in the channel order of decode_mma.cuh (int8_q_column),
-// one warp per row; the row's q_scale is its qk_scale (the k scales are applied per key).
+// read as QChunks; a lane's eight channels land as two 4-byte words (int8_q_column maps channels
+// 8c + {0..3} and 8c + {4..7} to four adjacent bytes each). The row's q_scale is its qk_scale
+// (the k scales are applied per key).
 template <class S>
 FS_DEV void stage_rows_int8(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows,
                             unsigned char* q, RowMeta* meta) {
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  for (int j = warp; j < S::kRows; j += S::kWarps) {
-    if (j >= nrows) {  // inactive: its q row is left as it is (stale_rows_ok)
-      if (lane == 0) meta[j] = row_meta(p, s, g, g0, nrows, j);
-      continue;
-    }
-    int8_t* row = reinterpret_cast<int8_t*>(q + j * S::kQStride);
+  const int lane = int(threadIdx.x) % 32;
+  using Q = QChunks<S>;
+  const Q ch(p, s, g, g0, nrows, lane);
 #pragma unroll
-    for (int k = 0; k < S::kChan; ++k) {
-      const int d = lane + 32 * k;
-      row[int8_q_column<S>(d)] = int8_t(q_elem(p, s, g, g0, nrows, j, d));  // exact: an int8 value (0 past nrows)
+  for (int i = 0; i < Q::kPasses; ++i) {
+    const int j = ch.row(i, lane);
+    const bool act = j < nrows;  // an inactive row's q is left as it is (stale_rows_ok)
+    if (act) {
+      uint32_t w[2] = {ch.raw[i].x, ch.raw[i].y};
+      if (!ch.vec) {  // element-wise: the values are int8 (exact)
+        float x[8];
+        ch.floats(p, s, g, g0, i, j, x);
+        w[0] = w[1] = 0u;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) w[e / 4] |= uint32_t(uint8_t(int8_t(x[e]))) << (8 * (e % 4));
+      }
+      unsigned char* row = q + j * S::kQStride;
+      *reinterpret_cast<uint32_t*>(row + int8_q_column<S>(8 * ch.c)) = w[0];
+      *reinterpret_cast<uint32_t*>(row + int8_q_column<S>(8 * ch.c + 4)) = w[1];
     }
-    if (lane == 0) {
+    if (ch.c == 0) {
       RowMeta m = row_meta(p, s, g, g0, nrows, j);
-      if (j < nrows) {
+      if (act) {
         const PackedIdx pi = packed_idx(p, g, g0, j);
         const int64_t q_row = s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
         const StridedRef& qs = p.q_scale;
