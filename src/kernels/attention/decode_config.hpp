@@ -4,9 +4,10 @@
 //
 // Served: q f16/bf16 with K/V of q's dtype or fp8 (e4m3/e5m2, descales [B, H_kv]); q fp8 (q_descale
 // [B, H_kv]) with fp8 K/V; int8 q (q_scale) with int8 K (k_scale_cache) and int8 V (v_scale,
-// K8V8) or 16-bit V (K8V16); D == Dv in the table; no q_v; at most kDecodeMaxRows packed query rows (q_len x group) per
-// (sequence, KV head) by the shape. The kernel itself loops over row groups, so a sequence
-// longer than max_seqlen_q claims is still computed (only slower).
+// K8V8) or 16-bit V (K8V16); D == Dv in the table; no q_v; at most decode_max_rows packed query
+// rows (q_len x group) per (sequence, KV head) by the shape (common/decode_rows.hpp). The kernel
+// itself loops over row groups, so a sequence longer than max_seqlen_q claims is still computed
+// (only slower).
 #pragma once
 
 #include <cstddef>
@@ -45,8 +46,6 @@ constexpr int decode_tile_keys(DecodeKv f) { return f.kb == 1 && f.vb == 1 ? 2 *
 // cp.async stages per warp: 3 (2 tiles = 16 KB in flight per warp at D=128, 16-bit or 8-bit K/V);
 // 4 for K8V16.
 constexpr int decode_stages(DecodeKv f) { return f.kb != f.vb ? 4 : 3; }
-inline constexpr int kDecodeMaxRows = int(kDecodeRowGroup);  // packed rows per pass (common/decode_rows.hpp:
-                                                              // verify steps up to decode_max_rows in passes)
 inline constexpr int kDecodeChunk = 16;       // bytes per cp.async / per K shared-memory read
 
 constexpr int decode_warps(int d) { return d > 128 ? 2 : 4; }
@@ -55,8 +54,8 @@ constexpr int decode_warps(int d) { return d > 128 ? 2 : 4; }
 // in registers, exact), q as f16 (exact; bf16 q scaled by a power of two per row); int8 q.k on
 // m16n8k32 s8 (s32 sums, exact), int8 V as f16 operands (exact). Every format (2-byte and
 // 1-byte K) takes this path; 16 packed rows per pass (the mma's M), whatever the row count: the
-// kernel loops over row groups.
-inline constexpr int kDecodeRows = 16;
+// kernel loops over row groups (common/decode_rows.hpp's kDecodeRowGroup).
+inline constexpr int kDecodeRows = int(kDecodeRowGroup);
 
 struct DecodeConfig {
   DType kv;  // K storage dtype

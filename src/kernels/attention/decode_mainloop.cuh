@@ -8,18 +8,6 @@
 
 namespace flashserve::kernels::decode {
 
-// a / b and a % b for 0 <= a, 1 <= b, in 32 bits when both fit (the usual case).
-FS_DEV void div_mod(int64_t a, int64_t b, int64_t& q, int64_t& r) {
-  if (((a | b) >> 31) == 0) {
-    const uint32_t q32 = uint32_t(a) / uint32_t(b);
-    q = q32;
-    r = uint32_t(a) - q32 * uint32_t(b);
-  } else {
-    q = a / b;
-    r = a - q * b;
-  }
-}
-
 // Packed row j of the group starting at packed index g0: query row i = (g0 + j) / group,
 // head g * group + (g0 + j) % group.
 struct PackedIdx {
@@ -297,6 +285,18 @@ struct TileKey {
                   // read: 27% of the bf16 decode's stall samples on the H200)
   int32_t state;
 };
+
+// a / b and a % b for 0 <= a, 1 <= b, in 32 bits when both fit (the usual case).
+FS_DEV void div_mod(int64_t a, int64_t b, int64_t& q, int64_t& r) {
+  if (((a | b) >> 31) == 0) {
+    const uint32_t q32 = uint32_t(a) / uint32_t(b);
+    q = q32;
+    r = uint32_t(a) - q32 * uint32_t(b);
+  } else {
+    q = a / b;
+    r = a - q * b;
+  }
+}
 
 template <int kTileKeys>
 FS_DEV TileKey tile_key(const AttnParams& p, const SeqKv& kv, int64_t t0, int64_t lo, int64_t hi, int lane) {

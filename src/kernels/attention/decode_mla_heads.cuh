@@ -458,13 +458,13 @@ FS_DEV void issue_pv_heads(uint32_t pbuf, uint32_t stage, int wg, const float (&
   wgmma_commit();
 }
 
-// decode::packed_idx (KV head 0) by a 32-bit division where the index fits (the 64-bit one is
-// ~70 instructions; kept there: the GQA decode kernels measured slower with this branch).
+// decode::packed_idx (KV head 0) by decode::div_mod's 32-bit division where the index fits (the
+// 64-bit one is ~70 instructions; kept to this epilogue: the GQA decode kernels measured slower
+// with the branch).
 FS_DEV PackedIdx packed_idx32(const AttnParams& p, int64_t g0, int j) {
-  const int64_t x = g0 + j;
-  if (x > INT32_MAX || p.group > INT32_MAX) return decode::packed_idx(p, 0, g0, j);
-  const uint32_t i = uint32_t(x) / uint32_t(p.group);
-  return {int64_t(i), x - int64_t(i) * p.group};
+  PackedIdx pi;
+  decode::div_mod(g0 + j, p.group, pi.i, pi.h);
+  return pi;
 }
 
 // Epilogue: per column, 1 / l (times the sink's weight) and the LSE (or the split's partial
