@@ -212,7 +212,7 @@ TEST(GpuDecode, Fp8KvTensorCores) {
     for (DType q : {DType::bf16, DType::f16, DType::f8e4m3, DType::f8e5m2})
       for (int64_t bs : {1, 16, 64})
         for (int64_t q_len : {1, 4}) {
-          // every fourth case short (<= 60 keys): the 16-key fp8 tiles of short splits (decode_launch_tile)
+          // every fourth case short (<= 60 keys): the short tiling (decode_launch_short)
           CaseConfig c = decode_config(5, i % 4 == 3 ? 60 : 700, q_len == 1 ? 8 : 4, rng);
           c.kv_dtype = kv;
           c.q_dtype = q;

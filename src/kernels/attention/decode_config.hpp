@@ -88,11 +88,17 @@ constexpr bool decode_config_built(DType kv, int64_t d) { return decode_config_b
 // Per-row metadata in shared memory (decode_fwd.cuh's RowMeta).
 inline constexpr size_t kDecodeRowMetaBytes = 40;
 inline constexpr size_t kDecodeStageMaskBytes = 16;  // a stage's bad-key mask (padded)
-// `tile` (keys per warp tile) 0: decode_tile_keys(f). fp8 also runs 16-key tiles (a second
-// instantiation) on splits too short to give every warp a 32-key tile (decode_fwd.cu).
-constexpr size_t decode_loc_bytes(DecodeKv f, int tile = 0) {  // a warp's TokenLoc [tile keys] (load.cuh)
-  return size_t(tile ? tile : decode_tile_keys(f)) * 24;
-}
+
+// How a launch streams keys: keys per warp tile, the depth of each warp's cp.async ring, and the
+// CTAs per SM the kernel's launch bounds ask for (its register budget: 255 at 2, 168 at 3).
+struct DecodeTiling {
+  int keys;
+  int stages;
+  int ctas;
+};
+// Long splits: decode_tile_keys and decode_stages, two CTAs per SM (by shared memory).
+constexpr DecodeTiling decode_tiling(DecodeKv f) { return {decode_tile_keys(f), decode_stages(f), 2}; }
+constexpr size_t decode_loc_bytes(DecodeTiling t) { return size_t(t.keys) * 24; }  // a warp's TokenLoc [keys] (load.cuh)
 
 // Shared memory layout, in bytes (decode_fwd.cuh carves it the same way):
 //   q [rows, D] (q's 16-bit type or, for fp8 K/V, f16 in the channel order of decode_mma.cuh;
@@ -100,8 +106,9 @@ constexpr size_t decode_loc_bytes(DecodeKv f, int tile = 0) {  // a warp's Token
 //   per warp: stages x (K [tile keys, D*kb + 16 (8-bit: D)], V [tile keys, D*vb + 16], bad-key
 //   mask, int8: k scales [tile keys] f32) and TokenLoc [tile]. The +16 B row pads put ldmatrix
 //   rows on distinct banks. The cross-warp merge reuses the per-warp area.
-// bf16 D=128, 16 rows: 111 KB; fp8 D=128 (32-key tiles): 110 KB; int8 K8V8 112 KB, K8V16 (16-key
-// tiles, 4 stages) 108 KB; so two CTAs (8 warps) share an SM.
+// Long tiling at D=128, 16 rows: bf16 111 KB; fp8 (32-key tiles) 110 KB; int8 K8V8 112 KB, K8V16
+// (16-key tiles, 4 stages) 108 KB; so two CTAs (8 warps) share an SM. Short tiling: bf16 75 KB,
+// fp8 41 KB, K8V8 42 KB, K8V16 57 KB.
 // 8-bit K rows are unpadded (16-byte chunk c of key row r stored at c ^ (r & 1): decode_mma.cuh's
 // reads stay on distinct banks), so that 32-key fp8 stages keep two CTAs per SM.
 constexpr size_t decode_k_stride(DecodeKv f, int d) {
@@ -111,35 +118,46 @@ constexpr size_t decode_v_stride(DecodeKv f, int d) { return size_t(d * f.vb + k
 constexpr size_t decode_q_stride(DecodeKv, int d) {  // bytes per q row in shared memory
   return size_t(d * 2 + kDecodeChunk);
 }
-constexpr size_t decode_kscale_offset(DecodeKv f, int d, int tile = 0) {  // in a stage
-  return size_t(tile ? tile : decode_tile_keys(f)) * (decode_k_stride(f, d) + decode_v_stride(f, d)) +
-         kDecodeStageMaskBytes;
+constexpr size_t decode_kscale_offset(DecodeKv f, int d, DecodeTiling t) {  // in a stage
+  return size_t(t.keys) * (decode_k_stride(f, d) + decode_v_stride(f, d)) + kDecodeStageMaskBytes;
 }
-constexpr size_t decode_stage_bytes(DecodeKv f, int d, int tile = 0) {
-  return decode_kscale_offset(f, d, tile) + (f.int8 ? size_t(tile ? tile : decode_tile_keys(f)) * 4 : 0);
+constexpr size_t decode_stage_bytes(DecodeKv f, int d, DecodeTiling t) {
+  return decode_kscale_offset(f, d, t) + (f.int8 ? size_t(t.keys) * 4 : 0);
 }
-constexpr size_t decode_warp_bytes(DecodeKv f, int d, int tile = 0) {
-  return size_t(decode_stages(f)) * decode_stage_bytes(f, d, tile) + decode_loc_bytes(f, tile);
+constexpr size_t decode_warp_bytes(DecodeKv f, int d, DecodeTiling t) {
+  return size_t(t.stages) * decode_stage_bytes(f, d, t) + decode_loc_bytes(t);
 }
 constexpr size_t decode_head_bytes(DecodeKv f, int d, int rows) {
   return size_t(rows) * (decode_q_stride(f, d) + kDecodeRowMetaBytes);
 }
-constexpr size_t decode_smem_bytes(DecodeKv f, int d, int rows, int tile = 0) {
-  return decode_head_bytes(f, d, rows) + size_t(decode_warps(d)) * decode_warp_bytes(f, d, tile);
+constexpr size_t decode_smem_bytes(DecodeKv f, int d, int rows, DecodeTiling t) {
+  return decode_head_bytes(f, d, rows) + size_t(decode_warps(d)) * decode_warp_bytes(f, d, t);
 }
-// The tile the launcher runs: fp8 takes 16-key tiles when a split's key span (bounded by the
-// block table's width x block size, or the contiguous cache's rows) leaves some warp without a
-// 32-key tile (short contexts: all warps stay busy; measured at L = 64 on the H200, 32-key fp8
-// tiles took 1.16x bf16's time). The same for int8 K8V8.
-constexpr int decode_launch_tile(DecodeKv f, int d, int64_t span, int splits) {
+constexpr size_t decode_smem_bytes(DecodeKv f, int d, int rows) { return decode_smem_bytes(f, d, rows, decode_tiling(f)); }
+// Short splits (no warp streams more than two 16-key tiles): the CTA is one latency chain (table,
+// copies, q, one or two tiles, merge, store: ~12k cycles at 8 cycles per instruction, ncu at
+// B = 256 L = 64) with little to stream, so more of them share an SM: 16-key tiles in a two-deep
+// ring, three CTAs per SM where shared memory holds them (every format at D <= 128; two at
+// D = 256, which has two warps), q's fragments read from shared memory per tile (decode_mma.cuh:
+// held in registers they made the 168-register budget spill 100-230 B, whose local loads ate
+// the third CTA's gain: bf16 L = 64 54.8 -> 54.0 us).
+constexpr DecodeTiling decode_short_tiling(DecodeKv f, int d) {
+  DecodeTiling t{kDecodeTileKeys, 2, 3};
+  if (t.ctas * (decode_smem_bytes(f, d, kDecodeRows, t) + 1024) > 228 * 1024) t.ctas = 2;
+  return t;
+}
+// Whether the launch takes the short tiling: a split's key span (bounded by the block table's
+// width x block size, or the contiguous cache's rows) gives no warp more than two 16-key tiles.
+constexpr bool decode_launch_short(int d, int64_t span, int splits) {
   const int64_t per_split = (span + splits - 1) / (splits > 0 ? splits : 1);
-  return decode_tile_keys(f) > kDecodeTileKeys && per_split < int64_t(decode_warps(d)) * decode_tile_keys(f)
-             ? kDecodeTileKeys
-             : decode_tile_keys(f);
+  return per_split <= int64_t(decode_warps(d)) * 2 * kDecodeTileKeys;
 }
 // The merge area ([warps, rows, D] outputs and [warps, rows, 2] states) fits in the warps' area.
+constexpr bool decode_merge_fits(DecodeKv f, int d, int rows, DecodeTiling t) {
+  return size_t(rows) * size_t(d + 2) * 4 <= decode_warp_bytes(f, d, t);
+}
 constexpr bool decode_merge_fits(DecodeKv f, int d, int rows) {
-  return size_t(rows) * size_t(d + 2) * 4 <= decode_warp_bytes(f, d);
+  return decode_merge_fits(f, d, rows, decode_tiling(f)) && decode_merge_fits(f, d, rows, decode_short_tiling(f, d));
 }
 inline constexpr DecodeKv kDecodeBf16 = decode_kv(DType::bf16), kDecodeFp8 = decode_kv(DType::f8e4m3),
                           kDecodeK8V8 = decode_kv(DType::i8), kDecodeK8V16 = decode_kv(DType::i8, DType::bf16);
@@ -149,12 +167,19 @@ static_assert(decode_merge_fits(kDecodeBf16, 64, 16) && decode_merge_fits(kDecod
               decode_merge_fits(kDecodeBf16, 256, 16));
 static_assert(decode_merge_fits(kDecodeK8V8, 64, 16) && decode_merge_fits(kDecodeK8V8, 256, 16) &&
               decode_merge_fits(kDecodeK8V16, 64, 16) && decode_merge_fits(kDecodeK8V16, 256, 16));
-// Two CTAs per SM (228 KB, 1 KB reserved per CTA) for the D=128 and D=256 shapes of every format.
-constexpr bool decode_two_ctas(DecodeKv f, int d) { return 2 * (decode_smem_bytes(f, d, 16) + 1024) <= 228 * 1024; }
-static_assert(decode_two_ctas(kDecodeBf16, 128) && decode_two_ctas(kDecodeBf16, 256));
-static_assert(decode_two_ctas(kDecodeFp8, 128) && decode_two_ctas(kDecodeFp8, 256));
-static_assert(decode_two_ctas(kDecodeK8V8, 128) && decode_two_ctas(kDecodeK8V8, 256));
-static_assert(decode_two_ctas(kDecodeK8V16, 128) && decode_two_ctas(kDecodeK8V16, 256));
+// The CTAs per SM each tiling asks for fit in shared memory (228 KB, 1 KB reserved per CTA) for
+// the D=128 and D=256 shapes of every format; the short tiling takes three at D = 128.
+constexpr bool decode_ctas_fit(DecodeKv f, int d) {
+  const DecodeTiling l = decode_tiling(f), s = decode_short_tiling(f, d);
+  return l.ctas * (decode_smem_bytes(f, d, 16, l) + 1024) <= 228 * 1024 &&
+         s.ctas * (decode_smem_bytes(f, d, 16, s) + 1024) <= 228 * 1024;
+}
+static_assert(decode_ctas_fit(kDecodeBf16, 128) && decode_ctas_fit(kDecodeBf16, 256));
+static_assert(decode_ctas_fit(kDecodeFp8, 128) && decode_ctas_fit(kDecodeFp8, 256));
+static_assert(decode_ctas_fit(kDecodeK8V8, 128) && decode_ctas_fit(kDecodeK8V8, 256));
+static_assert(decode_ctas_fit(kDecodeK8V16, 128) && decode_ctas_fit(kDecodeK8V16, 256));
+static_assert(decode_short_tiling(kDecodeBf16, 128).ctas == 3 && decode_short_tiling(kDecodeFp8, 128).ctas == 3 &&
+              decode_short_tiling(kDecodeK8V8, 128).ctas == 3 && decode_short_tiling(kDecodeK8V16, 128).ctas == 3);
 
 // The decode candidate of select_attention_kernel (decode_select.cu): fills `c` and returns ""
 // when it serves the problem, else the reason it declines.

@@ -15,32 +15,30 @@ namespace {
 template <size_t I>
 constexpr DecodeKv kFmt = decode_kv(kDecodeConfigs[I].kv, kDecodeConfigs[I].v);
 
-template <size_t I, int kRows, int kTile = decode_tile_keys(kFmt<I>)>
+template <size_t I, int kRows, DecodeTiling kTl>
 void launch_rows(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeConfig c = kDecodeConfigs[I];
-  constexpr size_t smem = decode_smem_bytes(kFmt<I>, c.d, kRows, kTile);
-  constexpr auto kernel = &decode::decode_fwd<c.kv, c.v, c.d, kRows, kTile>;
-  ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);  // 2 CTAs per SM need ~228 KB
+  constexpr size_t smem = decode_smem_bytes(kFmt<I>, c.d, kRows, kTl);
+  static_assert(kTl.ctas * (smem + 1024) <= 228 * 1024, "the launch bounds' CTAs per SM fit in shared memory");
+  constexpr auto kernel = &decode::decode_fwd<c.kv, c.v, c.d, kRows, kTl.keys, kTl.stages, kTl.ctas>;
+  ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);  // 2-3 CTAs per SM need ~228 KB
   const dim3 grid(unsigned(p.batch * p.row_ctas), unsigned(p.num_kv_heads), unsigned(p.num_splits));
   kernel<<<grid, 32 * decode_warps(c.d), smem, stream>>>(p);
   FS_CUDA_CHECK_LAUNCH();
 }
 
-// The instantiation of configuration I: 16 rows per pass (kDecodeRows); 8-bit K and V (fp8,
-// K8V8) in 32-key tiles, 16-key ones on short splits.
+// The instantiations of configuration I: 16 rows per pass (kDecodeRows), the long or the short
+// tiling (decode_config.hpp) by the split's key span.
 template <size_t I>
 void launch_config(const AttnParams& p, cudaStream_t stream) {
-  constexpr DecodeKv kVb = kFmt<I>;
-  if constexpr (decode_tile_keys(kVb) > kDecodeTileKeys) {
-    // Batch-invariant (fixed-size splits): the tile from the split size alone, never the batch's span.
-    const int64_t span = p.split_size > 0 ? p.split_size : p.paged ? p.max_blocks * p.kv_dim1 : p.kv_dim1;
-    if (decode_launch_tile(kVb, kDecodeConfigs[I].d, span, p.split_size > 0 ? 1 : p.num_splits) == kDecodeTileKeys)
-      launch_rows<I, kDecodeRows, kDecodeTileKeys>(p, stream);
-    else
-      launch_rows<I, kDecodeRows>(p, stream);
-  } else {
-    launch_rows<I, kDecodeRows>(p, stream);
-  }
+  constexpr DecodeKv f = kFmt<I>;
+  constexpr int d = kDecodeConfigs[I].d;
+  // Batch-invariant (fixed-size splits): the tiling from the split size alone, never the batch's span.
+  const int64_t span = p.split_size > 0 ? p.split_size : p.paged ? p.max_blocks * p.kv_dim1 : p.kv_dim1;
+  if (decode_launch_short(d, span, p.split_size > 0 ? 1 : p.num_splits))
+    launch_rows<I, kDecodeRows, decode_short_tiling(f, d)>(p, stream);
+  else
+    launch_rows<I, kDecodeRows, decode_tiling(f)>(p, stream);
 }
 
 }  // namespace

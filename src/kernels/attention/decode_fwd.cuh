@@ -87,11 +87,11 @@ FS_DEV KeyRange rows_key_union(const RowMeta* meta, int nrows, const KvRange& ra
   return key_union(nrows, range, [&](int j) { return KeyRange{meta[j].lo, meta[j].hi}; });
 }
 
-static_assert(sizeof(TokenLoc) * kTile == decode_loc_bytes(kDecodeBf16) &&
-                  2 * decode_loc_bytes(kDecodeBf16) == decode_loc_bytes(kDecodeFp8),
+static_assert(sizeof(TokenLoc) * kTile == decode_loc_bytes(decode_tiling(kDecodeBf16)) &&
+                  2 * decode_loc_bytes(decode_tiling(kDecodeBf16)) == decode_loc_bytes(decode_tiling(kDecodeFp8)),
               "decode_config.hpp sizes shared memory with it");
 
-template <DType kKv, DType kV, int kD, int kR, int kT = decode_tile_keys(decode_kv(kKv, kV))>
+template <DType kKv, DType kV, int kD, int kR, DecodeTiling kTl = decode_tiling(decode_kv(kKv, kV))>
 struct Shape {
   static constexpr DType kKDtype = kKv;  // K storage
   static constexpr DType kVDtype = kV;   // V storage
@@ -110,18 +110,19 @@ struct Shape {
   static constexpr int kKStride = int(decode_k_stride(kFmt, kD));  // +16 B: lanes hit distinct banks
   static constexpr int kVStride = int(decode_v_stride(kFmt, kD));
   static constexpr int kQStride = int(decode_q_stride(kFmt, kD));  // bytes per q row in shared memory
-  static constexpr int kStages = decode_stages(kFmt);  // cp.async ring depth per warp
-  static constexpr int kTile = kT;  // keys per warp tile
-  static constexpr size_t kStageBytes = decode_stage_bytes(kFmt, kD, kT);
-  static constexpr size_t kKScaleOffset = decode_kscale_offset(kFmt, kD, kT);  // int8: k scales in a stage
-  static constexpr size_t kWarpBytes = decode_warp_bytes(kFmt, kD, kT);
-  static_assert(kWarpBytes <= decode_warp_bytes(kFmt, kD), "within the launch's shared memory");
+  static constexpr int kStages = kTl.stages;  // cp.async ring depth per warp
+  static constexpr int kCtas = kTl.ctas;      // CTAs per SM of the launch bounds (registers: 255 at 2, 168 at 3)
+  static constexpr int kTile = kTl.keys;      // keys per warp tile
+  static constexpr size_t kStageBytes = decode_stage_bytes(kFmt, kD, kTl);
+  static constexpr size_t kKScaleOffset = decode_kscale_offset(kFmt, kD, kTl);  // int8: k scales in a stage
+  static constexpr size_t kWarpBytes = decode_warp_bytes(kFmt, kD, kTl);
+  static_assert(kStages >= 2, "a ring: one tile issued ahead of the one consumed");
   static_assert(kChunks >= 2 && kChunks <= 32 && 32 % kChunks == 0, "a warp copies whole rows");
   static_assert(kVChunks >= 2 && kVChunks <= 32 && 32 % kVChunks == 0, "a warp copies whole rows");
   static_assert(kTile % (32 / kChunks) == 0 && kTile % (32 / kVChunks) == 0, "a tile is whole copy steps");
   static_assert(kChan >= 2, "channels per lane");
   static_assert(kR == 16, "the tensor cores take 16 rows (the mma's M) per pass");
-  static_assert(decode_merge_fits(kFmt, kD, kR), "the merge area fits in the warps' area");
+  static_assert(decode_merge_fits(kFmt, kD, kR, kTl), "the merge area fits in the warps' area");
   static_assert(kKScaleOffset % 16 == 0, "int8 k scales: 16-byte aligned in the stage");
 };
 

@@ -511,13 +511,13 @@ FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, in
   else run(std::false_type{});
 }
 
-// Two CTAs per SM by shared memory for the tensor-core path and kRows <= 8 (decode_config.hpp),
-// so at most 255 registers.
-// kTile: keys per warp tile (decode_tile_keys; fp8 also 16 for short splits, decode_fwd.cu).
-template <DType kKv, DType kV, int kD, int kRows, int kTile = decode_tile_keys(decode_kv(kKv, kV))>
-__global__ void __launch_bounds__(32 * decode_warps(kD), 2)
+// The tiling (decode_config.hpp's DecodeTiling as its three fields, as a kernel's template
+// arguments must be for nvcc's host stubs): long splits two CTAs per SM, at most 255 registers;
+// short splits three, at most 168; picked by the launcher (decode_fwd.cu).
+template <DType kKv, DType kV, int kD, int kRows, int kTileKeys, int kStages, int kCtas>
+__global__ void __launch_bounds__(32 * decode_warps(kD), kCtas)
     decode_fwd(const __grid_constant__ AttnParams p) {
-  using S = Shape<kKv, kV, kD, kRows, kTile>;
+  using S = Shape<kKv, kV, kD, kRows, DecodeTiling{kTileKeys, kStages, kCtas}>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* q = smem_raw;                                                   // [kRows, kQStride]
   RowMeta* meta = reinterpret_cast<RowMeta*>(q + S::kRows * S::kQStride);       // [kRows]

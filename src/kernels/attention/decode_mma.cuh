@@ -149,7 +149,9 @@ struct MmaWarp {
   using T = std::conditional_t<S::kVDtype == DType::bf16, __nv_bfloat16, __half>;
   static constexpr int kKSteps = S::kDim / (kInt8 ? 32 : 16);  // q.k k-steps of 16 channels (int8: 32)
   static constexpr int kNTiles = S::kDim / 8;   // p.v output tiles of 8 channels
-  static constexpr bool kQInRegs = S::kDim <= 128;
+  // Q's fragments held in registers (32 at D = 128) under the two-CTA budget; at three CTAs per SM
+  // (168 registers) they are read from shared memory per tile, which keeps the loop spill-free.
+  static constexpr bool kQInRegs = S::kDim <= 128 && S::kCtas <= 2;
   static constexpr int kTile = S::kTile;        // keys per tile: 16 (16-bit K/V) or 32 (fp8)
   static constexpr int kSTiles = kTile / 8;     // score n-tiles of 8 keys
 
