@@ -116,6 +116,13 @@ struct QChunks {
   }
   // The lane's row in pass i.
   FS_DEV int row(int i, int lane) const { return warp + (i * kRowsPerPass + lane / kLanesPerRow) * S::kWarps; }
+  // f(i, j) for pass i = c and its row j, where c < kPasses: every row of the warp's passes once,
+  // side by side in one SIMT pass (the row metadata: ~150 instructions of 64-bit index math,
+  // which one lane per row group ran once per pass).
+  template <class F>
+  FS_DEV void per_row(int lane, F&& f) const {
+    if (c < kPasses) f(c, row(c, lane));
+  }
   // Pass i's chunk as floats (row j active).
   FS_DEV void floats(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int i, int j,
                      float (&x)[8]) const {
@@ -143,6 +150,7 @@ FS_DEV void stage_rows_fp8(const AttnParams& p, const DecodeSeq& s, int64_t g, i
   const float desc = s.kv.k_desc * (is_fp8(qt) ? load_f32_2d(p.q_descale, s.rows.b, g, 1.0f) : 1.0f);
   using Q = QChunks<S>;
   const Q ch(p, s, g, g0, nrows, lane);
+  int shifts[Q::kPasses];  // pass i's row scale 2^shift (the same in every lane of its row group)
 #pragma unroll
   for (int i = 0; i < Q::kPasses; ++i) {
     const int j = ch.row(i, lane);
@@ -171,12 +179,16 @@ FS_DEV void stage_rows_fp8(const AttnParams& p, const DecodeSeq& s, int64_t g, i
         *reinterpret_cast<__half2*>(row + col) = __floats2half2_rn(x[e] * up, x[e + 1] * up);
       }
     }
-    if (ch.c == 0) {
-      RowMeta m = row_meta(p, s, g, g0, nrows, j);
-      if (act) m.qk_scale = desc * ldexpf(1.0f, -shift);
-      meta[j] = m;
-    }
+    shifts[i] = shift;
   }
+  ch.per_row(lane, [&](int i, int j) {
+    RowMeta m = row_meta(p, s, g, g0, nrows, j);
+    int shift = shifts[0];
+#pragma unroll
+    for (int k = 1; k < Q::kPasses; ++k) shift = i == k ? shifts[k] : shift;  // pass i's, without local memory
+    if (j < nrows) m.qk_scale = desc * ldexpf(1.0f, -shift);
+    meta[j] = m;
+  });
 }
 
 // int8 q and K: the row group's int8 q in the channel order of decode_mma.cuh (int8_q_column),
@@ -206,18 +218,18 @@ FS_DEV void stage_rows_int8(const AttnParams& p, const DecodeSeq& s, int64_t g, 
       *reinterpret_cast<uint32_t*>(row + int8_q_column<S>(8 * ch.c)) = w[0];
       *reinterpret_cast<uint32_t*>(row + int8_q_column<S>(8 * ch.c + 4)) = w[1];
     }
-    if (ch.c == 0) {
-      RowMeta m = row_meta(p, s, g, g0, nrows, j);
-      if (act) {
-        const PackedIdx pi = packed_idx(p, g, g0, j);
-        const int64_t q_row = s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
-        const StridedRef& qs = p.q_scale;
-        m.qk_scale =
-            static_cast<const float*>(qs.data)[s.rows.qb * qs.stride[0] + q_row * qs.stride[1] + pi.h * qs.stride[2]];
-      }
-      meta[j] = m;
-    }
   }
+  ch.per_row(lane, [&](int, int j) {
+    RowMeta m = row_meta(p, s, g, g0, nrows, j);
+    if (j < nrows) {
+      const PackedIdx pi = packed_idx(p, g, g0, j);
+      const int64_t q_row = s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
+      const StridedRef& qs = p.q_scale;
+      m.qk_scale =
+          static_cast<const float*>(qs.data)[s.rows.qb * qs.stride[0] + q_row * qs.stride[1] + pi.h * qs.stride[2]];
+    }
+    meta[j] = m;
+  });
 }
 
 // 16-bit q (K/V of its type): 16-byte copies, all of a thread's loads issued before its stores

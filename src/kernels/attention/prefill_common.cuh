@@ -347,10 +347,18 @@ FS_DEV ScoreBias<kAlibi> make_score_bias(const AttnParams& p, int64_t b, int64_t
 // before this tile's P V is added. Soft-cap and masking are whole-tile branches, so the plain
 // tile is straight-line code. p_shift (log2 units) scales every p and l by 2^p_shift (fp8 P:
 // the row's max at 2^8 uses e4m3's range; store_rows takes it back out of the lse).
+// lazy (log2 units, FlashAttention-4's lazy rescaling): a row keeps its running max m as the
+// reference while the tile's max exceeds it by at most 2^lazy, so its alpha is exactly 1 and
+// rescale_o skips the warp's O multiplies once no row of it moved (with exact maxima, a row's
+// max still grows on a good share of the tiles of a long row: at tile j about 1 / (j + 1) per
+// row, 16 rows per warp). p is then at most 2^(p_shift + lazy) and l sums against the same
+// reference, so out = O / l and the LSE (from m and l) are unchanged in value; -inf and NaN
+// maxima always update, as before.
 template <int kN, class Bias = NoBias>
 FS_DEV void softmax_scores(float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
                            float (&alpha)[2], const ScoreLog2& score, const int (&lo)[2], const int (&hi)[2],
-                           bool masked, int t, const Bias& bias = {}, float bias_d0 = 0.0f, float p_shift = 0.0f) {
+                           bool masked, int t, const Bias& bias = {}, float bias_d0 = 0.0f, float p_shift = 0.0f,
+                           float lazy = 0.0f) {
   if (score.softcap) {
 #pragma unroll
     for (int nt = 0; nt < kN / 8; ++nt)
@@ -387,7 +395,8 @@ FS_DEV void softmax_scores(float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
     float mx = t[0];
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
-    const float m_new = fmaxf(m[r], mx);
+    const bool keep = (mx - m[r]) * score.exp_mul <= lazy;  // m = -inf or a NaN max: false
+    const float m_new = keep ? m[r] : fmaxf(m[r], mx);
     const float m_use = m_new == kNegInf ? 0.0f : m_new * score.exp_mul;  // all -inf so far: p = 0, no NaN
     alpha[r] = fast_exp2(m[r] * score.exp_mul - m_use);
     m[r] = m_new;

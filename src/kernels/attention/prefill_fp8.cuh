@@ -44,6 +44,8 @@
 namespace flashserve::kernels::prefill {
 
 inline constexpr float kFp8PShift = 8.0f;            // P's scale, log2 units (softmax_scores' p_shift)
+inline constexpr float kFp8Lazy = 0.75f;             // lazy rescaling's bound: p <= 2^8.75 = 430 < 448
+static_assert(kFp8PShift + kFp8Lazy < 8.807f, "P within e4m3's largest finite value, 448 = 2^8.807");
 inline constexpr uint32_t kTransposeArrivals = 128;  // V^T full / raw V empty: the producer warpgroup's lanes
 
 // Shared memory: [Q | K 0, 1 | V raw 0, 1 | V transposed 0, 1], SwizzledTile rows of 128 bytes
@@ -278,7 +280,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_fp8(const __grid_const
       [&](int st) { issue_qk_fp8<T, kD, kN>(sm.q, sm.k(st), wg, s); },
       [&](int st) { issue_pv_fp8<T, kDv, kN>(pa, sm.vt(st), o[0]); },
       [&](int j) {
-        prefill::softmax_tile<S, kN>(wk, score, bias, 0, j, warp, lane, s, m[0], l[0], alpha, kFp8PShift);
+        prefill::softmax_tile<S, kN>(wk, score, bias, 0, j, warp, lane, s, m[0], l[0], alpha, kFp8PShift, kFp8Lazy);
         return l[0][0] + l[0][1];
       },
       [&] { rescale_o<kDv>(o[0], alpha); }, [&] { pack_p_e4m3<kN>(s, pa); });

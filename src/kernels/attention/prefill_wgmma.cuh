@@ -108,17 +108,20 @@ FS_DEV void issue_pv(const uint32_t (&pa)[kN / 16][4], const uint32_t (&lo)[kLo]
   wgmma_commit();
 }
 
+// Lazy rescaling's bound for 16-bit P (softmax_scores): p <= 2^8, far inside f16/bf16's range.
+inline constexpr float kLazyMax = 8.0f;
+
 // The softmax of tile j on one warpgroup's S (completed), masked where some row of the
-// warpgroup sees only part of it; alpha receives the rescale of O (both wgmma kernels).
+// warpgroup sees only part of it; alpha receives the rescale of O (the wgmma kernels).
 template <class S, int kN, class Bias>
 FS_DEV void softmax_tile(const WarpKeys<S>& wk, const ScoreLog2& score, const Bias& bias,
                          int64_t d0, int j, int warp, int lane, float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
-                         float (&alpha)[2], float p_shift = 0.0f) {
+                         float (&alpha)[2], float p_shift = 0.0f, float lazy = kLazyMax) {
   const int off = j * kN;
   const bool masked = wk.masks(off);
   int lo[2] = {0, 0}, hi[2] = {kN, kN};
   if (masked) wk.tile_rows(0, off, warp, lane, lo, hi);
-  softmax_scores<kN>(s, m, l, alpha, score, lo, hi, masked, lane & 3, bias, float(d0 - off), p_shift);
+  softmax_scores<kN>(s, m, l, alpha, score, lo, hi, masked, lane & 3, bias, float(d0 - off), p_shift, lazy);
 }
 
 // P = S rounded to T as wgmma A fragments, plus the rounding residues when kF32Out.
