@@ -5,7 +5,9 @@
 // says how each is exact). The fp32 CUDA-core path that served fp8 before (1.2 TB/s at B=64
 // L=4k, 1.5x bf16's time; its v3/v4 instruction counts are in the history of this file) is gone.
 //
-// CTA = (sequence b, KV head g, split, r); grid (B x R, H_kv, num_splits). Its packed rows are
+// CTA = (sequence b, KV head g, split, r); grid (B x R x H_kv, 1, num_splits) with the KV head
+// fastest for long splits (the heads of a sequence read the same pages together), (B x R, H_kv,
+// num_splits) for short ones (decode_fwd.cu's launch_rows). Its packed rows are
 // the sequence's q_len x group (query row, head) pairs of KV head g, taken 16 at a time (the
 // mma's M; one pass over the split's KV per row group), every R-th group from group r: R = 1 up
 // to 16 rows, more CTAs side by side for verify steps past them (common/decode_rows.hpp:
@@ -39,6 +41,10 @@
 // q's setup), 2 CTAs per SM by registers and shared memory, issue slots 22% busy, DRAM 27%;
 // bf16 54.7 us, 29% of the copy ceiling. fp8 staged q element by element then (2063
 // instructions per warp, 1.32x bf16's time); its staging now reads 8-element chunks (1.07x).
+// The short tiling (decode_config.hpp: 16-key tiles, a two-deep ring, three CTAs per SM, q's
+// fragments from shared memory) overlaps three chains per SM: bf16 54.8 -> 44.6 us (35% of the
+// copy ceiling), fp8 59.1 -> 47.1, then 45.4 with its rows' metadata written side by side
+// (bench/RESULTS.md 22:10).
 #pragma once
 
 #include <cstdint>

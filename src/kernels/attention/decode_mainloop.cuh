@@ -534,9 +534,12 @@ __global__ void __launch_bounds__(32 * decode_warps(kD), kCtas)
   unsigned char* q = smem_raw;                                                   // [kRows, kQStride]
   RowMeta* meta = reinterpret_cast<RowMeta*>(q + S::kRows * S::kQStride);       // [kRows]
   unsigned char* warps_base = reinterpret_cast<unsigned char*>(meta + S::kRows);
-  const int64_t g = blockIdx.y;
-  const int split = int(blockIdx.z), r = int(blockIdx.x % unsigned(p.row_ctas));
-  const DecodeSeq s = decode_sequence(p, blockIdx.x / unsigned(p.row_ctas), g, split);
+  // The grid's order (decode_fwd.cu): long splits x = (sequence x row CTA) x KV head, the head
+  // fastest (gridDim.y == 1); short splits x = sequence x row CTA, y = KV head.
+  const unsigned hkv = gridDim.y == 1 ? unsigned(p.num_kv_heads) : 1u, br = blockIdx.x / hkv;
+  const int64_t g = gridDim.y == 1 ? int64_t(blockIdx.x - br * hkv) : int64_t(blockIdx.y);
+  const int split = int(blockIdx.z), r = int(br % unsigned(p.row_ctas));
+  const DecodeSeq s = decode_sequence(p, br / unsigned(p.row_ctas), g, split);
   if (split >= s.splits) return;  // fixed-size splits: past this sequence's own (the whole CTA)
   const int64_t packed = s.rows.sq() * p.group;
   for (int64_t g0 = int64_t(r) * S::kRows; g0 < packed; g0 += int64_t(p.row_ctas) * S::kRows) {

@@ -72,8 +72,10 @@ std::string try_decode(const detail::AttnProblem& pr, const DeviceProps& dev, At
     return "decode kernel: k/v base and strides multiples of 16 bytes";
   if (pr.k_scale_cache && reinterpret_cast<uintptr_t>(pr.k_scale_cache->data) % 4 != 0)
     return "decode kernel: k_scale_cache 4-byte aligned";  // 4-byte cp.async per key
-  if (pr.batch > INT_MAX || pr.num_kv_heads > 65535)
-    return detail::cat("decode kernel: B <= ", INT_MAX, " and H_kv <= 65535, got ", pr.batch, "/", pr.num_kv_heads);
+  // The grid's x is B x row CTAs x H_kv (decode_fwd.cu).
+  if (pr.batch * decode_row_ctas(rows) * pr.num_kv_heads > INT_MAX)
+    return detail::cat("decode kernel: B x H_kv x row CTAs <= ", INT_MAX, ", got ", pr.batch, " x ", pr.num_kv_heads,
+                       " x ", decode_row_ctas(rows));
   const DecodeKv kvb = decode_kv(pr.k.dtype, pr.v.dtype);
   const int rows_per_cta = kDecodeRows;
   const size_t smem = decode_smem_bytes(kvb, int(pr.head_dim), rows_per_cta);

@@ -395,7 +395,8 @@ FS_DEV void softmax_scores(float (&s)[kN / 8][4], float (&m)[2], float (&l)[2],
     float mx = t[0];
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
-    const bool keep = (mx - m[r]) * score.exp_mul <= lazy;  // m = -inf or a NaN max: false
+    // m = -inf or a NaN max: false; lazy = 0 (a constant): the exact max, no comparison left.
+    const bool keep = lazy > 0.0f && (mx - m[r]) * score.exp_mul <= lazy;
     const float m_new = keep ? m[r] : fmaxf(m[r], mx);
     const float m_use = m_new == kNegInf ? 0.0f : m_new * score.exp_mul;  // all -inf so far: p = 0, no NaN
     alpha[r] = fast_exp2(m[r] * score.exp_mul - m_use);

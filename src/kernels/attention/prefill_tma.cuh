@@ -390,7 +390,10 @@ __global__ void __launch_bounds__(tma_threads(kWgs), 1) prefill_tma(const __grid
       [&](int st) { issue_qk<T, kD, kN, S::kM>(sm.q, sm.k(st), wg, s); },
       [&](int st) { issue_pv<T, kDo, kN, kF32Out>(pa, pl, sm.v(st), o[0]); },
       [&](int j) {
-        prefill::softmax_tile<S, kN>(wk, score, bias, d0, j, warp, lane, s, m[0], l[0], alpha);
+        // Lazy rescaling where O's multiplies are worth skipping (D >= 128; at D = 64 it cost
+        // 0.5-1.1% at S <= 2k: bench/RESULTS.md 22:10): 0 keeps the exact running max.
+        prefill::softmax_tile<S, kN>(wk, score, bias, d0, j, warp, lane, s, m[0], l[0], alpha, 0.0f,
+                                     kDo >= 128 ? kLazyMax : 0.0f);
         return l[0][0] + l[0][1];
       },
       [&] { rescale_o<kDo>(o[0], alpha); }, [&] { prefill::pack_p<T, kN, kF32Out>(s, pa, pl); });
