@@ -140,7 +140,8 @@ constexpr size_t decode_smem_bytes(DecodeKv f, int d, int rows) { return decode_
 // ring, three CTAs per SM where shared memory holds them (every format at D <= 128; two at
 // D = 256, which has two warps), q's fragments read from shared memory per tile (decode_mma.cuh:
 // held in registers they made the 168-register budget spill 100-230 B, whose local loads ate
-// the third CTA's gain: bf16 L = 64 54.8 -> 54.0 us).
+// the third CTA's gain: bf16 L = 64 54.8 -> 54.0 us; from shared memory 54.8 -> 44.6 us,
+// bench/RESULTS.md 22:10).
 constexpr DecodeTiling decode_short_tiling(DecodeKv f, int d) {
   DecodeTiling t{kDecodeTileKeys, 2, 3};
   if (t.ctas * (decode_smem_bytes(f, d, kDecodeRows, t) + 1024) > 228 * 1024) t.ctas = 2;
