@@ -103,6 +103,41 @@ TEST(GpuDecode, LargeBatchLongKv) {
   }
 }
 
+// Splits of at most 128 keys (decode_config.hpp: decode_launch_short) run on the short tiling
+// (16-key tiles, two stages, three CTAs per SM, q's fragments from shared memory): every format,
+// GQA groups and verify rows up to 16, block sizes 1 and 16, one split of a short context or
+// several of a longer one, with the modifiers, sinks and fp32 outputs.
+TEST(GpuDecode, ShortSplitsEveryFormat) {
+  auto rng = fstest::make_rng(12);
+  int i = 0, skipped = 0;
+  for (int fmt = 0; fmt < 4; ++fmt)  // bf16, fp8 e4m3, int8 K8V8, int8 K8V16
+    for (int v = 0; v < 6; ++v) {
+      // The table's span (ceil(max_k / block) + 1 extra column, x block) over the splits <= 128.
+      const bool split = v % 2 == 1;
+      const int64_t group = v % 3 == 0 ? 8 : 4, q_len = v == 4 ? 4 : 1;
+      CaseConfig c = decode_config(9, split ? 480 : 96, group, rng);
+      c.block_size = v == 2 ? 1 : 16;
+      c.num_splits = split ? 4 : 1;
+      c.q_lens.assign(c.k_lens.size(), q_len);
+      for (int64_t& k : c.k_lens) k = std::max(k, q_len);
+      c.causal = q_len > 1;
+      if (fmt == 1) {
+        c.kv_dtype = DType::f8e4m3;
+        c.quant = fstest::QuantMode::fp8_kv;
+      }
+      if (fmt >= 2) make_int8(c, fmt == 2, DType::bf16, DType::bf16);
+      if (fmt < 2) {
+        c.sinks = v % 2 == 0;
+        c.softcap = v == 1 ? 30.0f : 0.0f;
+        c.alibi = v == 3 ? 1 : 0;
+        if (v == 5) c.window = {40, 0};
+        if (v == 3) c.out_dtype = DType::f32;
+      }
+      skipped += !expect_decode(c, 1500 + uint64_t(i++));
+    }
+  if (skipped) GTEST_SKIP() << skipped << " (KV dtype, D) configurations not instantiated in this build";
+}
+
 // Speculative verify: q_len x group up to 16 rows, causal (rows see different prefixes).
 TEST(GpuDecode, ShortVerifyCausal) {
   auto rng = fstest::make_rng(3);
