@@ -12,7 +12,7 @@
 // mma's M; one pass over the split's KV per row group), every R-th group from group r: R = 1 up
 // to 16 rows, more CTAs side by side for verify steps past them (common/decode_rows.hpp:
 // decode_row_ctas). Warps split the keys: warp w owns tiles w,
-// w + W, ... (16 keys; 32 for 8-bit K and V) and streams them through its own
+// w + W, ... (16 keys; 32 for 8-bit K and V on long splits) and streams them through its own
 // decode_stages()-deep cp.async ring (16-byte copies, no CTA barrier in the main loop; each
 // tile's block-table entries are read one tile ahead into registers, so the dependent table
 // load never stalls a copy issue); per tile a warp runs q.k, the online softmax and p.v on its

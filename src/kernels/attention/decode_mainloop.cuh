@@ -52,11 +52,15 @@ FS_DEV RowMeta row_meta(const AttnParams& p, const DecodeSeq& s, int64_t g, int6
   return m;
 }
 
+// Packed row pi's row in q's second dimension (and in q_scale's, out's).
+FS_DEV int64_t packed_q_row(const AttnParams& p, const DecodeSeq& s, const PackedIdx& pi) {
+  return s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
+}
+
 // Element offset of packed row j's q (its channel 0).
 FS_DEV int64_t q_offset(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int j) {
   const PackedIdx pi = packed_idx(p, g, g0, j);
-  const int64_t q_row = s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
-  return s.rows.qb * p.q.stride[0] + q_row * p.q.stride[1] + pi.h * p.q.stride[2];
+  return s.rows.qb * p.q.stride[0] + packed_q_row(p, s, pi) * p.q.stride[1] + pi.h * p.q.stride[2];
 }
 
 // Element d of packed row j's q as float (0 past nrows).
@@ -223,10 +227,9 @@ FS_DEV void stage_rows_int8(const AttnParams& p, const DecodeSeq& s, int64_t g, 
     RowMeta m = row_meta(p, s, g, g0, nrows, j);
     if (j < nrows) {
       const PackedIdx pi = packed_idx(p, g, g0, j);
-      const int64_t q_row = s.rows.q_row(s.rows.row_begin + pi.i, p.batched);
       const StridedRef& qs = p.q_scale;
-      m.qk_scale =
-          static_cast<const float*>(qs.data)[s.rows.qb * qs.stride[0] + q_row * qs.stride[1] + pi.h * qs.stride[2]];
+      m.qk_scale = static_cast<const float*>(
+          qs.data)[s.rows.qb * qs.stride[0] + packed_q_row(p, s, pi) * qs.stride[1] + pi.h * qs.stride[2]];
     }
     meta[j] = m;
   });
