@@ -15,6 +15,7 @@
 #include <string>
 
 #include "common/decode_rows.hpp"
+#include "kernels/common/sm_fit.hpp"
 #include "problem/attention.hpp"
 #include "flashserve/plan.hpp"
 #include "flashserve/tensor.hpp"
@@ -89,10 +90,6 @@ constexpr bool decode_config_built(DType kv, int64_t d) { return decode_config_b
 inline constexpr size_t kDecodeRowMetaBytes = 40;
 inline constexpr size_t kDecodeStageMaskBytes = 16;  // a stage's bad-key mask (padded)
 
-// Whether `ctas` CTAs of `bytes` of shared memory each fit one SM (sm_90: 228 KB, 1 KB of it
-// reserved per CTA).
-constexpr bool decode_ctas_fit_sm(size_t bytes, int ctas) { return size_t(ctas) * (bytes + 1024) <= 228 * 1024; }
-
 // How a launch streams keys: keys per warp tile, the depth of each warp's cp.async ring, and the
 // CTAs per SM the kernel's launch bounds ask for (its register budget: 255 at 2, 168 at 3).
 struct DecodeTiling {
@@ -148,7 +145,7 @@ constexpr size_t decode_smem_bytes(DecodeKv f, int d, int rows) { return decode_
 // bench/RESULTS.md 22:10).
 constexpr DecodeTiling decode_short_tiling(DecodeKv f, int d) {
   DecodeTiling t{kDecodeTileKeys, 2, 3};
-  if (!decode_ctas_fit_sm(decode_smem_bytes(f, d, kDecodeRows, t), t.ctas)) t.ctas = 2;
+  if (!sm90_ctas_fit(decode_smem_bytes(f, d, kDecodeRows, t), t.ctas)) t.ctas = 2;
   return t;
 }
 // Whether the launch takes the short tiling: a split's key span (bounded by the block table's
@@ -176,8 +173,8 @@ static_assert(decode_merge_fits(kDecodeK8V8, 64, 16) && decode_merge_fits(kDecod
 // the D=128 and D=256 shapes of every format; the short tiling takes three at D = 128.
 constexpr bool decode_ctas_fit(DecodeKv f, int d) {
   const DecodeTiling l = decode_tiling(f), s = decode_short_tiling(f, d);
-  return decode_ctas_fit_sm(decode_smem_bytes(f, d, 16, l), l.ctas) &&
-         decode_ctas_fit_sm(decode_smem_bytes(f, d, 16, s), s.ctas);
+  return sm90_ctas_fit(decode_smem_bytes(f, d, 16, l), l.ctas) &&
+         sm90_ctas_fit(decode_smem_bytes(f, d, 16, s), s.ctas);
 }
 static_assert(decode_ctas_fit(kDecodeBf16, 128) && decode_ctas_fit(kDecodeBf16, 256));
 static_assert(decode_ctas_fit(kDecodeFp8, 128) && decode_ctas_fit(kDecodeFp8, 256));

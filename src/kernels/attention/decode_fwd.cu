@@ -24,7 +24,7 @@ template <size_t I, int kRows, DecodeTiling kTl, bool kHeadsInX>
 void launch_rows(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeConfig c = kDecodeConfigs[I];
   constexpr size_t smem = decode_smem_bytes(kFmt<I>, c.d, kRows, kTl);
-  static_assert(decode_ctas_fit_sm(smem, kTl.ctas), "the launch bounds' CTAs per SM fit in shared memory");
+  static_assert(sm90_ctas_fit(smem, kTl.ctas), "the launch bounds' CTAs per SM fit in shared memory");
   constexpr auto kernel = &decode::decode_fwd<c.kv, c.v, c.d, kRows, kTl.keys, kTl.stages, kTl.ctas>;
   ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);  // 2-3 CTAs per SM need ~228 KB
   const unsigned x = unsigned(p.batch * p.row_ctas), hkv = unsigned(p.num_kv_heads), z = unsigned(p.num_splits);

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/common/sm_fit.hpp"
 #include "problem/attention.hpp"
 #include "flashserve/plan.hpp"
 #include "flashserve/tensor.hpp"
@@ -80,7 +81,7 @@ constexpr size_t mla_smem_bytes(int rows, int kv_bytes = 2) {
 static_assert(mla_kv_row_bytes(2) == kMlaRowBytes && mla_kv_row_bytes(1) % 128 == 80, "the bank arguments above");
 static_assert(mla_smem_bytes(64) <= 166912 && mla_smem_bytes(64, 1) <= 166912,
               "the 64-row shape fits the A100's opt-in shared memory");
-static_assert(2 * (mla_smem_bytes(16) + 1024) <= 228 * 1024 && 2 * (mla_smem_bytes(16, 1) + 1024) <= 228 * 1024,
+static_assert(sm90_ctas_fit(mla_smem_bytes(16), 2) && sm90_ctas_fit(mla_smem_bytes(16, 1), 2),
               "two 16-row CTAs per H200 SM");
 
 // The sm_90a wgmma kernel (decode_mla_wgmma.cuh) for 64 rows and 16-bit KV: Q [64, 576] and
@@ -135,9 +136,10 @@ constexpr size_t mla_heads_smem_bytes(int wgs, int stages, bool raw_fp8 = false,
          kMlaHeadsRows * (kMlaRowMetaBytes + 4) + 2 * kMlaHeadsTileKeys * 24 + 4 * (kMlaHeadsTileKeys / 32) * 4 +
          (tma ? size_t(stages) * (kMlaWidth / 64 + 1) * 8 : 0) + 1024;
 }
-// CTAs per SM: two when two fit in shared memory (228 KB) and registers (one warpgroup).
+// CTAs per SM: two when two fit in shared memory (with the 1 KB reserved per CTA) and registers
+// (one warpgroup).
 constexpr int mla_heads_ctas_per_sm(int wgs, int stages, bool raw_fp8 = false) {
-  return wgs == 1 && 2 * mla_heads_smem_bytes(wgs, stages, raw_fp8) <= 228 * 1024 ? 2 : 1;
+  return wgs == 1 && sm90_ctas_fit(mla_heads_smem_bytes(wgs, stages, raw_fp8), 2) ? 2 : 1;
 }
 static_assert(mla_heads_smem_bytes(2, 2) <= 232448 && mla_heads_ctas_per_sm(1, 1) == 2 &&
                   mla_heads_ctas_per_sm(1, 2, true) == 2 && mla_heads_stage_bytes(true) % 1024 == 0,
