@@ -158,7 +158,7 @@ int choose_unbounded(const ProblemShape& s, const DeviceProps& dev, int requeste
   const int64_t sms = std::max(1, dev.num_sms);
   if (s.batch * s.num_kv_heads == 0 || granules < 2) return 1;
   if (dev.device.type == DeviceType::cuda && packed <= stream_rows_bound(s))
-    return stream_splits(s.batch * s.num_kv_heads * decode_row_ctas(packed), granules, cap, g, sms,
+    return stream_splits(s.batch * s.num_kv_heads * decode_row_ctas(packed, s.kv_8bit), granules, cap, g, sms,
                          stream_min_split_keys(s, g), stream_slots(s));
   const bool packs_heads = packed <= kStreamRows || planner::is_mla_decode(s.head_dim, s.head_dim_v);
   const int64_t units =

@@ -93,13 +93,19 @@ TEST(SplitKv, HeuristicSplitsOnlyWhenTheGpuWouldIdle) {
   EXPECT_EQ(fs::choose_num_splits(pre, fs::DeviceProps::h200(), 0), 2);
   pre.max_seqlen_q = pre.total_q = 8192;  // a long prefill fills the GPU unsplit
   EXPECT_EQ(fs::choose_num_splits(pre, fs::DeviceProps::h200(), 0), 1);
-  // A verify step past 16 packed rows (q_len 8 x GQA 4 = 32 rows) runs two decode CTAs per
-  // (sequence, KV head), side by side (common/decode_rows.hpp: decode_row_ctas): half the decode
+  // A verify step of up to 32 packed rows (q_len 8 x GQA 4) of a 16-bit cache runs one 32-row
+  // decode CTA per (sequence, KV head), as the decode step; an 8-bit cache's runs 16-row CTAs,
+  // two side by side (common/decode_rows.hpp: decode_cta_rows, decode_row_ctas): half the decode
   // step's splits fill the same slots.
   fs::ProblemShape verify = decode_shape(1, 32768);
   const int decode_splits = fs::choose_num_splits(verify, fs::DeviceProps::h200(), 0);
   verify.max_seqlen_q = verify.total_q = 8;
-  EXPECT_EQ(2 * fs::choose_num_splits(verify, fs::DeviceProps::h200(), 0), decode_splits);
+  EXPECT_EQ(fs::choose_num_splits(verify, fs::DeviceProps::h200(), 0), decode_splits);
+  fs::ProblemShape verify8 = decode_shape(1, 32768);
+  verify8.kv_8bit = true;
+  const int decode8_splits = fs::choose_num_splits(verify8, fs::DeviceProps::h200(), 0);
+  verify8.max_seqlen_q = verify8.total_q = 8;
+  EXPECT_EQ(2 * fs::choose_num_splits(verify8, fs::DeviceProps::h200(), 0), decode8_splits);
   // MLA's absorbed decode (H = 16, one latent head, D 64 + Dv 512; the splits measured fastest
   // on the H200, plan.cpp: stream_slots): a 16-bit latent splits up to one CTA per SM, an fp8
   // one up to two; at least 256 keys per split.

@@ -152,9 +152,10 @@ TEST(GpuDecode, ShortVerifyCausal) {
     }
 }
 
-// Verify steps past 16 packed rows stay on the decode kernel, one pass over the split per
-// 16-row group (common/decode_rows.hpp: decode_max_rows): 32 rows of a 16-bit cache,
-// up to 64 of an fp8 or int8 one; causal, splits 1 and 3, sinks and a window now and then.
+// Verify steps past 16 packed rows stay on the decode kernel (common/decode_rows.hpp:
+// decode_cta_rows, decode_max_rows): 32 rows of a 16-bit cache in 32-row CTAs that run two
+// 16-row passes per tile, up to 64 of an fp8 or int8 one in 16-row CTAs side by side; causal,
+// splits 1 and 3, sinks, a window, ALiBi, soft-cap and fp32 outputs now and then.
 TEST(GpuDecode, VerifyPastSixteenRows) {
   auto rng = fstest::make_rng(11);
   int i = 0, skipped = 0;
@@ -174,6 +175,13 @@ TEST(GpuDecode, VerifyPastSixteenRows) {
       c.num_splits = i % 2 ? 3 : 1;
       c.sinks = i % 4 == 1 && fmt != 2;
       if (i % 5 == 3 && fmt != 2) c.window = {100, 0};
+      // The modifiers' slow path (32-row CTAs read a row's position and slope from its RowMeta)
+      // and fp32 outputs (P's residue pass) on both passes.
+      if (fmt != 2) {
+        c.alibi = i % 3 == 1 ? 1 : 0;
+        c.softcap = i % 4 == 2 ? 30.0f : 0.0f;
+        if (i % 5 == 4) c.out_dtype = DType::f32;
+      }
       skipped += !expect_decode(c, 1300 + uint64_t(i++));
     }
   if (skipped) GTEST_SKIP() << skipped << " (KV dtype, D) configurations not instantiated in this build";
@@ -401,8 +409,8 @@ TEST(GpuDecode, Fuzz) {
 
 // A varlen max_seqlen_q below the truth (the GPU never trusts it): 5 rows x group 8 = 40
 // packed rows, selected as decode by the bound of 1 x 8, computed in row groups.
-// (max_seqlen_q 4 x group 8: two row CTAs per sequence, decode_row_ctas; sequence 0's 40 rows
-// are three row groups, the third served by the first CTA's loop.)
+// (max_seqlen_q 4 x group 8 = 32: one 32-row CTA per sequence, decode_cta_rows; sequence 0's 40
+// rows are two row groups, the second served by the CTA's loop.)
 TEST(GpuDecode, UnderstatedMaxSeqlenQ) {
   for (int64_t stated : {1, 4}) {
     auto rng = fstest::make_rng(7);

@@ -148,6 +148,16 @@ constexpr DecodeTiling decode_short_tiling(DecodeKv f, int d) {
   if (!sm90_ctas_fit(decode_smem_bytes(f, d, kDecodeRows, t), t.ctas)) t.ctas = 2;
   return t;
 }
+// 32-row CTAs (common/decode_rows.hpp: verify steps past 16 packed rows of a 16-bit cache; long
+// splits): 16-key tiles (two passes' scores and O already hold 160 registers), two CTAs per SM,
+// the long tiling's ring made shallower until it fits beside the larger q (D = 128: 2 stages,
+// 81 KB). 8-bit caches keep 16-row CTAs (decode_cta_rows: fp8 ran slower in 32-row ones).
+constexpr bool decode_has_wide(DecodeKv f) { return f.kb == 2; }
+constexpr DecodeTiling decode_wide_tiling(DecodeKv f, int d) {
+  DecodeTiling t{kDecodeTileKeys, decode_stages(f), 2};
+  while (t.stages > 2 && !sm90_ctas_fit(decode_smem_bytes(f, d, int(kDecodeWideRows), t), t.ctas)) --t.stages;
+  return t;
+}
 // Whether the launch takes the short tiling: a split's key span (bounded by the block table's
 // width x block size, or the contiguous cache's rows) gives no warp more than two 16-key tiles.
 constexpr bool decode_launch_short(int d, int64_t span, int splits) {
@@ -159,7 +169,8 @@ constexpr bool decode_merge_fits(DecodeKv f, int d, int rows, DecodeTiling t) {
   return size_t(rows) * size_t(d + 2) * 4 <= decode_warp_bytes(f, d, t);
 }
 constexpr bool decode_merge_fits(DecodeKv f, int d, int rows) {
-  return decode_merge_fits(f, d, rows, decode_tiling(f)) && decode_merge_fits(f, d, rows, decode_short_tiling(f, d));
+  return decode_merge_fits(f, d, rows, decode_tiling(f)) && decode_merge_fits(f, d, rows, decode_short_tiling(f, d)) &&
+         (!decode_has_wide(f) || decode_merge_fits(f, d, int(kDecodeWideRows), decode_wide_tiling(f, d)));
 }
 inline constexpr DecodeKv kDecodeBf16 = decode_kv(DType::bf16), kDecodeFp8 = decode_kv(DType::f8e4m3),
                           kDecodeK8V8 = decode_kv(DType::i8), kDecodeK8V16 = decode_kv(DType::i8, DType::bf16);
@@ -172,9 +183,9 @@ static_assert(decode_merge_fits(kDecodeK8V8, 64, 16) && decode_merge_fits(kDecod
 // The CTAs per SM each tiling asks for fit in shared memory (228 KB, 1 KB reserved per CTA) for
 // the D=128 and D=256 shapes of every format; the short tiling takes three at D = 128.
 constexpr bool decode_ctas_fit(DecodeKv f, int d) {
-  const DecodeTiling l = decode_tiling(f), s = decode_short_tiling(f, d);
-  return sm90_ctas_fit(decode_smem_bytes(f, d, 16, l), l.ctas) &&
-         sm90_ctas_fit(decode_smem_bytes(f, d, 16, s), s.ctas);
+  const DecodeTiling l = decode_tiling(f), s = decode_short_tiling(f, d), w = decode_wide_tiling(f, d);
+  return sm90_ctas_fit(decode_smem_bytes(f, d, 16, l), l.ctas) && sm90_ctas_fit(decode_smem_bytes(f, d, 16, s), s.ctas) &&
+         (!decode_has_wide(f) || sm90_ctas_fit(decode_smem_bytes(f, d, int(kDecodeWideRows), w), w.ctas));
 }
 static_assert(decode_ctas_fit(kDecodeBf16, 128) && decode_ctas_fit(kDecodeBf16, 256));
 static_assert(decode_ctas_fit(kDecodeFp8, 128) && decode_ctas_fit(kDecodeFp8, 256));

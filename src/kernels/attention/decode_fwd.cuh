@@ -10,8 +10,9 @@
 // num_splits) for short ones (decode_fwd.cu's launch_rows). Its packed rows are
 // the sequence's q_len x group (query row, head) pairs of KV head g, taken 16 at a time (the
 // mma's M; one pass over the split's KV per row group), every R-th group from group r: R = 1 up
-// to 16 rows, more CTAs side by side for verify steps past them (common/decode_rows.hpp:
-// decode_row_ctas). Warps split the keys: warp w owns tiles w,
+// to 16 rows; past them a 16-bit cache's long splits run 32-row CTAs (two mma passes per tile on
+// one copy of the keys), an 8-bit cache's more 16-row CTAs side by side (common/decode_rows.hpp:
+// decode_cta_rows, decode_row_ctas). Warps split the keys: warp w owns tiles w,
 // w + W, ... (16 keys; 32 for 8-bit K and V on long splits) and streams them through its own
 // decode_stages()-deep cp.async ring (16-byte copies, no CTA barrier in the main loop; each
 // tile's block-table entries are read one tile ahead into registers, so the dependent table
@@ -127,7 +128,7 @@ struct Shape {
   static_assert(kVChunks >= 2 && kVChunks <= 32 && 32 % kVChunks == 0, "a warp copies whole rows");
   static_assert(kTile % (32 / kChunks) == 0 && kTile % (32 / kVChunks) == 0, "a tile is whole copy steps");
   static_assert(kChan >= 2, "channels per lane");
-  static_assert(kR == 16, "the tensor cores take 16 rows (the mma's M) per pass");
+  static_assert(kR == 16 || kR == 32, "the tensor cores take 16 rows (the mma's M) per pass, one or two passes");
   static_assert(decode_merge_fits(kFmt, kD, kR, kTl), "the merge area fits in the warps' area");
   static_assert(kKScaleOffset % 16 == 0, "int8 k scales: 16-byte aligned in the stage");
 };

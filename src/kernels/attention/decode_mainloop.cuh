@@ -377,13 +377,18 @@ FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st,
   const uint32_t dk = smem_u32(st.k + ck * kDecodeChunk);
   if constexpr (S::kChunks == S::kVChunks) {  // K and V rows of one width: one pass
     const uint32_t dv = smem_u32(st.v + c * kDecodeChunk);
+    // Every row's location first: ptxas keeps a shared-memory read after an earlier cp.async (it
+    // may alias the copy's destination), so read one by one they made each step wait for its read.
+    constexpr int kSteps = S::kTile / kRowsPerStep;
+    TokenLoc R[kSteps];
 #pragma unroll
-    for (int i = 0; i < S::kTile / kRowsPerStep; ++i) {
+    for (int i = 0; i < kSteps; ++i) R[i] = loc[lane / S::kChunks + i * kRowsPerStep];
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) {
       const int r = lane / S::kChunks + i * kRowsPerStep;
-      const TokenLoc R = loc[r];  // offsets 0 unless valid: an in-bounds address, nothing read
-      const bool ok = R.state == kTokenValid;  // else 16 zero bytes
-      cp_async_16(dk + r * S::kKStride, kg + R.k_off * S::kKb + c * kDecodeChunk, ok);
-      cp_async_16(dv + r * S::kVStride, vg + R.v_off * S::kVb + c * kDecodeChunk, ok);
+      const bool ok = R[i].state == kTokenValid;  // else 16 zero bytes (offsets 0: an in-bounds address)
+      cp_async_16(dk + r * S::kKStride, kg + R[i].k_off * S::kKb + c * kDecodeChunk, ok);
+      cp_async_16(dv + r * S::kVStride, vg + R[i].v_off * S::kVb + c * kDecodeChunk, ok);
     }
   } else {  // K8V16: K rows half V's width
 #pragma unroll

@@ -149,58 +149,73 @@ struct MmaWarp {
   using T = std::conditional_t<S::kVDtype == DType::bf16, __nv_bfloat16, __half>;
   static constexpr int kKSteps = S::kDim / (kInt8 ? 32 : 16);  // q.k k-steps of 16 channels (int8: 32)
   static constexpr int kNTiles = S::kDim / 8;   // p.v output tiles of 8 channels
-  // Q's fragments held in registers (32 at D = 128) under the two-CTA budget; at three CTAs per SM
-  // (168 registers) they are read from shared memory per tile, which keeps the loop spill-free.
-  static constexpr bool kQInRegs = S::kDim <= 128 && S::kCtas <= 2;
+  // 16-row passes per tile (32-row CTAs: two, on the same K and V fragments).
+  static constexpr int kPasses = S::kRows / 16;
+  // Q's fragments held in registers (32 at D = 128) under the two-CTA budget of one pass; at three
+  // CTAs per SM (168 registers) or two passes they are read from shared memory per tile, which
+  // keeps the loop spill-free.
+  static constexpr bool kQInRegs = S::kDim <= 128 && S::kCtas <= 2 && kPasses == 1;
   static constexpr int kTile = S::kTile;        // keys per tile: 16 (16-bit K/V) or 32 (fp8)
   static constexpr int kSTiles = kTile / 8;     // score n-tiles of 8 keys
+  using Scores = float[kPasses][kSTiles][4];
 
-  uint32_t qf[kQInRegs ? kKSteps : 1][4];  // Q A fragments (D <= 128)
-  float o[kNTiles][4];                     // O: rows g (o[.][0..1]), g + 8 (o[.][2..3])
-  float m[2], l[2];                        // rows g, g + 8: running max, lane-partial sum
-  int64_t pos[2], lo[2], hi[2];
-  float slope[2];
-  float qk_scale[2];  // fp8, int8: the rows' score factors
-  bool rows_on[2];    // some lane's row g + 8r sees a key of the split (warp-uniform)
+  uint32_t qf[kQInRegs ? kKSteps : 1][4];  // Q A fragments (D <= 128, one pass)
+  float o[kPasses][kNTiles][4];            // O: rows g (o[.][.][0..1]), g + 8 (o[.][.][2..3]) of each pass
+  float m[kPasses][2], l[kPasses][2];      // rows g, g + 8: running max, lane-partial sum
+  // A row's position and ALiBi slope (the modifiers' slow path only): in registers for one pass,
+  // read from the row's RowMeta for two (their registers spilled).
+  static constexpr int kRegMeta = kPasses == 1 ? 1 : 0;
+  int64_t pos[kRegMeta][2];
+  float slope[kRegMeta][2];
+  int64_t lo[kPasses][2], hi[kPasses][2];
+  float qk_scale[kPasses][2];  // fp8, int8: the rows' score factors
+  bool rows_on[kPasses][2];    // some lane's row 16 ps + g + 8r sees a key of the split (warp-uniform)
   uint32_t q_smem;
+  const RowMeta* meta;
 
-  // Row meta of the lane's two rows into registers; Q fragments (D <= 128).
-  FS_DEV MmaWarp(const unsigned char* q, const RowMeta* meta, int lane) : q_smem(smem_u32(q)) {
+  // Row meta of the lane's rows into registers; Q fragments (D <= 128, one pass).
+  FS_DEV MmaWarp(const unsigned char* q, const RowMeta* meta_, int lane) : q_smem(smem_u32(q)), meta(meta_) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const RowMeta& rm = meta[lane / 4 + 8 * r];
-      pos[r] = rm.pos;
-      lo[r] = rm.lo;
-      hi[r] = rm.hi;
-      slope[r] = rm.slope;
-      qk_scale[r] = rm.qk_scale;
-      m[r] = kNegInf;
-      l[r] = 0.0f;
-      rows_on[r] = __any_sync(kFullMask, hi[r] > lo[r]);
-    }
+    for (int ps = 0; ps < kPasses; ++ps)
 #pragma unroll
-    for (int n = 0; n < kNTiles; ++n)
+      for (int r = 0; r < 2; ++r) {
+        const RowMeta& rm = meta[16 * ps + lane / 4 + 8 * r];
+        if constexpr (kRegMeta) {
+          pos[0][r] = rm.pos;
+          slope[0][r] = rm.slope;
+        }
+        lo[ps][r] = rm.lo;
+        hi[ps][r] = rm.hi;
+        qk_scale[ps][r] = rm.qk_scale;
+        m[ps][r] = kNegInf;
+        l[ps][r] = 0.0f;
+        rows_on[ps][r] = __any_sync(kFullMask, hi[ps][r] > lo[ps][r]);
+      }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
+    for (int ps = 0; ps < kPasses; ++ps)
+#pragma unroll
+      for (int n = 0; n < kNTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[ps][n][e] = 0.0f;
     if constexpr (kQInRegs) {
 #pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks) load_q(ks, lane, qf[ks]);
+      for (int ks = 0; ks < kKSteps; ++ks) load_q(0, ks, lane, qf[ks]);
     }
   }
 
-  // Q's A fragment of k-step ks: matrices (rows 0-7 | 8-15) x (channels lo | hi).
-  FS_DEV void load_q(int ks, int lane, uint32_t (&a)[4]) const {
-    const int row = lane % 8 + 8 * ((lane / 8) % 2), col = 16 * ks + 8 * (lane / 16);
+  // Q's A fragment of pass ps, k-step ks: matrices (rows 0-7 | 8-15) x (channels lo | hi).
+  FS_DEV void load_q(int ps, int ks, int lane, uint32_t (&a)[4]) const {
+    const int row = 16 * ps + lane % 8 + 8 * ((lane / 8) % 2), col = 16 * ks + 8 * (lane / 16);
     ldmatrix_x4(a, q_smem + uint32_t(row * S::kQStride + col * 2));
   }
 
-  // Q's A fragment of k-step ks, from the registers (kQInRegs) or shared memory.
-  FS_DEV void q_fragment(int ks, int lane, uint32_t (&a)[4]) const {
+  // Q's A fragment of pass ps, k-step ks, from the registers (kQInRegs) or shared memory.
+  FS_DEV void q_fragment(int ps, int ks, int lane, uint32_t (&a)[4]) const {
     if constexpr (kQInRegs) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) a[i] = qf[ks][i];
     } else {
-      load_q(ks, lane, a);
+      load_q(ps, ks, lane, a);
     }
   }
 
@@ -219,30 +234,36 @@ struct MmaWarp {
     }
   }
 
-  // s[n][.] = scores of keys 8n + 2t, 8n + 2t + 1 (rows g: [0..1], g + 8: [2..3]).
-  FS_DEV void scores(const Stage<S>& st, int lane, float (&s)[kSTiles][4]) const {
+  // s[ps][n][.] = scores of keys 8n + 2t, 8n + 2t + 1 (rows 16 ps + g: [0..1], 16 ps + g + 8:
+  // [2..3]); K's fragments are read (and converted) once for every pass.
+  FS_DEV void scores(const Stage<S>& st, int lane, Scores& s) const {
 #pragma unroll
-    for (int n = 0; n < kSTiles; ++n)
+    for (int ps = 0; ps < kPasses; ++ps)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+      for (int n = 0; n < kSTiles; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[ps][n][e] = 0.0f;
     if constexpr (kInt8) {
 #pragma unroll
       for (int n = 0; n < kSTiles; ++n) {  // keys g + 8n
         uint32_t w[k8BitLaneWords];          // words 2 ks, 2 ks + 1: k-step ks (of 32 channels)
         k_words_8bit(st, n, lane, w);
-        int acc[4] = {0, 0, 0, 0};
-#pragma unroll
-        for (int ks = 0; ks < kKSteps; ++ks) {
-          uint32_t a[4];
-          q_fragment(ks, lane, a);
-          mma_16832_s8(acc, a, w[2 * ks], w[2 * ks + 1]);
-        }
         // keys 8n + 2t, 8n + 2t + 1: their scales (exact s32 dots, one rounding per factor)
         const float2 ksc = *reinterpret_cast<const float2*>(st.kscale + 8 * n + 2 * (lane % 4));
-        s[n][0] = float(acc[0]) * ksc.x;
-        s[n][1] = float(acc[1]) * ksc.y;
-        s[n][2] = float(acc[2]) * ksc.x;
-        s[n][3] = float(acc[3]) * ksc.y;
+#pragma unroll
+        for (int ps = 0; ps < kPasses; ++ps) {
+          int acc[4] = {0, 0, 0, 0};
+#pragma unroll
+          for (int ks = 0; ks < kKSteps; ++ks) {
+            uint32_t a[4];
+            q_fragment(ps, ks, lane, a);
+            mma_16832_s8(acc, a, w[2 * ks], w[2 * ks + 1]);
+          }
+          s[ps][n][0] = float(acc[0]) * ksc.x;
+          s[ps][n][1] = float(acc[1]) * ksc.y;
+          s[ps][n][2] = float(acc[2]) * ksc.x;
+          s[ps][n][3] = float(acc[3]) * ksc.y;
+        }
       }
       return;
     } else if constexpr (kFp8) {
@@ -252,11 +273,14 @@ struct MmaWarp {
         k_words_8bit(st, n, lane, w);
 #pragma unroll
         for (int ks = 0; ks < kKSteps; ++ks) {
-          uint32_t a[4];
-          q_fragment(ks, lane, a);
           uint32_t b0, b1;
           fp8x4_to_f16x2x2<kKv>(w[ks], b0, b1);
-          mma_16816<T>(s[n], a, b0, b1);
+#pragma unroll
+          for (int ps = 0; ps < kPasses; ++ps) {
+            uint32_t a[4];
+            q_fragment(ps, ks, lane, a);
+            mma_16816<T>(s[ps][n], a, b0, b1);
+          }
         }
       }
       return;
@@ -266,14 +290,12 @@ struct MmaWarp {
     for (int ks = 0; ks < kKSteps; ++ks) {
       uint32_t b[4];  // keys 0-7 (lo, hi channels), keys 8-15 (lo, hi)
       ldmatrix_x4(b, kbase + uint32_t(ks * 32));
-      if constexpr (kQInRegs) {
-        mma_16816<T>(s[0], qf[ks], b[0], b[1]);
-        mma_16816<T>(s[1], qf[ks], b[2], b[3]);
-      } else {
+#pragma unroll
+      for (int ps = 0; ps < kPasses; ++ps) {
         uint32_t a[4];
-        load_q(ks, lane, a);
-        mma_16816<T>(s[0], a, b[0], b[1]);
-        mma_16816<T>(s[1], a, b[2], b[3]);
+        q_fragment(ps, ks, lane, a);
+        mma_16816<T>(s[ps][0], a, b[0], b[1]);
+        mma_16816<T>(s[ps][1], a, b[2], b[3]);
       }
     }
   }
@@ -283,86 +305,104 @@ struct MmaWarp {
   // rows g + 8r that no lane needs (decode with <= 8 packed rows: the upper half) are skipped
   // (p = 0), and a tile that every active row sees whole, with no bad key, soft-cap or ALiBi,
   // takes one multiply per score (fmaxf: a NaN score still poisons its row through exp and l).
-  FS_DEV void softmax(const AttnParams& p, int64_t t0, uint32_t bad, int lane, float (&s)[kSTiles][4]) {
+  FS_DEV void softmax(const AttnParams& p, int64_t t0, uint32_t bad, int lane, Scores& sc) {
     constexpr float kLog2e = 1.4426950408889634f;
     const ScoreTransform score = make_score_transform(p);
     const bool plain = !(score.softcap > 0.0f) && !score.alibi && bad == 0;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      if (!rows_on[r]) {
+    for (int ps = 0; ps < kPasses; ++ps)
 #pragma unroll
-        for (int n = 0; n < kSTiles; ++n) s[n][2 * r] = s[n][2 * r + 1] = 0.0f;
-        continue;
-      }
-      float mx = kNegInf;
-      const bool act = lo[r] < hi[r];
-      if (__all_sync(kFullMask, plain && (!act || (lo[r] <= t0 && t0 + kTile <= hi[r])))) {
-        const float c = kScaled ? score.scale * qk_scale[r] : score.scale;
+      for (int r = 0; r < 2; ++r) {
+        float(&s)[kSTiles][4] = sc[ps];
+        if (!rows_on[ps][r]) {
+#pragma unroll
+          for (int n = 0; n < kSTiles; ++n) s[n][2 * r] = s[n][2 * r + 1] = 0.0f;
+          continue;
+        }
+        float mx = kNegInf;
+        const bool act = lo[ps][r] < hi[ps][r];
+        if (__all_sync(kFullMask, plain && (!act || (lo[ps][r] <= t0 && t0 + kTile <= hi[ps][r])))) {
+          const float c = kScaled ? score.scale * qk_scale[ps][r] : score.scale;
+#pragma unroll
+          for (int n = 0; n < kSTiles; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              float& x = s[n][2 * r + e];
+              x = act ? x * c : kNegInf;
+              mx = fmaxf(mx, x);
+            }
+        } else {
+          const int vlo = int(imin(imax(lo[ps][r] - t0, 0), kTile)), vhi = int(imin(imax(hi[ps][r] - t0, 0), kTile));
+          const RowMeta& rm = meta[16 * ps + lane / 4 + 8 * r];
+          const int64_t row_pos = kRegMeta ? pos[0][r] : rm.pos;
+          const float row_slope = kRegMeta ? slope[0][r] : rm.slope;
+#pragma unroll
+          for (int n = 0; n < kSTiles; ++n)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int k = 8 * n + 2 * (lane % 4) + e;
+              float& x = s[n][2 * r + e];
+              x = k < vlo || k >= vhi ? kNegInf
+                  : (bad >> k) & 1u   ? nan_value()
+                                      : score(kScaled ? x * qk_scale[ps][r] : x, row_pos, t0 + k, row_slope);
+              mx = nan_max(mx, x);
+            }
+        }
+        mx = nan_max(mx, __shfl_xor_sync(kFullMask, mx, 1));
+        mx = nan_max(mx, __shfl_xor_sync(kFullMask, mx, 2));
+        const float new_m = nan_max(m[ps][r], mx);
+        if (new_m == kNegInf) {  // nothing visible yet: p = 0, state and O unchanged
+#pragma unroll
+          for (int n = 0; n < kSTiles; ++n) s[n][2 * r] = s[n][2 * r + 1] = 0.0f;
+          continue;
+        }
+        const float mb = new_m * kLog2e;
+        float sum = 0.0f;
 #pragma unroll
         for (int n = 0; n < kSTiles; ++n)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float& x = s[n][2 * r + e];
-            x = act ? x * c : kNegInf;
-            mx = fmaxf(mx, x);
+            x = fast_exp2(fmaf(x, kLog2e, -mb));  // -inf -> 0; NaN stays
+            sum += x;
           }
-      } else {
-        const int vlo = int(imin(imax(lo[r] - t0, 0), kTile)), vhi = int(imin(imax(hi[r] - t0, 0), kTile));
+        const float alpha = fast_exp2(fmaf(m[ps][r], kLog2e, -mb));
+        l[ps][r] = l[ps][r] * alpha + sum;
+        m[ps][r] = new_m;
+        if (alpha != 1.0f) {  // the running max moved (rare after the first tiles)
 #pragma unroll
-        for (int n = 0; n < kSTiles; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int k = 8 * n + 2 * (lane % 4) + e;
-            float& x = s[n][2 * r + e];
-            x = k < vlo || k >= vhi   ? kNegInf
-                : (bad >> k) & 1u     ? nan_value()
-                                        : score(kScaled ? x * qk_scale[r] : x, pos[r], t0 + k, slope[r]);
-            mx = nan_max(mx, x);
+          for (int n = 0; n < kNTiles; ++n) {
+            o[ps][n][2 * r] *= alpha;
+            o[ps][n][2 * r + 1] *= alpha;
           }
-      }
-      mx = nan_max(mx, __shfl_xor_sync(kFullMask, mx, 1));
-      mx = nan_max(mx, __shfl_xor_sync(kFullMask, mx, 2));
-      const float new_m = nan_max(m[r], mx);
-      if (new_m == kNegInf) {  // nothing visible yet: p = 0, state and O unchanged
-#pragma unroll
-        for (int n = 0; n < kSTiles; ++n) s[n][2 * r] = s[n][2 * r + 1] = 0.0f;
-        continue;
-      }
-      const float mb = new_m * kLog2e;
-      float sum = 0.0f;
-#pragma unroll
-      for (int n = 0; n < kSTiles; ++n)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[n][2 * r + e];
-          x = fast_exp2(fmaf(x, kLog2e, -mb));  // -inf -> 0; NaN stays
-          sum += x;
-        }
-      const float alpha = fast_exp2(fmaf(m[r], kLog2e, -mb));
-      l[r] = l[r] * alpha + sum;
-      m[r] = new_m;
-      if (alpha != 1.0f) {  // the running max moved (rare after the first tiles)
-#pragma unroll
-        for (int n = 0; n < kNTiles; ++n) {
-          o[n][2 * r] *= alpha;
-          o[n][2 * r + 1] *= alpha;
         }
       }
-    }
   }
 
-  // O += P V over the tile's keys, one k-step of 16 keys at a time. P is rounded to 16 bits for
-  // the mma; with `split_p` (fp32 outputs, which promise full precision) the rounding residue
-  // goes through a second mma, leaving P with ~16 significant bits. A template parameter: as a
-  // runtime flag the residue mma was issued predicated off on every tile (H200 ncu: 48 HMMA per
-  // 16-key bf16 tile for 32 useful), each one after its accumulator's first mma.
+  // O += P V over the tile's keys, one k-step of 16 keys at a time; V's fragments are read (and
+  // converted) once for every pass. P is rounded to 16 bits for the mma; with `split_p` (fp32
+  // outputs, which promise full precision) the rounding residue goes through a second mma,
+  // leaving P with ~16 significant bits. A template parameter: as a runtime flag the residue mma
+  // was issued predicated off on every tile (H200 ncu: 48 HMMA per 16-key bf16 tile for 32
+  // useful), each one after its accumulator's first mma.
   template <bool split_p>
-  FS_DEV void accumulate(const Stage<S>& st, int lane, const float (&pr)[kSTiles][4]) {
+  FS_DEV void accumulate(const Stage<S>& st, int lane, const Scores& pr) {
 #pragma unroll
     for (int kk = 0; kk < kTile / 16; ++kk) {
-      uint32_t a[4], r[4];
-      p_fragment<T, kTile>(pr, kk, a);
-      if constexpr (split_p) p_residue<T, kTile>(pr, kk, a, r);
+      uint32_t a[kPasses][4], r[kPasses][4];
+#pragma unroll
+      for (int ps = 0; ps < kPasses; ++ps) {
+        p_fragment<T, kTile>(pr[ps], kk, a[ps]);
+        if constexpr (split_p) p_residue<T, kTile>(pr[ps], kk, a[ps], r[ps]);
+      }
+      // The mma(s) of one B fragment pair (V's keys x 8 channels) into n-tile n of every pass.
+      auto mma_n = [&](int n, uint32_t b0, uint32_t b1) {
+#pragma unroll
+        for (int ps = 0; ps < kPasses; ++ps) {
+          mma_16816<T>(o[ps][n], a[ps], b0, b1);
+          if constexpr (split_p) mma_16816<T>(o[ps][n], r[ps], b0, b1);
+        }
+      };
       if constexpr (kV8) {
         constexpr int kLaneBytes = S::kDim / 8;  // one byte per n-tile
         uint32_t w[4][kLaneBytes / 4];           // keys 16 kk + (2t, 2t+1, 2t+8, 2t+9)
@@ -373,9 +413,9 @@ struct MmaWarp {
         load_words<kLaneBytes>(vr + 9 * S::kVStride, w[3]);
         if constexpr (kInt8) {  // bias by 128 once per word (i8x2_biased_to_f16x2)
 #pragma unroll
-          for (int r = 0; r < 4; ++r)
+          for (int i = 0; i < 4; ++i)
 #pragma unroll
-            for (int c = 0; c < kLaneBytes / 4; ++c) w[r][c] ^= 0x80808080u;
+            for (int c = 0; c < kLaneBytes / 4; ++c) w[i][c] ^= 0x80808080u;
         }
 #pragma unroll
         for (int c = 0; c < kLaneBytes / 4; ++c)  // n-tiles 4c .. 4c + 3
@@ -392,12 +432,7 @@ struct MmaWarp {
               fp8x4_to_f16x2x2<S::kVDtype>(hi, bh[0], bh[1]);
             }
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int n = 4 * c + 2 * h + e;
-              const uint32_t b0 = bl[e], b1 = bh[e];
-              mma_16816<T>(o[n], a, b0, b1);
-              if constexpr (split_p) mma_16816<T>(o[n], r, b0, b1);
-            }
+            for (int e = 0; e < 2; ++e) mma_n(4 * c + 2 * h + e, bl[e], bh[e]);
           }
       } else {
         const uint32_t vbase = smem_u32(st.v) + uint32_t((16 * kk + lane % 8 + 8 * ((lane / 8) % 2)) * S::kVStride +
@@ -406,12 +441,8 @@ struct MmaWarp {
         for (int n2 = 0; n2 < kNTiles / 2; ++n2) {
           uint32_t b[4];  // channels 16 n2 + (0-7 | 8-15) x keys (0-7 | 8-15)
           ldmatrix_x4_trans(b, vbase + uint32_t(n2 * 32));
-          mma_16816<T>(o[2 * n2], a, b[0], b[1]);
-          mma_16816<T>(o[2 * n2 + 1], a, b[2], b[3]);
-          if constexpr (split_p) {
-            mma_16816<T>(o[2 * n2], r, b[0], b[1]);
-            mma_16816<T>(o[2 * n2 + 1], r, b[2], b[3]);
-          }
+          mma_n(2 * n2, b[0], b[1]);
+          mma_n(2 * n2 + 1, b[2], b[3]);
         }
       }
     }
@@ -427,7 +458,7 @@ struct MmaWarp {
   template <bool kSplitP>
   FS_DEV void consume(const AttnParams& p, const Stage<S>& st, int64_t t0, int lane) {
     const uint32_t bad = *st.bad;
-    float s[kSTiles][4];
+    Scores s;
     scores(st, lane, s);
     softmax(p, t0, bad, lane, s);
     accumulate<kSplitP>(st, lane, s);
@@ -436,29 +467,31 @@ struct MmaWarp {
   // The warp's state into the merge area: mo [kWarps, kRows, kD], ms [kWarps, kRows, 2].
   FS_DEV void spill(float* mo, float* ms, int warp, int nrows, int lane) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      l[r] += __shfl_xor_sync(kFullMask, l[r], 1);
-      l[r] += __shfl_xor_sync(kFullMask, l[r], 2);
-      const int j = lane / 4 + 8 * r;
-      if (j >= nrows) continue;
-      if constexpr (kV8) {  // column c of n-tile n is channel c D/8 + n
-        float* row = mo + (warp * S::kRows + j) * S::kDim + 2 * (lane % 4) * kNTiles;
+    for (int ps = 0; ps < kPasses; ++ps)
 #pragma unroll
-        for (int n = 0; n < kNTiles; ++n) {
-          row[n] = o[n][2 * r];
-          row[kNTiles + n] = o[n][2 * r + 1];
+      for (int r = 0; r < 2; ++r) {
+        l[ps][r] += __shfl_xor_sync(kFullMask, l[ps][r], 1);
+        l[ps][r] += __shfl_xor_sync(kFullMask, l[ps][r], 2);
+        const int j = 16 * ps + lane / 4 + 8 * r;
+        if (j >= nrows) continue;
+        if constexpr (kV8) {  // column c of n-tile n is channel c D/8 + n
+          float* row = mo + (warp * S::kRows + j) * S::kDim + 2 * (lane % 4) * kNTiles;
+#pragma unroll
+          for (int n = 0; n < kNTiles; ++n) {
+            row[n] = o[ps][n][2 * r];
+            row[kNTiles + n] = o[ps][n][2 * r + 1];
+          }
+        } else {
+          float* row = mo + (warp * S::kRows + j) * S::kDim + 2 * (lane % 4);
+#pragma unroll
+          for (int n = 0; n < kNTiles; ++n)
+            *reinterpret_cast<float2*>(row + 8 * n) = make_float2(o[ps][n][2 * r], o[ps][n][2 * r + 1]);
         }
-      } else {
-        float* row = mo + (warp * S::kRows + j) * S::kDim + 2 * (lane % 4);
-#pragma unroll
-        for (int n = 0; n < kNTiles; ++n)
-          *reinterpret_cast<float2*>(row + 8 * n) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+        if (lane % 4 == 0) {
+          ms[(warp * S::kRows + j) * 2] = m[ps][r];
+          ms[(warp * S::kRows + j) * 2 + 1] = l[ps][r];
+        }
       }
-      if (lane % 4 == 0) {
-        ms[(warp * S::kRows + j) * 2] = m[r];
-        ms[(warp * S::kRows + j) * 2 + 1] = l[r];
-      }
-    }
   }
 };
 

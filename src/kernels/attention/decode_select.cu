@@ -1,5 +1,6 @@
 // try_decode: when the decode kernel (decode_fwd.cuh) serves a problem, and why not otherwise.
 // Reads shapes, dtypes and pointer alignment only (never device memory).
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
@@ -72,13 +73,19 @@ std::string try_decode(const detail::AttnProblem& pr, const DeviceProps& dev, At
     return "decode kernel: k/v base and strides multiples of 16 bytes";
   if (pr.k_scale_cache && reinterpret_cast<uintptr_t>(pr.k_scale_cache->data) % 4 != 0)
     return "decode kernel: k_scale_cache 4-byte aligned";  // 4-byte cp.async per key
-  // The grid's x is B x row CTAs x H_kv (decode_fwd.cu).
-  if (pr.batch * decode_row_ctas(rows) * pr.num_kv_heads > INT_MAX)
-    return detail::cat("decode kernel: B x H_kv x row CTAs <= ", INT_MAX, ", got ", pr.batch, " x ", pr.num_kv_heads,
-                       " x ", decode_row_ctas(rows));
+  // The grid's x is B x row CTAs x H_kv (decode_fwd.cu: twice decode_row_ctas where 32-row CTAs
+  // run as 16-row ones).
   const DecodeKv kvb = decode_kv(pr.k.dtype, pr.v.dtype);
+  const int64_t row_ctas = 2 * decode_row_ctas(rows, kvb.kb == 1);
+  if (pr.batch * row_ctas * pr.num_kv_heads > INT_MAX)
+    return detail::cat("decode kernel: B x H_kv x row CTAs <= ", INT_MAX, ", got ", pr.batch, " x ", pr.num_kv_heads,
+                       " x ", row_ctas);
   const int rows_per_cta = kDecodeRows;
-  const size_t smem = decode_smem_bytes(kvb, int(pr.head_dim), rows_per_cta);
+  const int d = int(pr.head_dim);
+  const size_t smem = std::max(decode_smem_bytes(kvb, d, rows_per_cta),
+                               decode_has_wide(kvb)
+                                   ? decode_smem_bytes(kvb, d, int(kDecodeWideRows), decode_wide_tiling(kvb, d))
+                                   : size_t(0));
   if (smem > max_smem_per_block(dev))
     return detail::cat("decode kernel: ", smem, " bytes of shared memory per block, the device allows ",
                        max_smem_per_block(dev));
