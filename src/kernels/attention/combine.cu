@@ -2,7 +2,10 @@
 // into out and lse (the sink merged once), in two parallel phases instead of a sequential chain
 // of pairwise merges: each warp reduces its item's partial LSEs to the merged one (max, then the
 // sum of exp(lse_s - max)) and keeps each split's weight exp(lse_s - lse) in shared memory, then
-// the threads sum the channels over the splits with independent float4 loads. The same merge as
+// the threads sum the channels over the splits with independent float4 loads, those of the first
+// 16-32 splits issued before the LSEs' (the kernel is a chain of dependent memory round trips:
+// 3.8-6.0 us per call on the H200, 8-20% of a B = 1 L = 32k decode step, bench/RESULTS.md
+// 2026-11-26). The same merge as
 // merge_lse (common/softmax_state.hpp) up to fp32 rounding: a NaN partial LSE makes the row NaN,
 // empty splits (-inf) weigh 0, all empty gives out 0 and lse -inf.
 //
@@ -32,21 +35,28 @@ constexpr int kCombineWarps = 4;
 constexpr int kCombineThreads = 32 * kCombineWarps;
 
 // The merged LSE of the splits' partial LSEs (stride `stride` apart); each split's weight into
-// w [num_splits]. Every lane returns the same value.
+// w [num_splits]. Every lane returns the same value. Each LSE is read once (a lane's at most
+// kPer, for up to 32 kPer splits, in registers).
+template <int kPer>
 __device__ __forceinline__ float merge_split_lses(const float* lse_s, int64_t stride, int splits, int lane, float* w) {
+  float l[kPer];
   float mx = -INFINITY;
   bool nan = false;
-  for (int s = lane; s < splits; s += 32) {
-    const float l = normalize_lse(lse_s[s * stride]);
-    nan |= l != l;
-    mx = fmaxf(mx, l);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int s = lane + 32 * i;
+    l[i] = s < splits ? normalize_lse(lse_s[s * stride]) : -INFINITY;
+    nan |= l[i] != l[i];
+    mx = fmaxf(mx, l[i]);
   }
   nan = __any_sync(kFullMask, nan);
   mx = warp_max_nan(mx);
   float sum = 0.0f;
-  for (int s = lane; s < splits; s += 32) {
-    const float e = mx == -INFINITY ? 0.0f : expf(normalize_lse(lse_s[s * stride]) - mx);
-    w[s] = e;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int s = lane + 32 * i;
+    const float e = mx == -INFINITY || s >= splits ? 0.0f : expf(l[i] - mx);
+    if (s < splits) w[s] = e;
     sum += e;
   }
   sum = warp_sum(sum);
@@ -98,7 +108,9 @@ __global__ void __launch_bounds__(kCombineThreads, 8) split_combine(const __grid
     seq = find_sequence(p, r);
     // Fixed-size splits (batch-invariant): the sequence's own splits, in order; one split was
     // written directly by the forward kernel, none when the sequence does not cover r.
-    if (seq.covers(r)) splits = seq_num_splits(kv_len(p, seq.b), p.num_splits, p.split_size);
+    // (The KV length is read only for those: another dependent load before the LSEs' otherwise.)
+    if (seq.covers(r)) splits = p.split_size > 0 ? seq_num_splits(kv_len(p, seq.b), p.num_splits, p.split_size)
+                                                 : p.num_splits;
   }
   const bool active = splits > 1;  // the same for the item's threads: whole warps
   const int64_t split_stride = p.total_rows() * p.num_heads;
@@ -108,12 +120,41 @@ __global__ void __launch_bounds__(kCombineThreads, 8) split_combine(const __grid
 #pragma unroll
   for (int j = 0; j < kSlots; ++j) acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   if (active) {
-    lse = merge_split_lses(p.lse_partial + partial_index(p, 0, r, h), split_stride, splits, lane, w);
+    const float4* o_s = reinterpret_cast<const float4*>(p.o_partial + partial_index(p, 0, r, h) * dv) + v;
+    const int64_t step = split_stride * nvec;
+    // The first two class blocks' partials (splits s < 2 kClasses; one block when kG == 1) are
+    // read before the weights are known, so those reads overlap the LSEs' (one dependent round
+    // trip fewer): block 0 into acc itself, then scaled in place (fmaf(w, x, 0): the bits of the
+    // accumulation from zero), block 1 into x1. Split s = s0 + g + kG j (s0 a multiple of
+    // kClasses) goes to class g + kG j, each class in increasing s.
+    constexpr int kPre = kG == 1 ? 1 : 2;
+    float4 x1[kPre - 1 > 0 ? kSlots : 1];
+    constexpr int kEarly = kG == 1 ? 4 : kSlots;  // kG 1: splits 5-8 (rare) read after the LSEs (registers)
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) {
+      const int s = g + kG * j;
+      if (j < kEarly && v < nvec && s < splits) acc[j] = o_s[s * step];
+      if constexpr (kPre > 1) {
+        x1[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (v < nvec && s + kClasses < splits) x1[j] = o_s[(s + kClasses) * step];
+      }
+    }
+    // Splits per kG (launch_split_combine): kG 1 at most 8, kG 4 at most 63, kG 16 kMaxSplits.
+    constexpr int kPer = kG == 1 ? 1 : kG == 4 ? 2 : kMaxSplits / 32;
+    lse = merge_split_lses<kPer>(p.lse_partial + partial_index(p, 0, r, h), split_stride, splits, lane, w);
     if (v < nvec) {
-      const float4* o_s = reinterpret_cast<const float4*>(p.o_partial + partial_index(p, 0, r, h) * dv) + v;
-      const int64_t step = split_stride * nvec;
-      // split s = s0 + g + kG j, s0 a multiple of kClasses: class g + kG j
-      for (int s0 = 0; s0 < splits; s0 += kClasses) {
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j) {
+        const int s = g + kG * j;
+        if (s < splits) {
+          const float4 x = j < kEarly ? acc[j] : o_s[s * step];
+          acc[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+          fma4(acc[j], w[s], x);
+        }
+        if constexpr (kPre > 1)
+          if (s + kClasses < splits) fma4(acc[j], w[s + kClasses], x1[j]);
+      }
+      for (int s0 = kPre * kClasses; s0 < splits; s0 += kClasses) {
 #pragma unroll
         for (int j = 0; j < kSlots; ++j) {
           const int s = s0 + g + kG * j;
