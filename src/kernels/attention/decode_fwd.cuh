@@ -37,6 +37,11 @@
 // faster, so the second wave ends over ~60 us and the last ~25 us run with fewer than half the
 // CTAs. What would move it: persistent CTAs taking (sequence, KV head, key chunk) work from a
 // counter, the next item's first tiles issued while the current one drains.
+// Per instruction stream (ncu, B = 64 L = 4k, 2026-11-26): a warp's copy issue waits on the
+// memory pipeline (the loop's top, long scoreboard on the previous copies' registers: 28% of
+// bf16's stall samples, 20% of fp8's) and its compute on its copies; fp8's conversions and mma
+// add fixed-latency waits (1.8 per instruction at 2 warps per scheduler, issue slots 32% busy).
+// Row-sized cp.async.bulk copies instead were 5-33% slower (bench/RESULTS.md 01:18).
 // Short contexts (ncu, B = 256 L = 64, 2026-11-25): each CTA is one dependent chain of ~1500
 // warp instructions at ~8 cycles each (~6 us: wait, short and long scoreboard, the barrier after
 // q's setup), 2 CTAs per SM by registers and shared memory, issue slots 22% busy, DRAM 27%;

@@ -97,25 +97,31 @@ FS_DEV uint32_t i8x2_biased_to_f16x2(uint32_t two) {
   return d;
 }
 
-// Four fp8 values (bytes 0-3) as two f16x2 registers (bytes 0-1 -> lo, 2-3 -> hi), exact. One
-// PTX block, so ptxas reads the upper half in place (F2FP ... R.H1) instead of shifting it down
-// first (fp8x2_to_f16x2(w >> 16): one SHF per conversion, 64 per 32-key tile at D = 128).
-template <DType kKv>
-FS_DEV void fp8x4_to_f16x2x2(uint32_t four, uint32_t& lo, uint32_t& hi) {
-  if constexpr (kKv == DType::f8e4m3)
-    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-        : "=r"(lo), "=r"(hi) : "r"(four));
-  else
-    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e5m2x2 %0, l;\n cvt.rn.f16x2.e5m2x2 %1, h;\n}\n"
-        : "=r"(lo), "=r"(hi) : "r"(four));
-}
-
 // Two fp8 values (low byte first) as an f16x2 register (low half first), exact.
 template <DType kKv>
 FS_DEV uint32_t fp8x2_to_f16x2(uint32_t two) {
   const __half2_raw h =
       __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two & 0xffffu), kKv == DType::f8e4m3 ? __NV_E4M3 : __NV_E5M2);
   return uint32_t(h.x) | (uint32_t(h.y) << 16);
+}
+
+// Four fp8 values (bytes 0-3) as two f16x2 registers (bytes 0-1 -> lo, 2-3 -> hi), exact. One
+// PTX block, so ptxas reads the upper half in place (F2FP ... R.H1) instead of shifting it down
+// first (fp8x2_to_f16x2(w >> 16): one SHF per conversion, 64 per 32-key tile at D = 128). The
+// cvt needs sm_89: the sm_80 build (the `cuda` preset's portable pass) converts by the intrinsic.
+template <DType kKv>
+FS_DEV void fp8x4_to_f16x2x2(uint32_t four, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+  lo = fp8x2_to_f16x2<kKv>(four & 0xffffu);
+  hi = fp8x2_to_f16x2<kKv>(four >> 16);
+#else
+  if constexpr (kKv == DType::f8e4m3)
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi) : "r"(four));
+  else
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e5m2x2 %0, l;\n cvt.rn.f16x2.e5m2x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi) : "r"(four));
+#endif
 }
 
 FS_DEV uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
