@@ -9,6 +9,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "common/decode_rows.hpp"
 #include "flashserve/attention.hpp"
 #include "flashserve/status.hpp"
 #include "reference/attn_load.hpp"
@@ -125,6 +126,25 @@ TEST(SplitKv, HeuristicSplitsOnlyWhenTheGpuWouldIdle) {
 // The decode split counts measured fastest on the H200 (bf16, H = 32, D = 128, block 16; every
 // count swept, bench/RESULTS.md 2026-11-25 07:22): the heuristic picks them, or one within 3%
 // (GQA 16 B=4 L=16k: 16 splits 41.9 us, 32 splits of 512 keys 40.7).
+// The decode kernel's CTAs per (sequence, KV head) as the kernel launches them and the planner
+// counts them (common/decode_rows.hpp): one 16-row CTA up to 16 packed rows; past it a 16-bit
+// cache's 32-row CTAs, an 8-bit cache's 16-row CTAs side by side, at most four.
+TEST(SplitKv, DecodeRowCtasByCacheFormat) {
+  struct Row { int64_t rows; bool kv_8bit; int64_t cta_rows; int ctas; };
+  const Row want[] = {{1, false, 16, 1},  {16, false, 16, 1}, {17, false, 32, 1}, {32, false, 32, 1},
+                      {33, false, 32, 2}, {1, true, 16, 1},   {16, true, 16, 1},  {17, true, 16, 2},
+                      {32, true, 16, 2},  {48, true, 16, 3},  {64, true, 16, 4},  {200, true, 16, 4},
+                      {200, false, 32, 4}};
+  for (const Row& r : want) {
+    EXPECT_EQ(fs::decode_cta_rows(r.rows, r.kv_8bit), r.cta_rows) << r.rows << (r.kv_8bit ? " 8-bit" : " 16-bit");
+    EXPECT_EQ(fs::decode_row_ctas(r.rows, r.kv_8bit), r.ctas) << r.rows << (r.kv_8bit ? " 8-bit" : " 16-bit");
+  }
+  // Every packed row has a CTA within a cache format's bound (decode_max_rows).
+  for (bool b8 : {false, true})
+    for (int64_t rows = 1; rows <= fs::decode_max_rows(b8); ++rows)
+      EXPECT_GE(fs::decode_row_ctas(rows, b8) * fs::decode_cta_rows(rows, b8), rows) << rows;
+}
+
 TEST(SplitKv, HeuristicPicksTheMeasuredDecodeSplits) {
   struct Row { int64_t group, batch, keys; int want; };
   const Row rows[] = {{4, 1, 32768, 32}, {4, 4, 16384, 8},  {4, 16, 8192, 2}, {4, 64, 4096, 1},
