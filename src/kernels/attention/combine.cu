@@ -81,6 +81,15 @@ __device__ __forceinline__ float4 add4(const float4& a, const float4& b) {
 // pairwise tree: the bits depend on the splits alone, not on the launch shape.
 constexpr int kClasses = 16;
 
+// The split groups G of a call of `splits` splits (launch_split_combine's choice), and the most
+// splits each G serves: the kernel sizes its registers by the latter (kSlots at G = 1, the LSEs a
+// lane holds), so both read one rule.
+constexpr int combine_groups(int splits) { return splits >= 64 ? 16 : splits > kClasses / 2 ? 4 : 1; }
+constexpr int combine_max_splits(int g) { return g == 1 ? kClasses / 2 : g == 4 ? 63 : kMaxSplits; }
+static_assert(combine_groups(combine_max_splits(1)) == 1 && combine_groups(combine_max_splits(1) + 1) == 4 &&
+                  combine_groups(combine_max_splits(4)) == 4 && combine_groups(combine_max_splits(4) + 1) == 16,
+              "each G's bound is where the next G starts");
+
 // kG split groups (1, 4 or 16); vc float4 vectors per chunk (launch_split_combine); dynamic
 // shared memory: the class sums [kClasses][128 / kG] float4 when kG > 1. kG == 1 serves calls
 // of at most kClasses / 2 splits (the host's choice), so its classes 8-15 are zeros, not held.
@@ -91,7 +100,7 @@ __global__ void __launch_bounds__(kCombineThreads, 8) split_combine(const __grid
   // partials are complete and visible only after this.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
-  constexpr int kSlots = kG == 1 ? kClasses / 2 : kClasses / kG;  // sums per thread: classes g + kG j
+  constexpr int kSlots = kG == 1 ? combine_max_splits(1) : kClasses / kG;  // sums per thread: classes g + kG j
   constexpr int kLanes = kCombineThreads / kG;  // (item slot, vector) pairs per CTA
   __shared__ float weights[kCombineWarps][kMaxSplits];
   extern __shared__ float4 sums[];  // [kClasses][kLanes]
@@ -139,8 +148,7 @@ __global__ void __launch_bounds__(kCombineThreads, 8) split_combine(const __grid
         if (v < nvec && s + kClasses < splits) x1[j] = o_s[(s + kClasses) * step];
       }
     }
-    // Splits per kG (launch_split_combine): kG 1 at most 8, kG 4 at most 63, kG 16 kMaxSplits.
-    constexpr int kPer = kG == 1 ? 1 : kG == 4 ? 2 : kMaxSplits / 32;
+    constexpr int kPer = (combine_max_splits(kG) + 31) / 32;  // LSEs per lane
     lse = merge_split_lses<kPer>(p.lse_partial + partial_index(p, 0, r, h), split_stride, splits, lane, w);
     if (v < nvec) {
 #pragma unroll
@@ -199,7 +207,7 @@ void launch_split_combine(const AttnParams& p, void* stream, bool dependent) {
   if (p.head_dim_v % 4 != 0)
     throw RuntimeError(detail::cat("split combine: head_dim_v a multiple of 4, got ", p.head_dim_v));
   // The shape (see the top): G by the splits, vc the item's vectors up to 128 / G threads.
-  const int groups = p.num_splits >= 64 ? 16 : p.num_splits > kClasses / 2 ? 4 : 1;
+  const int groups = combine_groups(p.num_splits);
   int vc = 32 / groups;
   while (vc < nvec && vc * groups < kCombineThreads) vc *= 2;
   const int64_t per_cta = kCombineThreads / (vc * groups), chunks = (nvec + vc - 1) / vc;
