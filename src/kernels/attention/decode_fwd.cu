@@ -35,8 +35,9 @@ void launch_rows(const AttnParams& p, cudaStream_t stream) {
 
 // The instantiations of configuration I: the short tiling (decode_config.hpp) by the split's key
 // span, 16 rows per CTA; else the long tiling, 32 rows per CTA (two passes per tile: a 16-bit
-// cache's verify step past 16 rows, p.cta_rows, common/decode_rows.hpp) or 16. Batch-invariant calls (fixed-size
-// splits) take their tiling from the split size alone, never the batch's span, and 16 rows.
+// cache's verify step past 16 rows, the selection's rows_per_cta, common/decode_rows.hpp) or 16.
+// Batch-invariant calls (fixed-size splits) take their tiling from the split size alone, never
+// the batch's span, and 16 rows.
 template <size_t I>
 void launch_config(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeKv f = kFmt<I>;
@@ -45,13 +46,13 @@ void launch_config(const AttnParams& p, cudaStream_t stream) {
   const int64_t span = invariant ? p.split_size : p.paged ? p.max_blocks * p.kv_dim1 : p.kv_dim1;
   const bool shrt = decode_launch_short(d, span, invariant ? 1 : p.num_splits);
   if constexpr (decode_has_wide(f)) {
-    if (p.cta_rows == kDecodeWideRows && !shrt && !invariant) {
+    if (p.rows_per_cta == kDecodeWideRows && !shrt && !invariant) {
       launch_rows<I, int(kDecodeWideRows), decode_wide_tiling(f, d), true>(p, stream);
       return;
     }
   }
   AttnParams q = p;  // 16-row CTAs: twice as many per 32-row CTA the plan counted
-  if (p.cta_rows == kDecodeWideRows) q.row_ctas = 2 * p.row_ctas;
+  if (p.rows_per_cta == kDecodeWideRows) q.row_ctas = 2 * p.row_ctas;
   if (shrt)
     launch_rows<I, kDecodeRows, decode_short_tiling(f, d), false>(q, stream);
   else

@@ -80,11 +80,13 @@ std::string try_decode(const detail::AttnProblem& pr, const DeviceProps& dev, At
   if (pr.batch * row_ctas * pr.num_kv_heads > INT_MAX)
     return detail::cat("decode kernel: B x H_kv x row CTAs <= ", INT_MAX, ", got ", pr.batch, " x ", pr.num_kv_heads,
                        " x ", row_ctas);
-  const int rows_per_cta = kDecodeRows;
+  // Packed rows per CTA (decode_fwd.cu's launch_config reads it: 32-row CTAs where they serve,
+  // whose launch may still take 16-row ones: short splits, fixed-size splits).
+  const int rows_per_cta = int(decode_cta_rows(rows, kvb.kb == 1));
   const int d = int(pr.head_dim);
-  const size_t smem = std::max(decode_smem_bytes(kvb, d, rows_per_cta),
-                               decode_has_wide(kvb)
-                                   ? decode_smem_bytes(kvb, d, int(kDecodeWideRows), decode_wide_tiling(kvb, d))
+  const size_t smem = std::max(decode_smem_bytes(kvb, d, kDecodeRows),
+                               rows_per_cta == kDecodeWideRows
+                                   ? decode_smem_bytes(kvb, d, rows_per_cta, decode_wide_tiling(kvb, d))
                                    : size_t(0));
   if (smem > max_smem_per_block(dev))
     return detail::cat("decode kernel: ", smem, " bytes of shared memory per block, the device allows ",

@@ -113,11 +113,8 @@ void attention(const detail::AttnProblem& pr, const Plan& plan, const ExecContex
   a.rows_per_cta = choice.rows_per_cta;
   a.heads_per_cta = choice.heads_per_cta;
   a.head_slices = choice.head_slices;
-  if (choice.kernel == AttnKernelId::decode) {
-    const int64_t packed = plan.shape.max_seqlen_q * a.group;
-    a.row_ctas = decode_row_ctas(packed, plan.shape.kv_8bit);
-    a.cta_rows = int(decode_cta_rows(packed, plan.shape.kv_8bit));
-  }
+  if (choice.kernel == AttnKernelId::decode)
+    a.row_ctas = decode_row_ctas(plan.shape.max_seqlen_q * a.group, plan.shape.kv_8bit);
   if (a.batch == 0 || a.total_rows() == 0) return;
   const DeviceGuard guard(pr.q.device.index);
   if (choice.kernel == AttnKernelId::decode_mla) launch_decode_mla(a, ctx.stream);

@@ -73,7 +73,6 @@ struct AttnParams {
                                  // a sequence has its own seq_num_splits; one split is written directly
   int64_t max_split_keys = 0;    // a CTA's most keys: the plan's max_seqlen_k per split (0: unknown)
   int row_ctas = 1;              // decode kernel: CTAs per (sequence, KV head, split) (decode_row_ctas)
-  int cta_rows = 16;             // decode kernel: packed rows per CTA (decode_cta_rows: 16 or 32)
   float* o_partial = nullptr;    // f32 [num_splits, Bq * rows, H, Dv] (workspace)
   float* lse_partial = nullptr;  // f32 [num_splits, Bq * rows, H] (workspace)
 
