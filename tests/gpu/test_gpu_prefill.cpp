@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -171,6 +172,48 @@ TEST(GpuPrefill, PrefillTmaBlockSizeRule) {
   EXPECT_EQ(fs::kernels::prefill_tma_box_rows(128, true, 256), 128);
   EXPECT_EQ(fs::kernels::prefill_tma_box_rows(64, true, 128), 64);
   EXPECT_EQ(fs::kernels::prefill_tma_box_rows(128, false, 16), 128);  // contiguous: dim 1 is rows_k
+}
+
+// prefill_tma's persistent form (prefill_persistent.cuh) for CTAs of at most
+// kPrefillPersistentMaxKeys keys, one CTA per SM; one CTA per item past it or when the keys are
+// unknown. (FLASHSERVE_PREFILL_PERSISTENT forces either: the ctest entries onecta. and
+// persistent. run this binary so.) Host arithmetic.
+TEST(GpuPrefill, PersistentFormByKeys) {
+  using fs::kernels::kPrefillPersistentMaxKeys;
+  using fs::kernels::prefill_tma_persistent_ctas;
+  const char* env = std::getenv("FLASHSERVE_PREFILL_PERSISTENT");
+  const std::string forced = env ? env : "";
+  if (forced == "0" || forced == "1") {
+    EXPECT_EQ(prefill_tma_persistent_ctas(0, 132), forced == "1" ? 132 : 0);
+    EXPECT_EQ(prefill_tma_persistent_ctas(1 << 20, 132), forced == "1" ? 132 : 0);
+    return;
+  }
+  EXPECT_EQ(prefill_tma_persistent_ctas(512, 132), 132);
+  EXPECT_EQ(prefill_tma_persistent_ctas(kPrefillPersistentMaxKeys, 78), 78);
+  EXPECT_EQ(prefill_tma_persistent_ctas(kPrefillPersistentMaxKeys + 1, 132), 0);
+  EXPECT_EQ(prefill_tma_persistent_ctas(0, 132), 0);
+}
+
+// Grids of many more items than SMs, so that each persistent CTA walks several (~17 at 132 SMs) with
+// inactive row tiles (varlen's spare tiles, zero-length sequences) among them: row tiles of 1 to
+// 3 tiles of keys, causal and not, GQA, a chunked prefill (keys past the queries) and splits
+// (items over splits too); every case's output against the reference (the walk's pipelines,
+// item hand-over, Q reloads and ping-pong across items), in whichever form the selection or
+// FLASHSERVE_PREFILL_PERSISTENT gives.
+TEST(GpuPrefill, ManyItemsPerCta) {
+  std::vector<int64_t> q(160, 0), k(160, 0);
+  for (size_t i = 0; i < q.size(); ++i) {
+    q[i] = i % 9 == 4 ? 0 : int64_t((i * 53) % 200) + 1;
+    k[i] = q[i] + (i % 5 == 1 ? int64_t((i * 17) % 200) : 0);
+  }
+  int variant = 0;
+  for (int64_t H_kv : {8, 2})
+    for (bool causal : {true, false}) {
+      CaseConfig c = prefill_config(KvMode::varlen_contiguous, q, k, 8, H_kv);
+      c.causal = causal;
+      c.num_splits = variant == 3 ? 2 : 1;
+      expect_prefill_matches(c, 300 + uint64_t(variant++));
+    }
 }
 
 // Paged caches on prefill_tma (one TMA box per page segment of a key tile, at the page's block

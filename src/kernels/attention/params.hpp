@@ -80,8 +80,15 @@ struct AttnParams {
   int rows_per_cta = 1;        // query rows per CTA
   int heads_per_cta = 1;       // query heads of one KV head's group per CTA
   int head_slices = 1;         // ceil(group / heads_per_cta)
+  int persistent_ctas = 0;     // prefill_tma: CTAs of its persistent form (0: one CTA per item)
 
   constexpr int64_t total_rows() const { return q_batches * q_rows; }
+  // The prefill kernels' row tiles of m rows (their grid's x; prefill_common.cuh: cta_work):
+  // batched B x ceil(sq / m); varlen total_q / m + B + 1, enough for every sequence's
+  // ceil(sq_b / m) whatever the split of total_q.
+  constexpr int64_t row_tiles(int64_t m) const {
+    return batched ? batch * ((q_rows + m - 1) / m) : q_rows / m + batch + 1;
+  }
 };
 
 }  // namespace flashserve::kernels

@@ -440,9 +440,10 @@ FS_DEV int thread_row(int warp, int mb, int r, int g) {
 // (combine.cu applies it once). An out of q's dtype T (rows 16-byte aligned: select.cu) is
 // staged in the warp's own Q rows of shared memory (layout L; the caller makes sure no MMA
 // still reads them) and written in 16-byte chunks; an fp32 out (TOut = float) is written from
-// registers in 8-byte pairs. o_mul (fp8 V's descale) multiplies out; p_shift is
-// softmax_scores' (l holds 2^p_shift times the weights' sum).
-template <class S, class L, class T, int kDo, int kDv = kDo, class TOut = T>
+// registers in 8-byte pairs, and so is a 16-bit one in 4-byte pairs when kDirect (the persistent
+// kernel: its next item's Q may be landing in those rows). o_mul (fp8 V's descale) multiplies
+// out; p_shift is softmax_scores' (l holds 2^p_shift times the weights' sum).
+template <class S, class L, class T, int kDo, int kDv = kDo, class TOut = T, bool kDirect = false>
 FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int split, const float (&o)[S::kMB][kDo / 8][4],
                        const float (&m)[S::kMB][2], float (&l)[S::kMB][2], float exp_mul, uint32_t q_s, int warp,
                        int lane, float o_mul = 1.0f, float p_shift = 0.0f) {
@@ -480,9 +481,16 @@ FS_DEV void store_rows(const AttnParams& p, const CtaWork& w, int64_t h, int spl
         for (int dt = 0; dt < kDv / 8; ++dt)
           *reinterpret_cast<float2*>(out + 8 * dt + 2 * t) =
               make_float2(o[mb][dt][2 * r] * inv[mb][r], o[mb][dt][2 * r + 1] * inv[mb][r]);
+      } else if constexpr (kDirect) {
+        T* out = static_cast<T*>(const_cast<void*>(p.out.data)) + w.qb * p.out.stride[0] +
+                 (w.q_row0 + i) * p.out.stride[1] + h * p.out.stride[2];
+#pragma unroll
+        for (int dt = 0; dt < kDv / 8; ++dt)
+          *reinterpret_cast<uint32_t*>(out + 8 * dt + 2 * t) =
+              pack2<T>(o[mb][dt][2 * r] * inv[mb][r], o[mb][dt][2 * r + 1] * inv[mb][r]);
       }
     }
-  if (p.num_splits > 1 || std::is_same_v<TOut, float>) return;
+  if (p.num_splits > 1 || std::is_same_v<TOut, float> || kDirect) return;
   __syncwarp();  // the warp's last reads of its Q rows precede the overwrite
 #pragma unroll
   for (int mb = 0; mb < S::kMB; ++mb)

@@ -40,11 +40,21 @@ template <auto kKernel, class Arg = AttnParams, int kM = 128>
 void launch_row_tiles(const AttnParams& p, size_t smem, int threads, cudaStream_t stream, const Arg* arg = nullptr) {
   static_assert(kPrefillRowsPerCta == 128 && kWgmmaRowsPerCta == 128, "the default schedule");
   ensure_smem_limit<kKernel>(smem, true);
-  constexpr int64_t m = kM;
-  const int64_t tiles = p.batched ? p.batch * ((p.q_rows + m - 1) / m) : p.q_rows / m + p.batch + 1;
-  const dim3 grid(unsigned(tiles), unsigned(p.num_heads), unsigned(p.num_splits));
+  const dim3 grid(unsigned(p.row_tiles(kM)), unsigned(p.num_heads), unsigned(p.num_splits));
   if constexpr (std::is_same_v<Arg, AttnParams>) kKernel<<<grid, threads, smem, stream>>>(p);
   else kKernel<<<grid, threads, smem, stream>>>(*arg);
+  FS_CUDA_CHECK_LAUNCH();
+}
+
+// kKernel as a persistent grid over the same items (prefill_persistent.cuh): min(items,
+// p.persistent_ctas) CTAs, each walking items c, c + G, ...
+template <auto kKernel, class Arg, int kM>
+void launch_row_tiles_persistent(const AttnParams& p, size_t smem, int threads, cudaStream_t stream, const Arg& arg) {
+  ensure_smem_limit<kKernel>(smem, true);
+  const int64_t items = p.row_tiles(kM) * p.num_heads * p.num_splits;
+  const int64_t ctas = items < p.persistent_ctas ? items : p.persistent_ctas;
+  if (ctas <= 0) return;
+  kKernel<<<unsigned(ctas), threads, smem, stream>>>(arg);
   FS_CUDA_CHECK_LAUNCH();
 }
 

@@ -4,7 +4,7 @@
 // allocated or synchronized, and a captured launch keeps them as kernel parameters).
 #include "kernels/attention/launchers.hpp"
 #include "kernels/attention/prefill_launch.cuh"
-#include "kernels/attention/prefill_tma.cuh"
+#include "kernels/attention/prefill_persistent.cuh"
 
 namespace flashserve::kernels {
 
@@ -12,12 +12,19 @@ namespace {
 
 // One instantiation over its row tiles (kWgs consumer warpgroups of 64 rows: 128 or 192 rows,
 // select.hpp's prefill_tma_rows): the tensor maps' Q box and the shared memory of that many.
+// p.persistent_ctas > 0: its persistent form (prefill_persistent.cuh).
 template <class T, int kD, int kDv, bool kF32Out, bool kAlibi, int kWgs>
 void launch_tma_rows(const AttnParams& p, cudaStream_t s) {
   constexpr int kM = 64 * kWgs;
   constexpr size_t smem = prefill::prefill_tma_smem_bytes_of<kD, kDv, kM>();
   static_assert(prefill_tma_smem_bytes(kD, kDv, kM) == smem, "select.hpp's size is the kernel's");
+  constexpr size_t smem_persistent = prefill::prefill_persistent_smem_bytes_of<kD, kDv, kM>();
+  static_assert(prefill_tma_persistent_smem_bytes(kD, kDv, kM) == smem_persistent, "select.hpp's size is the kernel's");
   const prefill::TmaAttnParams tp = prefill::tma_params<kD, kDv, kM>(p);
+  if (p.persistent_ctas > 0)
+    return launch_row_tiles_persistent<&prefill::prefill_tma_persistent<T, kD, kDv, kF32Out, kAlibi, kWgs>,
+                                       prefill::TmaAttnParams, kM>(p, smem_persistent, prefill::tma_threads(kWgs), s,
+                                                                   tp);
   launch_row_tiles<&prefill::prefill_tma<T, kD, kDv, kF32Out, kAlibi, kWgs>, prefill::TmaAttnParams, kM>(
       p, smem, prefill::tma_threads(kWgs), s, &tp);
 }

@@ -184,7 +184,8 @@ struct Producer {
     t.whole = tma_tile<kN>(tp.p, kv, cache, sk, t.n0, seg, lane, t.row, t.blk);
     return t;
   }
-  // Stage j % 2 of K (kKeys) or V, part `part` of `parts`, once the consumers released it.
+  // Stage j % 2 of K (kKeys) or V, part `part` of `parts`, once the consumers released it. j
+  // counts the CTA's tiles (the persistent kernel's earlier items' too: j0 of run_both).
   template <bool kKeys>
   FS_DEV void load(int j, const Tile& t, int part, int parts) const {
     constexpr int kW = kKeys ? kD : kDv;
@@ -199,14 +200,14 @@ struct Producer {
   }
   // One operand's part of every tile (split), the next tile's block ids read before the wait.
   template <bool kKeys>
-  FS_DEV void run_operand(int part) const {
+  FS_DEV void run_operand(int part, int j0 = 0) const {
     if (ck.tiles <= 0) return;
     Tile t = locate(0);
 #pragma unroll 1
     for (int j = 0; j < ck.tiles; ++j) {
       Tile next;
       if (j + 1 < ck.tiles) next = locate(j + 1);
-      load<kKeys>(j, t, part, kTmaParts);
+      load<kKeys>(j0 + j, t, part, kTmaParts);
       t = next;
     }
   }
@@ -215,18 +216,19 @@ struct Producer {
   // period later (ncu, D = 128 S = 8k: the consumers' K-full wait 3.8% -> 1.4% of samples, the
   // tensor pipe 71% -> 74% active, 6% less time); at 64-key tiles (D = 256) it measured 1.6%
   // slower, so there K(j) precedes V(j).
-  FS_DEV void run_both() const {
+  // j0: the CTA's tiles before this item's (the persistent kernel; 0 otherwise).
+  FS_DEV void run_both(int j0 = 0) const {
     constexpr bool kKAhead = kN >= 128;
     if (ck.tiles <= 0) return;
     Tile t = locate(0);  // tile j's location (the next one's block ids read a tile early)
-    if (kKAhead) load<true>(0, t, 0, 1);
+    if (kKAhead) load<true>(j0, t, 0, 1);
 #pragma unroll 1
     for (int j = 0; j < ck.tiles; ++j) {
       Tile next;
       if (j + 1 < ck.tiles) next = locate(j + 1);
-      if (!kKAhead) load<true>(j, t, 0, 1);
-      else if (j + 1 < ck.tiles) load<true>(j + 1, next, 0, 1);
-      load<false>(j, t, 0, 1);
+      if (!kKAhead) load<true>(j0 + j, t, 0, 1);
+      else if (j + 1 < ck.tiles) load<true>(j0 + j + 1, next, 0, 1);
+      load<false>(j0 + j, t, 0, 1);
       t = next;
     }
   }
@@ -236,14 +238,25 @@ struct Producer {
 // barrier 1 + wg) before issuing its GEMMs and hands the turn over after (the next warpgroup's
 // barrier). All walk the same tiles, so with the last warpgroup opening warpgroup 0's first turn
 // and skipping its last hand-over, every barrier sees as many arrivals as waits.
-template <int kWgs>
+// kChain (the persistent kernel, whose items follow one another): the last warpgroup's last
+// hand-over of an item opens warpgroup 0's first turn of the next, so the kernel opens the very
+// first turn once and warpgroup 0 takes the one hand-over left at its end (chain_open,
+// chain_close).
+template <int kWgs, bool kChain = false>
 struct PingPong {
   int wg;
   FS_DEV void my_turn() const { named_sync(1 + wg, 2 * 128); }
   FS_DEV void hand_over(bool last) const {
-    if (!(wg == kWgs - 1 && last)) named_arrive(1 + (wg + 1 == kWgs ? 0 : wg + 1), 2 * 128);
+    if (kChain || !(wg == kWgs - 1 && last)) named_arrive(1 + (wg + 1 == kWgs ? 0 : wg + 1), 2 * 128);
   }
 };
+template <int kWgs>
+FS_DEV void chain_open(int wg) {
+  if (wg == kWgs - 1) named_arrive(1, 2 * 128);
+}
+FS_DEV void chain_close(int wg) {
+  if (wg == 0) named_sync(1, 2 * 128);
+}
 
 // One consumer warp's release of a stage: its lane 0 arrives once its wgmma reading it is done.
 FS_DEV void release(uint32_t empty, int lane) {
@@ -280,25 +293,32 @@ FS_DEV void pin_wait(uint32_t pin, float x) {
 // issue the GEMMs over stage st (a commit group each) into them, softmax(j) runs on the
 // completed S and returns a value that depends on all of it (pin_wait), rescale() scales O by
 // the softmax's alpha, pack() makes P(j) from S.
-template <bool kPin, int kNS, int kNO, int kWgs = 2, class Qk, class Pv, class Softmax, class Rescale, class Pack>
+// The persistent kernel (kChain) chains its items: j0 counts the CTA's tiles before this item's
+// (the stages and phases run on), the ping-pong hands over across items (PingPong), and
+// q_empty (non-zero) is released once the item's last S is complete, so that the next item's Q
+// loads during the last softmax, P V and epilogue.
+template <bool kPin, int kNS, int kNO, int kWgs = 2, bool kChain = false, class Qk, class Pv, class Softmax,
+          class Rescale, class Pack>
 FS_DEV void consume_tiles(int tiles, int wg, int lane, const StageBars& b, float (&s)[kNS][4], float (&o)[kNO][4],
                           const Qk& qk, const Pv& pv, const Softmax& softmax, const Rescale& rescale,
-                          const Pack& pack) {
+                          const Pack& pack, int j0 = 0, uint32_t q_empty = 0) {
   if (tiles <= 0) return;
-  const PingPong<kWgs> turn{wg};
-  const auto parity = [](int j) { return uint32_t((j >> 1) & 1); };
-  if (wg == kWgs - 1) named_arrive(1, 2 * 128);  // opens warpgroup 0's first turn
-  mbar_wait(b.k_full, 0);
+  const PingPong<kWgs, kChain> turn{wg};
+  const auto parity = [j0](int j) { return uint32_t(((j0 + j) >> 1) & 1); };
+  const auto stage = [j0](int j) { return (j0 + j) & 1; };
+  if (!kChain && wg == kWgs - 1) named_arrive(1, 2 * 128);  // opens warpgroup 0's first turn
+  mbar_wait(StageBars::at(b.k_full, stage(0)), parity(0));
   turn.my_turn();
-  qk(0);
+  qk(stage(0));
   turn.hand_over(false);
   wgmma_wait<0>();
   fence_operands(s);
-  release(b.k_empty, lane);
+  release(StageBars::at(b.k_empty, stage(0)), lane);
+  if (kChain && tiles == 1) release(q_empty, lane);
   softmax(0);  // o is still 0: no rescale
   pack();
   for (int j = 1; j < tiles; ++j) {
-    const int st = j & 1, prev = st ^ 1;
+    const int st = stage(j), prev = st ^ 1;
     mbar_wait(StageBars::at(b.k_full, st), parity(j));
     mbar_wait(StageBars::at(b.v_full, prev), parity(j - 1));
     turn.my_turn();
@@ -308,13 +328,14 @@ FS_DEV void consume_tiles(int tiles, int wg, int lane, const StageBars& b, float
     wgmma_wait<1>();
     fence_operands(s);
     release(StageBars::at(b.k_empty, st), lane);
+    if (kChain && j == tiles - 1) release(q_empty, lane);
     pin_wait<kPin>(b.pin, softmax(j));  // P(j-1) V(j-1) added: P's registers free, O final for it
     fence_operands(o);
     release(StageBars::at(b.v_empty, prev), lane);
     rescale();
     pack();
   }
-  const int last = (tiles - 1) & 1;
+  const int last = stage(tiles - 1);
   mbar_wait(StageBars::at(b.v_full, last), parity(tiles - 1));
   turn.my_turn();
   pv(last);

@@ -238,6 +238,15 @@ bool kernel_disabled(AttnKernelId kernel) {
   return (mask >> unsigned(kernel)) & 1u;
 }
 
+int prefill_tma_persistent_ctas(int64_t max_split_keys, int num_sms) {
+  static const int forced = [] {
+    const char* env = std::getenv("FLASHSERVE_PREFILL_PERSISTENT");
+    return env && (env[0] == '0' || env[0] == '1') && env[1] == '\0' ? env[0] - '0' : -1;
+  }();
+  const bool on = forced >= 0 ? forced == 1 : max_split_keys > 0 && max_split_keys <= kPrefillPersistentMaxKeys;
+  return on ? num_sms : 0;
+}
+
 size_t generic_smem_bytes(int64_t d, int64_t dv, int64_t qv_dim) {
   const int64_t floats = kGenericPackedRows * (d + qv_dim) + kGenericTileKeys * (d + 1) + kGenericTileKeys * (dv + 1);
   return kGenericTileKeys * kGenericTokenLocBytes + size_t(floats) * sizeof(float);
