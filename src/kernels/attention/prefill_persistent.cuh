@@ -119,15 +119,11 @@ __global__ void __launch_bounds__(tma_threads(kWgs), 1)
   const uint32_t producer_parts = split_load ? kTmaParts : 1;  // producer warps per full barrier
   if (threadIdx.x == 0) {
     tma_prefetch_desc(&tp.q);
-    mbar_init(sm.q_full(), 1);
+    sm.init_bars(producer_parts, S::kWarps);
     mbar_init(sm.q_empty(), S::kWarps);
-    for (int st = 0; st < 2; ++st) {
-      mbar_init(sm.k_full(st), kFullArrivals * producer_parts);
-      mbar_init(sm.v_full(st), kFullArrivals * producer_parts);
-      mbar_init(sm.k_empty(st), S::kWarps);
-      mbar_init(sm.v_empty(st), S::kWarps);
-      mbar_init(sm.item_full(st), 1);
-      mbar_init(sm.item_empty(st), S::kWarps);
+    for (int slot = 0; slot < 2; ++slot) {
+      mbar_init(sm.item_full(slot), 1);
+      mbar_init(sm.item_empty(slot), S::kWarps);
     }
     mbar_init_fence();
   }

@@ -106,6 +106,17 @@ struct TmaSmem {
   FS_DEV uint32_t k_empty(int st) const { return bars + 24 + 8 * st; }
   FS_DEV uint32_t v_full(int st) const { return bars + 40 + 8 * st; }
   FS_DEV uint32_t v_empty(int st) const { return bars + 56 + 8 * st; }
+  // The pipelines' mbarriers (one thread): Q full, K / V full (each producer warp's 32 arrivals
+  // plus the bytes) and empty (one arrival per consumer warp).
+  FS_DEV void init_bars(uint32_t producer_parts, uint32_t consumer_warps) const {
+    mbar_init(q_full(), 1);
+    for (int st = 0; st < 2; ++st) {
+      mbar_init(k_full(st), kFullArrivals * producer_parts);
+      mbar_init(v_full(st), kFullArrivals * producer_parts);
+      mbar_init(k_empty(st), consumer_warps);
+      mbar_init(v_empty(st), consumer_warps);
+    }
+  }
 };
 
 // The tensor maps of q, k and v (host side, per call): Q boxes of 128 rows; K/V boxes of a tile
@@ -362,13 +373,7 @@ __global__ void __launch_bounds__(tma_threads(kWgs), 1) prefill_tma(const __grid
   const uint32_t producer_parts = split_load ? kTmaParts : 1;  // producer warps per full barrier
   if (threadIdx.x == 0) {  // before the CTA's work lookup, which waits for device metadata
     tma_prefetch_desc(&tp.q);
-    mbar_init(sm.q_full(), 1);
-    for (int st = 0; st < 2; ++st) {
-      mbar_init(sm.k_full(st), kFullArrivals * producer_parts);
-      mbar_init(sm.v_full(st), kFullArrivals * producer_parts);
-      mbar_init(sm.k_empty(st), S::kWarps);
-      mbar_init(sm.v_empty(st), S::kWarps);
-    }
+    sm.init_bars(producer_parts, S::kWarps);
     mbar_init_fence();
   }
   int64_t h;
