@@ -113,7 +113,8 @@ void attention(const detail::AttnProblem& pr, const Plan& plan, const ExecContex
   a.rows_per_cta = choice.rows_per_cta;
   a.heads_per_cta = choice.heads_per_cta;
   a.head_slices = choice.head_slices;
-  if (choice.kernel == AttnKernelId::prefill_tma) a.persistent_ctas = prefill_tma_persistent_ctas(a.max_split_keys, dev.num_sms);
+  if (choice.kernel == AttnKernelId::prefill_tma || choice.kernel == AttnKernelId::prefill_fp8)
+    a.persistent_ctas = prefill_tma_persistent_ctas(a.max_split_keys, dev.num_sms);
   if (choice.kernel == AttnKernelId::decode)
     a.row_ctas = decode_row_ctas(plan.shape.max_seqlen_q * a.group, plan.shape.kv_8bit);
   if (a.batch == 0 || a.total_rows() == 0) return;

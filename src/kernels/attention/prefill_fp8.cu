@@ -5,10 +5,27 @@
 #include <cuda_fp8.h>
 
 #include "kernels/attention/launchers.hpp"
-#include "kernels/attention/prefill_fp8.cuh"
+#include "kernels/attention/prefill_persistent.cuh"
 #include "kernels/attention/prefill_launch.cuh"
 
 namespace flashserve::kernels {
+
+namespace {
+
+// The kernel of out type TOut: its persistent form when p.persistent_ctas > 0.
+template <class TOut>
+void launch_out(const AttnParams& p, const prefill::TmaAttnParams& tp, cudaStream_t s) {
+  constexpr int kD = 128, kDv = 128, threads = prefill::kTmaThreads;
+  using F8 = __nv_fp8_e4m3;
+  constexpr size_t smem_persistent = prefill::prefill_fp8_persistent_smem_bytes_of<kD, kDv>();
+  static_assert(prefill_fp8_persistent_smem_bytes(kD, kDv) == smem_persistent, "select.hpp's size is the kernel's");
+  if (p.persistent_ctas > 0)
+    return launch_row_tiles_persistent<&prefill::prefill_fp8_persistent<F8, TOut, kD, kDv>, prefill::TmaAttnParams,
+                                       kWgmmaRowsPerCta>(p, smem_persistent, threads, s, tp);
+  launch_row_tiles<&prefill::prefill_fp8<F8, TOut, kD, kDv>>(p, prefill_fp8_smem_bytes(kD, kDv), threads, s, &tp);
+}
+
+}  // namespace
 
 void launch_prefill_fp8(const AttnParams& p, const AttnKernelChoice& choice, void* stream) {
   (void)choice;
@@ -20,15 +37,10 @@ void launch_prefill_fp8(const AttnParams& p, const AttnKernelChoice& choice, voi
                                    " Dv=", p.head_dim_v));
   const auto s = static_cast<cudaStream_t>(stream);
   const prefill::TmaAttnParams tp = prefill::tma_params<kD, kDv>(p);
-  const size_t smem = prefill_fp8_smem_bytes(kD, kDv);
-  constexpr int threads = prefill::kTmaThreads;
-  using F8 = __nv_fp8_e4m3;
   switch (p.out.dtype) {
-    case DType::bf16:
-      launch_row_tiles<&prefill::prefill_fp8<F8, __nv_bfloat16, kD, kDv>>(p, smem, threads, s, &tp);
-      break;
-    case DType::f16: launch_row_tiles<&prefill::prefill_fp8<F8, __half, kD, kDv>>(p, smem, threads, s, &tp); break;
-    case DType::f32: launch_row_tiles<&prefill::prefill_fp8<F8, float, kD, kDv>>(p, smem, threads, s, &tp); break;
+    case DType::bf16: return launch_out<__nv_bfloat16>(p, tp, s);
+    case DType::f16: return launch_out<__half>(p, tp, s);
+    case DType::f32: return launch_out<float>(p, tp, s);
     default: throw RuntimeError(detail::cat("prefill_fp8: no instantiation for out ", dtype_name(p.out.dtype)));
   }
 }

@@ -82,6 +82,18 @@ struct Fp8Smem {
   FS_DEV uint32_t v_empty(int st) const { return bars + 56 + 8 * st; }   // raw V transposed (128 lanes)
   FS_DEV uint32_t vt_full(int st) const { return bars + 72 + 8 * st; }   // V^T written (128 lanes)
   FS_DEV uint32_t vt_empty(int st) const { return bars + 88 + 8 * st; }  // V^T read (8 consumer warps)
+  // The pipelines' mbarriers (one thread; consumer_warps: the consumers' warps).
+  FS_DEV void init_bars(uint32_t consumer_warps) const {
+    mbar_init(q_full(), 1);
+    for (int st = 0; st < 2; ++st) {
+      mbar_init(k_full(st), kFullArrivals);
+      mbar_init(v_full(st), kFullArrivals);
+      mbar_init(k_empty(st), consumer_warps);
+      mbar_init(v_empty(st), kTransposeArrivals);
+      mbar_init(vt_full(st), kTransposeArrivals);
+      mbar_init(vt_empty(st), consumer_warps);
+    }
+  }
 };
 
 // 4 fp32 values to 4 e4m3 bytes (the first lowest), rounded to nearest, saturated to +-448.
@@ -153,21 +165,21 @@ FS_DEV void transpose_v(uint32_t raw, uint32_t vt, int w) {
 // raw V, where a paged tile is several page segments (prefill_tma's Producer::split: one warp
 // issuing every box of a tile bound its paged loads at block 16); all four warps transpose tile
 // j - 1 after tile j's loads were issued, so loads run about two tiles ahead of the consumers.
-template <class T, int kD, int kDv>
-FS_DEV void produce_fp8(const TmaAttnParams& tp, const CtaWork& w, const SeqKv& kv, const CtaKeys& ck,
-                        const Fp8Smem<kD, kDv>& sm, int warp, int lane) {
-  using Sm = Fp8Smem<kD, kDv>;
+// j0: the CTA's tiles before this item's (the persistent kernel: stages and phases run on).
+template <class T, int kD, int kDv, class Sm>
+FS_DEV void produce_fp8(const TmaAttnParams& tp, const CtaWork& w, const SeqKv& kv, const CtaKeys& ck, const Sm& sm,
+                        int warp, int lane, int j0 = 0) {
   using L = typename Sm::KvL;
   constexpr int kN = Sm::kN;
   const AttnParams& p = tp.p;
   const int64_t sk = kv_len(p, w.b);
   const KeyRange cache = generic::cache_tokens(p, kv);
   const int seg = prefill_tma_box_rows(kN, p.paged, p.kv_dim1), g = int(kv.g);
-  const auto transpose = [&](int j) {
-    const int st = j & 1;
+  const auto transpose = [&](int jj) {
+    const int j = j0 + jj, st = j & 1;
     const uint32_t parity = uint32_t((j >> 1) & 1);
     mbar_wait(sm.v_full(st), parity);
-    if (j >= 2) mbar_wait(sm.vt_empty(st), parity ^ 1u);
+    if (j >= 2) mbar_wait(sm.vt_empty(st), parity ^ 1u);  // j counts the CTA's tiles
     transpose_v<kN, kDv, L, typename Sm::VtL>(sm.v(st), sm.vt(st), warp);
     fence_proxy_async_shared();  // the stmatrix writes, visible to wgmma
     mbar_arrive(sm.vt_full(st));  // every lane: its own reads and writes done (kTransposeArrivals)
@@ -180,20 +192,20 @@ FS_DEV void produce_fp8(const TmaAttnParams& tp, const CtaWork& w, const SeqKv& 
 #pragma unroll 1
   for (int j = 0; j < ck.tiles; ++j) {
     if (loads_k || loads_v) {
-      const int st = j & 1;
-      const uint32_t parity = uint32_t((j >> 1) & 1) ^ 1u;
+      const int st = (j0 + j) & 1;
+      const uint32_t parity = uint32_t(((j0 + j) >> 1) & 1) ^ 1u;
       const int64_t n0 = tile_n0(j), id = next_id;
       // the next tile's block ids, loaded while this tile's loads and tile j - 1's transpose run
       if (j + 1 < ck.tiles) next_id = tma_tile_id<kN>(p, kv, cache, sk, tile_n0(j + 1), seg, lane);
       int row = 0, blk = 0;
       const bool whole = tma_tile_from<kN>(p, kv, cache, sk, n0, seg, lane, id, row, blk);
       if (loads_k) {
-        if (j >= 2) mbar_wait(sm.k_empty(st), parity);
+        if (j0 + j >= 2) mbar_wait(sm.k_empty(st), parity);
         if (whole) tma_stage<T, L, kN, kD>(&tp.k, sm.k(st), sm.k_full(st), Sm::kKBytes, seg, g, row, blk, 0, 1, lane);
         else copy_tail<T, L, kN, kD / 16, true>(p, kv, sk, n0, sm.k(st), sm.k_full(st), lane);
       }
       if (loads_v) {
-        if (j >= 2) mbar_wait(sm.v_empty(st), parity);
+        if (j0 + j >= 2) mbar_wait(sm.v_empty(st), parity);
         if (whole)
           tma_stage<T, L, kN, kDv>(&tp.v, sm.v(st), sm.v_full(st), Sm::kVBytes, seg, g, row, blk, 0, 1, lane);
         else copy_tail<T, L, kN, kDv / 16, false>(p, kv, sk, n0, sm.v(st), sm.v_full(st), lane);
@@ -239,15 +251,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_fp8(const __grid_const
   const Sm sm(smem_raw);
   if (threadIdx.x == 0) {  // before the CTA's work lookup, which waits for device metadata
     tma_prefetch_desc(&tp.q);
-    mbar_init(sm.q_full(), 1);
-    for (int st = 0; st < 2; ++st) {
-      mbar_init(sm.k_full(st), kFullArrivals);
-      mbar_init(sm.v_full(st), kFullArrivals);
-      mbar_init(sm.k_empty(st), S::kWarps);
-      mbar_init(sm.v_empty(st), kTransposeArrivals);
-      mbar_init(sm.vt_full(st), kTransposeArrivals);
-      mbar_init(sm.vt_empty(st), S::kWarps);
-    }
+    sm.init_bars(S::kWarps);
     mbar_init_fence();
   }
   int64_t h;

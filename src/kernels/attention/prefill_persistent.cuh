@@ -13,45 +13,54 @@
 // - the epilogue writes out from registers (store_rows' kDirect), not through Q's rows.
 // What it is for: short sequences, where a CTA's few tiles do not amortize its start (CTA launch,
 // the metadata chain, Q's and the first tiles' latency: ~3-5 us against ~1.5 us per 128-key
-// tile at D = 128) and its epilogue. The launcher takes it where a CTA's keys are few
+// tile at D = 128) and its epilogue. The launchers take it where a CTA's keys are few
 // (select.hpp: prefill_tma_persistent_ctas); the mainloop, producer, masks, modifiers and
-// epilogue are prefill_tma's.
+// epilogue are prefill_tma's (prefill_tma_persistent) or prefill_fp8's (prefill_fp8_persistent,
+// the item carrying its descales).
 #pragma once
 
-#include "kernels/attention/prefill_tma.cuh"
+#include "kernels/attention/prefill_fp8.cuh"
 
 namespace flashserve::kernels::prefill {
 
-// One item as the producer hands it to the consumers.
+// One item as the producer hands it to the consumers (fp8: its descales too).
 struct TmaItem {
   CtaWork w;
   CtaKeys ck;
   int64_t h = 0;
   int split = 0;
+  float qk_desc = 1.0f, v_desc = 1.0f;  // prefill_fp8: q_descale x k_descale, v_descale of (b, h / group)
 };
 
-// prefill_tma's shared memory, then 5 mbarriers (item_full, item_empty per slot, q_empty) and the
-// two item slots.
-template <int kD, int kDv, int kM>
-struct PersistSmem : TmaSmem<kD, kDv, kM> {
-  using Base = TmaSmem<kD, kDv, kM>;
+// A kernel's shared memory (Base: TmaSmem or Fp8Smem), then 5 mbarriers (item_full and
+// item_empty per slot, q_empty) and the two item slots.
+template <class Base>
+struct PersistSmem : Base {
   static constexpr uint32_t kBytes = Base::kBytes + 5 * 8 + 2 * uint32_t(kTmaItemSlotBytes);
   static_assert(sizeof(TmaItem) <= kTmaItemSlotBytes && kTmaItemSlotBytes % 8 == 0, "item slots (select.hpp)");
   uint32_t xbars;
   unsigned char* slots;
   FS_DEV explicit PersistSmem(unsigned char* raw) : Base(raw) {
-    xbars = Base::bars + 9 * 8;  // past TmaSmem's 9 mbarriers (8-byte aligned)
+    xbars = Base::bars + Base::kBars * 8;  // past the base's mbarriers (8-byte aligned)
     slots = raw + (xbars - smem_u32(raw)) + 5 * 8;
   }
   FS_DEV TmaItem& item(int slot) const { return *reinterpret_cast<TmaItem*>(slots + slot * kTmaItemSlotBytes); }
   FS_DEV uint32_t item_full(int slot) const { return xbars + 8 * slot; }
   FS_DEV uint32_t item_empty(int slot) const { return xbars + 16 + 8 * slot; }
   FS_DEV uint32_t q_empty() const { return xbars + 32; }
+  // The walk's mbarriers (one thread; consumer_warps: the consumers' warps).
+  FS_DEV void init_walk_bars(uint32_t consumer_warps) const {
+    mbar_init(q_empty(), consumer_warps);
+    for (int slot = 0; slot < 2; ++slot) {
+      mbar_init(item_full(slot), 1);
+      mbar_init(item_empty(slot), consumer_warps);
+    }
+  }
 };
 
 template <int kD, int kDv, int kM = kWgmmaRowsPerCta>
 constexpr size_t prefill_persistent_smem_bytes_of() {
-  return PersistSmem<kD, kDv, kM>::kBytes;
+  return PersistSmem<TmaSmem<kD, kDv, kM>>::kBytes;
 }
 
 // Item L of prefill_tma's (row tiles, heads, splits) grid in cta_of_block's order. Sets h and
@@ -64,42 +73,65 @@ FS_DEV CtaWork item_work(const AttnParams& p, int64_t L, int64_t row_tiles, int6
   return cta_work<kM>(p, row_tiles - 1 - linear / p.num_heads);
 }
 
-// The producer warps' walk: every item's work (warp 0 hands it to the consumers and loads Q),
-// then its K and V tiles as prefill_tma's Producer loads them, j0 counting the CTA's tiles.
-template <class T, int kD, int kDv, int kM, class Sm>
-FS_DEV void produce_items(const TmaAttnParams& tp, const Sm& sm, int pw, int lane, bool split_load) {
-  const AttnParams& p = tp.p;
-  const int64_t row_tiles = p.row_tiles(kM), items = row_tiles * p.num_heads * p.num_splits;
-  int i = 0, nq = 0, j0 = 0;
+// f(i, L) for the CTA's items L = c, c + G, ... (i counting them).
+template <int kM, class F>
+FS_DEV void for_each_item(const AttnParams& p, F&& f) {
+  const int64_t items = p.row_tiles(kM) * p.num_heads * p.num_splits;
+  int i = 0;
 #pragma unroll 1
-  for (int64_t L = blockIdx.x; L < items; L += gridDim.x, ++i) {
+  for (int64_t L = blockIdx.x; L < items; L += gridDim.x, ++i) f(i, L);
+}
+
+// The producers' side of a walk: each item's work (every producer warp computes it: cta_work is
+// warp-collective), which warp 0 hands to the consumers; Q of the active ones, once the previous
+// item's S no longer reads Q.
+template <int kM, int kN>
+struct ItemProducer {
+  const TmaAttnParams& tp;
+  int lane;
+  bool hands_over;  // warp 0
+  int nq = 0;       // Q loads so far
+  // Item L's work (kFp8: with the descales); kv its sequence's KV (active items).
+  template <bool kFp8>
+  FS_DEV TmaItem make(int64_t L, SeqKv& kv) const {
+    const AttnParams& p = tp.p;
     TmaItem it;
-    it.w = item_work<kM>(p, L, row_tiles, it.h, it.split);
-    SeqKv kv;
-    if (it.w.active) {
-      kv = seq_kv(p, it.w.b, it.h / p.group);
-      it.ck = cta_keys<Sm::kN>(p, it.w, kv, it.split);
+    it.w = item_work<kM>(p, L, p.row_tiles(kM), it.h, it.split);
+    if (!it.w.active) return it;
+    kv = seq_kv(p, it.w.b, it.h / p.group);
+    it.ck = cta_keys<kN>(p, it.w, kv, it.split);
+    if constexpr (kFp8) {
+      it.qk_desc = load_f32_2d(p.q_descale, it.w.b, kv.g, 1.0f) * load_f32_2d(p.k_descale, it.w.b, kv.g, 1.0f);
+      it.v_desc = load_f32_2d(p.v_descale, it.w.b, kv.g, 1.0f);
     }
-    if (pw == 0) {
-      const int slot = i & 1;
-      if (i >= 2) mbar_wait(sm.item_empty(slot), uint32_t(((i >> 1) & 1) ^ 1));
-      if (lane == 0) {
-        sm.item(slot) = it;
-        mbar_arrive(sm.item_full(slot));
-      }
-    }
-    if (!it.w.active) continue;
-    if (pw == 0) {
-      if (nq >= 1) mbar_wait(sm.q_empty(), uint32_t((nq - 1) & 1));
-      if (lane == 0) load_q<T, wgmma_tile_width(kD)>(tp, sm, it.w, it.h);
-    }
-    ++nq;
-    const Producer<T, kD, kDv, Sm> pr(tp, it.w, kv, it.ck, sm, lane);
-    if (!split_load) pr.run_both(j0);
-    else if (pw < kTmaParts) pr.template run_operand<true>(pw, j0);
-    else pr.template run_operand<false>(pw - kTmaParts, j0);
-    j0 += it.ck.tiles;
+    return it;
   }
+  // Item i into slot i % 2 once the consumers took item i - 2 from it; then, active, its Q.
+  template <class T, int kW, class Sm>
+  FS_DEV void hand_over(const Sm& sm, const TmaItem& it, int i) {
+    if (!hands_over) return;
+    const int slot = i & 1;
+    if (i >= 2) mbar_wait(sm.item_empty(slot), uint32_t(((i >> 1) & 1) ^ 1));
+    if (lane == 0) {
+      sm.item(slot) = it;
+      mbar_arrive(sm.item_full(slot));
+    }
+    if (!it.w.active) return;
+    if (nq >= 1) mbar_wait(sm.q_empty(), uint32_t((nq - 1) & 1));
+    if (lane == 0) load_q<T, kW>(tp, sm, it.w, it.h);
+    ++nq;
+  }
+};
+
+// The consumers' side: item i from its slot (released at once: the producer may refill it).
+template <class Sm>
+FS_DEV TmaItem take_item(const Sm& sm, int i, int lane) {
+  const int slot = i & 1;
+  mbar_wait(sm.item_full(slot), uint32_t((i >> 1) & 1));
+  const TmaItem it = sm.item(slot);
+  __syncwarp();  // every lane's reads of the slot precede the release
+  release(sm.item_empty(slot), lane);
+  return it;
 }
 
 template <class T, int kD, int kDv, bool kF32Out, bool kAlibi, int kWgs = 2>
@@ -108,7 +140,7 @@ __global__ void __launch_bounds__(tma_threads(kWgs), 1)
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(kWgs == 2 || (kWgs == 3 && prefill_tma_max_consumer_wgs(kD, kDv, kF32Out) == 3), "built shapes");
   using S = Wgmma90<kD, kDv, 64 * kWgs>;
-  using Sm = PersistSmem<kD, kDv, S::kM>;
+  using Sm = PersistSmem<TmaSmem<kD, kDv, S::kM>>;
   using QL = typename Sm::QL;
   constexpr int kN = S::kN, kDo = wgmma_tile_width(kDv);
   static_assert(kD % 16 == 0 && kDv % 8 == 0 && kDv <= wgmma_tile_width(kD), "k16 steps");
@@ -116,15 +148,10 @@ __global__ void __launch_bounds__(tma_threads(kWgs), 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const Sm sm(smem_raw);
   const bool split_load = Producer<T, kD, kDv, Sm>::split(p);
-  const uint32_t producer_parts = split_load ? kTmaParts : 1;  // producer warps per full barrier
   if (threadIdx.x == 0) {
     tma_prefetch_desc(&tp.q);
-    sm.init_bars(producer_parts, S::kWarps);
-    mbar_init(sm.q_empty(), S::kWarps);
-    for (int slot = 0; slot < 2; ++slot) {
-      mbar_init(sm.item_full(slot), 1);
-      mbar_init(sm.item_empty(slot), S::kWarps);
-    }
+    sm.init_bars(split_load ? kTmaParts : 1, S::kWarps);
+    sm.init_walk_bars(S::kWarps);
     mbar_init_fence();
   }
   __syncthreads();
@@ -132,23 +159,30 @@ __global__ void __launch_bounds__(tma_threads(kWgs), 1)
   if (wg == kWgs) {  // the producer warpgroup: warp 0, or 2 x kTmaParts warps where pages split a tile
     regs_dealloc<tma_producer_regs(kWgs)>();
     const int pw = warp - 4 * kWgs;
-    if (pw < (split_load ? 2 * kTmaParts : 1)) produce_items<T, kD, kDv, S::kM>(tp, sm, pw, lane, split_load);
+    if (pw >= (split_load ? 2 * kTmaParts : 1)) return;
+    ItemProducer<S::kM, kN> ip{tp, lane, pw == 0};
+    int j0 = 0;
+    for_each_item<S::kM>(p, [&](int i, int64_t L) {
+      SeqKv kv;
+      const TmaItem it = ip.template make<false>(L, kv);
+      ip.template hand_over<T, wgmma_tile_width(kD)>(sm, it, i);
+      if (!it.w.active) return;
+      const Producer<T, kD, kDv, Sm> pr(tp, it.w, kv, it.ck, sm, lane);
+      if (!split_load) pr.run_both(j0);
+      else if (pw < kTmaParts) pr.template run_operand<true>(pw, j0);
+      else pr.template run_operand<false>(pw - kTmaParts, j0);
+      j0 += it.ck.tiles;
+    });
     return;
   }
   regs_alloc<tma_consumer_regs(kWgs)>();
-  const int64_t items = p.row_tiles(S::kM) * p.num_heads * p.num_splits;
   const ScoreLog2 score(p);
   const StageBars bars{sm.k_full(0), sm.k_empty(0), sm.v_full(0), sm.v_empty(0), sm.pins + 4 * threadIdx.x};
   chain_open<kWgs>(wg);
-  int i = 0, nq = 0, j0 = 0;
-#pragma unroll 1
-  for (int64_t L = blockIdx.x; L < items; L += gridDim.x, ++i) {
-    const int slot = i & 1;
-    mbar_wait(sm.item_full(slot), uint32_t((i >> 1) & 1));
-    const TmaItem it = sm.item(slot);
-    __syncwarp();  // every lane's reads of the slot precede the release
-    release(sm.item_empty(slot), lane);
-    if (!it.w.active) continue;
+  int nq = 0, j0 = 0;
+  for_each_item<S::kM>(p, [&](int i, int64_t) {
+    const TmaItem it = take_item(sm, i, lane);
+    if (!it.w.active) return;
     const WarpKeys<S> wk(it.ck.rows, it.ck.n_begin, it.w.rows, warp, lane, reinterpret_cast<int2*>(sm.ranges));
     const ScoreBias<kAlibi> bias = make_score_bias<kAlibi>(p, it.w.b, it.h, score);
     const int64_t d0 = kAlibi ? bias_d0<S>(it.ck, warp, 0, lane) : 0;
@@ -173,7 +207,81 @@ __global__ void __launch_bounds__(tma_threads(kWgs), 1)
                                                                                 score.exp_mul, sm.q, warp, lane);
     ++nq;
     j0 += it.ck.tiles;
+  });
+  chain_close(wg);
+#endif
+}
+
+template <int kD, int kDv>
+constexpr size_t prefill_fp8_persistent_smem_bytes_of() {
+  return PersistSmem<Fp8Smem<kD, kDv>>::kBytes;
+}
+
+// prefill_fp8 as a persistent kernel: the same walk; its producer warpgroup loads and
+// transposes every item's tiles (produce_fp8 with j0), the consumers take the descales from the
+// item and write out from registers (the raw V stages, prefill_fp8's staging, hold the next
+// item's V).
+template <class T, class TOut, int kD, int kDv>
+__global__ void __launch_bounds__(kTmaThreads, 1) prefill_fp8_persistent(const __grid_constant__ TmaAttnParams tp) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using S = Wgmma90<kD, kDv>;
+  using Sm = PersistSmem<Fp8Smem<kD, kDv>>;
+  constexpr int kN = S::kN;
+  using T16 = std::conditional_t<std::is_same_v<TOut, float>, __nv_bfloat16, TOut>;
+  const AttnParams& p = tp.p;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const Sm sm(smem_raw);
+  if (threadIdx.x == 0) {
+    tma_prefetch_desc(&tp.q);
+    sm.init_bars(S::kWarps);
+    sm.init_walk_bars(S::kWarps);
+    mbar_init_fence();
   }
+  __syncthreads();
+  const int warp = int(warp_uniform(threadIdx.x / 32)), lane = int(threadIdx.x) % 32, wg = warp / 4;
+  if (wg == 2) {  // the producer warpgroup: every warp walks the items (produce_fp8's roles)
+    regs_dealloc<kTmaProducerRegs>();
+    ItemProducer<S::kM, kN> ip{tp, lane, warp == 8};
+    int j0 = 0;
+    for_each_item<S::kM>(p, [&](int i, int64_t L) {
+      SeqKv kv;
+      const TmaItem it = ip.template make<true>(L, kv);
+      ip.template hand_over<T, kD>(sm, it, i);
+      if (!it.w.active) return;
+      produce_fp8<T, kD, kDv>(tp, it.w, kv, it.ck, sm, warp - 8, lane, j0);
+      j0 += it.ck.tiles;
+    });
+    return;
+  }
+  regs_alloc<kTmaConsumerRegs>();
+  const StageBars bars{sm.k_full(0), sm.k_empty(0), sm.vt_full(0), sm.vt_empty(0), 0u};
+  chain_open<2>(wg);
+  int nq = 0, j0 = 0;
+  for_each_item<S::kM>(p, [&](int i, int64_t) {
+    const TmaItem it = take_item(sm, i, lane);
+    if (!it.w.active) return;
+    const WarpKeys<S> wk(it.ck.rows, it.ck.n_begin, it.w.rows, warp, lane, reinterpret_cast<int2*>(sm.ranges));
+    const ScoreLog2 score(p, it.qk_desc);
+    const NoBias bias;
+    float o[1][kDv / 8][4] = {};
+    float s[kN / 8][4] = {};
+    uint32_t pa[kN / 32][4];
+    float m[1][2] = {{kNegInf, kNegInf}}, l[1][2] = {}, alpha[2];
+    mbar_wait(sm.q_full(), uint32_t(nq & 1));
+    if (it.ck.tiles <= 0) release(sm.q_empty(), lane);  // Q not read
+    consume_tiles<false, kN / 8, kDv / 8, 2, true>(
+        it.ck.tiles, wg, lane, bars, s, o[0], [&](int st) { issue_qk_fp8<T, kD, kN>(sm.q, sm.k(st), wg, s); },
+        [&](int st) { issue_pv_fp8<T, kDv, kN>(pa, sm.vt(st), o[0]); },
+        [&](int j) {
+          prefill::softmax_tile<S, kN>(wk, score, bias, 0, j, warp, lane, s, m[0], l[0], alpha, kFp8PShift, kFp8Lazy);
+          return l[0][0] + l[0][1];
+        },
+        [&] { rescale_o<kDv>(o[0], alpha); }, [&] { pack_p_e4m3<kN>(s, pa); }, j0, sm.q_empty());
+    store_rows<S, SwizzledTile<kWgmmaRowsPerCta>, T16, kDv, kDv, TOut, true>(
+        p, it.w, it.h, it.split, o, m, l, score.exp_mul, sm.v(0), warp, lane, it.v_desc, kFp8PShift);
+    ++nq;
+    j0 += it.ck.tiles;
+  });
   chain_close(wg);
 #endif
 }

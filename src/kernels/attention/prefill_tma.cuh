@@ -89,7 +89,8 @@ struct TmaSmem {
   static constexpr uint32_t kKBytes = kN * wgmma_tile_width(kD) * 2, kVBytes = kN * wgmma_tile_width(kDv) * 2;
   static constexpr uint32_t kTiles = kQBytes + 2 * kKBytes + 2 * kVBytes;
   static constexpr uint32_t kPinBytes = wait_pin_bytes(kM);
-  static constexpr uint32_t kBytes = 1024 + kTiles + kM * 8 + kPinBytes + 9 * 8;
+  static constexpr uint32_t kBars = 9;
+  static constexpr uint32_t kBytes = 1024 + kTiles + kM * 8 + kPinBytes + kBars * 8;
   uint32_t q, pins, bars;
   unsigned char* ranges;
   FS_DEV explicit TmaSmem(unsigned char* raw) {

@@ -232,20 +232,6 @@ constexpr size_t prefill_tma_smem_bytes(int64_t d, int64_t dv, int64_t m) {
   return 1024 + size_t(m * wd + 2 * n * wd + 2 * n * wdv) * 2 + size_t(m) * 8 + wait_pin_bytes(m) + 9 * 8;
 }
 
-// ---- prefill_tma's persistent form (prefill_persistent.cuh): one CTA per SM walking the items,
-// each item's start (metadata, Q, the first tiles) overlapping the previous item's end. Taken
-// where a CTA's keys are at most kPrefillPersistentMaxKeys (short sequences: few tiles per CTA).
-inline constexpr int64_t kPrefillPersistentMaxKeys = 2048;
-inline constexpr size_t kTmaItemSlotBytes = 256;  // an item handed to the consumers (TmaItem)
-// Its dynamic shared memory: prefill_tma's, 5 more mbarriers and two item slots.
-constexpr size_t prefill_tma_persistent_smem_bytes(int64_t d, int64_t dv, int64_t m) {
-  return prefill_tma_smem_bytes(d, dv, m) + 5 * 8 + 2 * kTmaItemSlotBytes;
-}
-// The CTAs of the persistent form for a call whose CTAs see at most max_split_keys keys (0:
-// unknown) on num_sms SMs, or 0 for one CTA per item. FLASHSERVE_PREFILL_PERSISTENT=0 or 1 forces
-// it off or on for every call (A/B runs, the GPU tests' persistent entries).
-int prefill_tma_persistent_ctas(int64_t max_split_keys, int num_sms);
-
 // ---- the fp8 prefill kernel (prefill_fp8.cuh): sm_90a, prefill_tma's CTA on fp8 wgmma; q, k
 // and v fp8 e4m3 (descales), D = Dv = 128, contiguous K/V or paged caches of
 // prefill_tma_block_size_ok block sizes.
@@ -262,6 +248,25 @@ constexpr size_t prefill_fp8_smem_bytes(int64_t d, int64_t dv) {
   const int64_t n = wgmma_tile_keys(d, dv);
   return 1024 + size_t(kWgmmaRowsPerCta * d + 2 * n * d + 4 * n * dv) + size_t(kWgmmaRowsPerCta) * 8 + 13 * 8;
 }
+
+// ---- the persistent forms of prefill_tma and prefill_fp8 (prefill_persistent.cuh): one CTA per
+// SM walking the items, each item's start (metadata, Q, the first tiles) overlapping the previous
+// item's end. Taken where a CTA's keys are at most kPrefillPersistentMaxKeys (short sequences:
+// few tiles per CTA).
+inline constexpr int64_t kPrefillPersistentMaxKeys = 2048;
+inline constexpr size_t kTmaItemSlotBytes = 256;  // an item handed to the consumers (TmaItem)
+// prefill_tma's persistent form: its shared memory, 5 more mbarriers and two item slots.
+constexpr size_t prefill_tma_persistent_smem_bytes(int64_t d, int64_t dv, int64_t m) {
+  return prefill_tma_smem_bytes(d, dv, m) + 5 * 8 + 2 * kTmaItemSlotBytes;
+}
+// prefill_fp8's persistent form: its shared memory, the same mbarriers and slots.
+constexpr size_t prefill_fp8_persistent_smem_bytes(int64_t d, int64_t dv) {
+  return prefill_fp8_smem_bytes(d, dv) + 5 * 8 + 2 * kTmaItemSlotBytes;
+}
+// The CTAs of the persistent form for a call whose CTAs see at most max_split_keys keys (0:
+// unknown) on num_sms SMs, or 0 for one CTA per item. FLASHSERVE_PREFILL_PERSISTENT=0 or 1 forces
+// it off or on for every call (A/B runs, the GPU tests' persistent entries).
+int prefill_tma_persistent_ctas(int64_t max_split_keys, int num_sms);
 
 struct AttnKernelChoice {
   AttnKernelId kernel = AttnKernelId::none;
