@@ -354,6 +354,7 @@ FS_DEV void consume_tiles(int tiles, int wg, int lane, const StageBars& b, float
   turn.hand_over(true);
   wgmma_wait<0>();
   fence_operands(o);
+  if constexpr (kChain) release(StageBars::at(b.v_empty, last), lane);  // the next item's tiles reuse it
 }
 
 template <class T, int kD, int kDv, bool kF32Out, bool kAlibi, int kWgs = 2>
