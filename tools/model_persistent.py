@@ -68,7 +68,7 @@ def model(items, wgs, k_ahead, fp8, rng, split=False):
     """items: (active, tiles) per item of one CTA's walk; split: pages shorter than the tile (bf16:
     K by producer warps 0, 1 and V by 2, 3, each a part of every tile). None or the failure."""
     warps = 4 * wgs
-    parts = 2 if split else 1
+    parts = 2 if split and not fp8 else 1  # fp8 splits by operand (warp 0 K, warp 1 V), not by part
     readers = list(range(wgs))
     S = {n: Mbar(1) for n in ("q_full",)}
     for st in (0, 1):
@@ -131,10 +131,11 @@ def model(items, wgs, k_ahead, fp8, rng, split=False):
                 B["q"].write(i, "q")
                 S["q_full"].arrive()
             nq += 1
-            if fp8:  # produce_fp8: warp 0 loads K and raw V of tile j, then all transpose tile j - 1
+            if fp8:  # produce_fp8: warp 0 loads K and raw V of tile j (split: warp 1 V), all transpose j - 1
                 for j in range(T):
                     if w == 0:
                         yield from load("k", J + j, i, j)
+                    if w == (1 if split else 0):
                         yield from load("v", J + j, i, j)
                     if j >= 1:
                         yield from transpose(w, J + j - 1, i, j - 1)
@@ -165,7 +166,7 @@ def model(items, wgs, k_ahead, fp8, rng, split=False):
             named[1 if wg + 1 == wgs else wg + 2].arrive()
 
         def halves(buf):  # a K / V stage is two halves where the producer splits it
-            return [buf, buf + "'"] if split and buf[0] in "kv" and buf[1:].isdigit() else [buf]
+            return [buf, buf + "'"] if parts == 2 and buf[0] in "kv" and buf[1:].isdigit() else [buf]
 
         def read(buf, tag, what):
             for h in halves(buf):
@@ -260,7 +261,7 @@ def main():
     rng = random.Random(args.seed)
     # (consumer warpgroups, K a tile ahead, fp8, split producer)
     shapes = [(2, True, False, False), (2, False, False, False), (3, True, False, False), (2, True, True, False),
-              (2, True, False, True), (3, True, False, True)]
+              (2, True, False, True), (3, True, False, True), (2, True, True, True)]
     for wgs, k_ahead, fp8, split in shapes:
         for n in range(args.walks):
             items = [(rng.random() > 0.2, rng.choice([0, 1, 1, 2, 3, 4, 5])) for _ in range(rng.randint(1, 9))]

@@ -17,7 +17,7 @@ _spec.loader.exec_module(model_persistent)
 
 @pytest.mark.parametrize("wgs,k_ahead,fp8,split", [(2, True, False, False), (2, False, False, False),
                                                    (3, True, False, False), (2, True, True, False),
-                                                   (2, True, False, True)])
+                                                   (2, True, False, True), (2, True, True, True)])
 def test_walks_neither_deadlock_nor_race(wgs, k_ahead, fp8, split, rng):
     rng = random.Random(int(rng.integers(1 << 62)))  # the run's seed (conftest: FLASHSERVE_SEED)
     for _ in range(300):
