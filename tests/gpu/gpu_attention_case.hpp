@@ -46,6 +46,18 @@ inline fstest::CaseConfig prefill_case_config(fstest::KvMode mode, std::vector<i
 }
 
 // A device copy of h's storage; an empty storage gets no allocation (and no CUDA call).
+// 160 short sequences (1 to 200 query rows, every ninth empty; every fifth with up to 199 more
+// keys than queries): a grid of many more prefill items than SMs, so that a persistent CTA walks
+// many (prefill_persistent.cuh), inactive row tiles among them.
+inline void many_short_sequences(std::vector<int64_t>& q, std::vector<int64_t>& k) {
+  q.assign(160, 0);
+  k.assign(160, 0);
+  for (size_t i = 0; i < q.size(); ++i) {
+    q[i] = i % 9 == 4 ? 0 : int64_t((i * 53) % 200) + 1;
+    k[i] = q[i] + (i % 5 == 1 ? int64_t((i * 17) % 200) : 0);
+  }
+}
+
 inline DeviceTensor mirror_storage(const fstest::HostTensor& h) {
   if (!h.bytes->empty()) return DeviceTensor::mirror(h);
   DeviceTensor d;

@@ -203,11 +203,8 @@ TEST(GpuPrefill, PersistentFormByKeys) {
 // item hand-over, Q reloads and ping-pong across items), in whichever form the selection or
 // FLASHSERVE_PREFILL_PERSISTENT gives.
 TEST(GpuPrefill, ManyItemsPerCta) {
-  std::vector<int64_t> q(160, 0), k(160, 0);
-  for (size_t i = 0; i < q.size(); ++i) {
-    q[i] = i % 9 == 4 ? 0 : int64_t((i * 53) % 200) + 1;
-    k[i] = q[i] + (i % 5 == 1 ? int64_t((i * 17) % 200) : 0);
-  }
+  std::vector<int64_t> q, k;
+  fsgpu::many_short_sequences(q, k);
   int variant = 0;
   for (int64_t H_kv : {8, 2})
     for (bool causal : {true, false}) {

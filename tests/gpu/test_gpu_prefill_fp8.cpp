@@ -107,11 +107,8 @@ TEST(GpuPrefillFp8, OutDtypesSplitsAndDescales) {
 // row tiles among them), per-(sequence, KV head) descales that differ from item to item, causal
 // and not, GQA, keys past the queries.
 TEST(GpuPrefillFp8, ManyItemsPerCta) {
-  std::vector<int64_t> q(160, 0), k(160, 0);
-  for (size_t i = 0; i < q.size(); ++i) {
-    q[i] = i % 9 == 4 ? 0 : int64_t((i * 53) % 200) + 1;
-    k[i] = q[i] + (i % 5 == 1 ? int64_t((i * 17) % 200) : 0);
-  }
+  std::vector<int64_t> q, k;
+  fsgpu::many_short_sequences(q, k);
   int variant = 0;
   for (int64_t H_kv : {8, 2}) {
     CaseConfig c = fp8_config(KvMode::varlen_contiguous, q, k, 8, H_kv);
