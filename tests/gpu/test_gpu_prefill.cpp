@@ -14,7 +14,8 @@
 // Varlen batches with uneven lengths, causal / non-causal, GQA 1..8, paged caches of any block
 // size, splits, the score modifiers (window, soft-cap, sinks, ALiBi linear and sqrt, chunked
 // local attention), context parallelism, fully masked rows and zero-length sequences; problems
-// outside the kernels' scope must fall back to the generic kernel.
+// outside the kernels' scope must fall back to the generic kernel. ctest runs the binary again
+// with prefill_tma's persistent form forced on (prefix persistent.) and off (prefix onecta.).
 #include <gtest/gtest.h>
 
 #include <cmath>

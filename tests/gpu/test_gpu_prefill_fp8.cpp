@@ -9,7 +9,8 @@
 // ids), causal and not, chunked prefill, GQA, splits (fp32 partials), out bf16 / f16 / fp32,
 // the modifiers it takes (window, soft-cap, sinks, chunked local), descale broadcasts, and
 // block ids outside the cache (NaN rows). Problems outside its scope (e5m2, a 16-bit q over an
-// fp8 cache, D = 64, ALiBi, block size 80) must go elsewhere and still match.
+// fp8 cache, D = 64, ALiBi, block size 80) must go elsewhere and still match. ctest runs the
+// binary again with the persistent form forced on (prefix persistent.) and off (prefix onecta.).
 #include <gtest/gtest.h>
 
 #include <cmath>
