@@ -89,6 +89,8 @@ struct AttnParams {
   constexpr int64_t row_tiles(int64_t m) const {
     return batched ? batch * ((q_rows + m - 1) / m) : q_rows / m + batch + 1;
   }
+  // Their items: (row tile, head, split), the one-item grid's CTAs and the persistent form's walk.
+  constexpr int64_t row_tile_items(int64_t m) const { return row_tiles(m) * num_heads * num_splits; }
 };
 
 }  // namespace flashserve::kernels

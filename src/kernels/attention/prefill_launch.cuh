@@ -51,8 +51,7 @@ void launch_row_tiles(const AttnParams& p, size_t smem, int threads, cudaStream_
 template <auto kKernel, class Arg, int kM>
 void launch_row_tiles_persistent(const AttnParams& p, size_t smem, int threads, cudaStream_t stream, const Arg& arg) {
   ensure_smem_limit<kKernel>(smem, true);
-  const int64_t items = p.row_tiles(kM) * p.num_heads * p.num_splits;
-  const int64_t ctas = items < p.persistent_ctas ? items : p.persistent_ctas;
+  const int64_t items = p.row_tile_items(kM), ctas = items < p.persistent_ctas ? items : p.persistent_ctas;
   if (ctas <= 0) return;
   kKernel<<<unsigned(ctas), threads, smem, stream>>>(arg);
   FS_CUDA_CHECK_LAUNCH();

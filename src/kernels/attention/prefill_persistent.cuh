@@ -36,7 +36,7 @@ struct TmaItem {
 // item_empty per slot, q_empty) and the two item slots.
 template <class Base>
 struct PersistSmem : Base {
-  static constexpr uint32_t kBytes = Base::kBytes + 5 * 8 + 2 * uint32_t(kTmaItemSlotBytes);
+  static constexpr uint32_t kBytes = Base::kBytes + uint32_t(kPersistentSmemBytes);
   static_assert(sizeof(TmaItem) <= kTmaItemSlotBytes && kTmaItemSlotBytes % 8 == 0, "item slots (select.hpp)");
   uint32_t xbars;
   unsigned char* slots;
@@ -76,7 +76,7 @@ FS_DEV CtaWork item_work(const AttnParams& p, int64_t L, int64_t row_tiles, int6
 // f(i, L) for the CTA's items L = c, c + G, ... (i counting them).
 template <int kM, class F>
 FS_DEV void for_each_item(const AttnParams& p, F&& f) {
-  const int64_t items = p.row_tiles(kM) * p.num_heads * p.num_splits;
+  const int64_t items = p.row_tile_items(kM);
   int i = 0;
 #pragma unroll 1
   for (int64_t L = blockIdx.x; L < items; L += gridDim.x, ++i) f(i, L);
@@ -106,6 +106,20 @@ struct ItemProducer {
     }
     return it;
   }
+  // The walk: every item's work (handed over), then for the active ones load(it, kv, j0), j0
+  // counting the CTA's tiles before the item's.
+  template <bool kFp8, class T, int kW, class Sm, class Load>
+  FS_DEV void walk(const Sm& sm, Load&& load) {
+    int j0 = 0;
+    for_each_item<kM>(tp.p, [&](int i, int64_t L) {
+      SeqKv kv;
+      const TmaItem it = make<kFp8>(L, kv);
+      hand_over<T, kW>(sm, it, i);
+      if (!it.w.active) return;
+      load(it, kv, j0);
+      j0 += it.ck.tiles;
+    });
+  }
   // Item i into slot i % 2 once the consumers took item i - 2 from it; then, active, its Q.
   template <class T, int kW, class Sm>
   FS_DEV void hand_over(const Sm& sm, const TmaItem& it, int i) {
@@ -132,6 +146,24 @@ FS_DEV TmaItem take_item(const Sm& sm, int i, int lane) {
   __syncwarp();  // every lane's reads of the slot precede the release
   release(sm.item_empty(slot), lane);
   return it;
+}
+
+// The consumers' walk: f(it, j0, q_ready) for every active item, j0 counting the CTA's tiles
+// before it; q_ready() waits for the item's Q (and releases it at once when the item has no
+// tiles: consume_tiles releases it after the last S otherwise).
+template <int kM, class Sm, class F>
+FS_DEV void consume_items(const AttnParams& p, const Sm& sm, int lane, F&& f) {
+  int nq = 0, j0 = 0;
+  for_each_item<kM>(p, [&](int i, int64_t) {
+    const TmaItem it = take_item(sm, i, lane);
+    if (!it.w.active) return;
+    f(it, j0, [&] {
+      mbar_wait(sm.q_full(), uint32_t(nq & 1));
+      if (it.ck.tiles <= 0) release(sm.q_empty(), lane);  // Q not read
+    });
+    ++nq;
+    j0 += it.ck.tiles;
+  });
 }
 
 template <class T, int kD, int kDv, bool kF32Out, bool kAlibi, int kWgs = 2>
@@ -161,17 +193,11 @@ __global__ void __launch_bounds__(tma_threads(kWgs), 1)
     const int pw = warp - 4 * kWgs;
     if (pw >= (split_load ? 2 * kTmaParts : 1)) return;
     ItemProducer<S::kM, kN> ip{tp, lane, pw == 0};
-    int j0 = 0;
-    for_each_item<S::kM>(p, [&](int i, int64_t L) {
-      SeqKv kv;
-      const TmaItem it = ip.template make<false>(L, kv);
-      ip.template hand_over<T, wgmma_tile_width(kD)>(sm, it, i);
-      if (!it.w.active) return;
+    ip.template walk<false, T, wgmma_tile_width(kD)>(sm, [&](const TmaItem& it, const SeqKv& kv, int j0) {
       const Producer<T, kD, kDv, Sm> pr(tp, it.w, kv, it.ck, sm, lane);
       if (!split_load) pr.run_both(j0);
       else if (pw < kTmaParts) pr.template run_operand<true>(pw, j0);
       else pr.template run_operand<false>(pw - kTmaParts, j0);
-      j0 += it.ck.tiles;
     });
     return;
   }
@@ -179,10 +205,7 @@ __global__ void __launch_bounds__(tma_threads(kWgs), 1)
   const ScoreLog2 score(p);
   const StageBars bars{sm.k_full(0), sm.k_empty(0), sm.v_full(0), sm.v_empty(0), sm.pins + 4 * threadIdx.x};
   chain_open<kWgs>(wg);
-  int nq = 0, j0 = 0;
-  for_each_item<S::kM>(p, [&](int i, int64_t) {
-    const TmaItem it = take_item(sm, i, lane);
-    if (!it.w.active) return;
+  consume_items<S::kM>(p, sm, lane, [&](const TmaItem& it, int j0, const auto& q_ready) {
     const WarpKeys<S> wk(it.ck.rows, it.ck.n_begin, it.w.rows, warp, lane, reinterpret_cast<int2*>(sm.ranges));
     const ScoreBias<kAlibi> bias = make_score_bias<kAlibi>(p, it.w.b, it.h, score);
     const int64_t d0 = kAlibi ? bias_d0<S>(it.ck, warp, 0, lane) : 0;
@@ -191,8 +214,7 @@ __global__ void __launch_bounds__(tma_threads(kWgs), 1)
     uint32_t pa[kN / 16][4];
     uint32_t pl[kF32Out ? kN / 16 : 1][4];
     float m[1][2] = {{kNegInf, kNegInf}}, l[1][2] = {}, alpha[2];
-    mbar_wait(sm.q_full(), uint32_t(nq & 1));
-    if (it.ck.tiles <= 0) release(sm.q_empty(), lane);  // Q not read
+    q_ready();
     consume_tiles<kN == 128, kN / 8, kDo / 8, kWgs, true>(
         it.ck.tiles, wg, lane, bars, s, o[0], [&](int st) { issue_qk<T, kD, kN, S::kM>(sm.q, sm.k(st), wg, s); },
         [&](int st) { issue_pv<T, kDo, kN, kF32Out>(pa, pl, sm.v(st), o[0]); },
@@ -205,8 +227,6 @@ __global__ void __launch_bounds__(tma_threads(kWgs), 1)
         sm.q_empty());
     store_rows<S, QL, T, kDo, kDv, std::conditional_t<kF32Out, float, T>, true>(p, it.w, it.h, it.split, o, m, l,
                                                                                 score.exp_mul, sm.q, warp, lane);
-    ++nq;
-    j0 += it.ck.tiles;
   });
   chain_close(wg);
 #endif
@@ -242,24 +262,15 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_fp8_persistent(const _
   if (wg == 2) {  // the producer warpgroup: every warp walks the items (produce_fp8's roles)
     regs_dealloc<kTmaProducerRegs>();
     ItemProducer<S::kM, kN> ip{tp, lane, warp == 8};
-    int j0 = 0;
-    for_each_item<S::kM>(p, [&](int i, int64_t L) {
-      SeqKv kv;
-      const TmaItem it = ip.template make<true>(L, kv);
-      ip.template hand_over<T, kD>(sm, it, i);
-      if (!it.w.active) return;
+    ip.template walk<true, T, kD>(sm, [&](const TmaItem& it, const SeqKv& kv, int j0) {
       produce_fp8<T, kD, kDv>(tp, it.w, kv, it.ck, sm, warp - 8, lane, j0);
-      j0 += it.ck.tiles;
     });
     return;
   }
   regs_alloc<kTmaConsumerRegs>();
   const StageBars bars{sm.k_full(0), sm.k_empty(0), sm.vt_full(0), sm.vt_empty(0), 0u};
   chain_open<2>(wg);
-  int nq = 0, j0 = 0;
-  for_each_item<S::kM>(p, [&](int i, int64_t) {
-    const TmaItem it = take_item(sm, i, lane);
-    if (!it.w.active) return;
+  consume_items<S::kM>(p, sm, lane, [&](const TmaItem& it, int j0, const auto& q_ready) {
     const WarpKeys<S> wk(it.ck.rows, it.ck.n_begin, it.w.rows, warp, lane, reinterpret_cast<int2*>(sm.ranges));
     const ScoreLog2 score(p, it.qk_desc);
     const NoBias bias;
@@ -267,8 +278,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_fp8_persistent(const _
     float s[kN / 8][4] = {};
     uint32_t pa[kN / 32][4];
     float m[1][2] = {{kNegInf, kNegInf}}, l[1][2] = {}, alpha[2];
-    mbar_wait(sm.q_full(), uint32_t(nq & 1));
-    if (it.ck.tiles <= 0) release(sm.q_empty(), lane);  // Q not read
+    q_ready();
     consume_tiles<false, kN / 8, kDv / 8, 2, true>(
         it.ck.tiles, wg, lane, bars, s, o[0], [&](int st) { issue_qk_fp8<T, kD, kN>(sm.q, sm.k(st), wg, s); },
         [&](int st) { issue_pv_fp8<T, kDv, kN>(pa, sm.vt(st), o[0]); },
@@ -279,8 +289,6 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_fp8_persistent(const _
         [&] { rescale_o<kDv>(o[0], alpha); }, [&] { pack_p_e4m3<kN>(s, pa); }, j0, sm.q_empty());
     store_rows<S, SwizzledTile<kWgmmaRowsPerCta>, T16, kDv, kDv, TOut, true>(
         p, it.w, it.h, it.split, o, m, l, score.exp_mul, sm.v(0), warp, lane, it.v_desc, kFp8PShift);
-    ++nq;
-    j0 += it.ck.tiles;
   });
   chain_close(wg);
 #endif

@@ -318,7 +318,7 @@ FS_DEV void consume_tiles(int tiles, int wg, int lane, const StageBars& b, float
   const PingPong<kWgs, kChain> turn{wg};
   const auto parity = [j0](int j) { return uint32_t(((j0 + j) >> 1) & 1); };
   const auto stage = [j0](int j) { return (j0 + j) & 1; };
-  if (!kChain && wg == kWgs - 1) named_arrive(1, 2 * 128);  // opens warpgroup 0's first turn
+  if (!kChain) chain_open<kWgs>(wg);  // one item: its own first turn opened here
   mbar_wait(StageBars::at(b.k_full, stage(0)), parity(0));
   turn.my_turn();
   qk(stage(0));

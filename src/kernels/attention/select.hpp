@@ -257,13 +257,13 @@ constexpr size_t prefill_fp8_smem_bytes(int64_t d, int64_t dv) {
 // bench/pending/persistent-run.sh tests them and places the threshold (2048 keys expected).
 inline constexpr int64_t kPrefillPersistentMaxKeys = 0;
 inline constexpr size_t kTmaItemSlotBytes = 256;  // an item handed to the consumers (TmaItem)
-// prefill_tma's persistent form: its shared memory, 5 more mbarriers and two item slots.
+// What a persistent form adds to its kernel's shared memory: 5 mbarriers and two item slots.
+inline constexpr size_t kPersistentSmemBytes = 5 * 8 + 2 * kTmaItemSlotBytes;
 constexpr size_t prefill_tma_persistent_smem_bytes(int64_t d, int64_t dv, int64_t m) {
-  return prefill_tma_smem_bytes(d, dv, m) + 5 * 8 + 2 * kTmaItemSlotBytes;
+  return prefill_tma_smem_bytes(d, dv, m) + kPersistentSmemBytes;
 }
-// prefill_fp8's persistent form: its shared memory, the same mbarriers and slots.
 constexpr size_t prefill_fp8_persistent_smem_bytes(int64_t d, int64_t dv) {
-  return prefill_fp8_smem_bytes(d, dv) + 5 * 8 + 2 * kTmaItemSlotBytes;
+  return prefill_fp8_smem_bytes(d, dv) + kPersistentSmemBytes;
 }
 // The CTAs of the persistent form for a call whose CTAs see at most max_split_keys keys (0:
 // unknown) on num_sms SMs, or 0 for one CTA per item. FLASHSERVE_PREFILL_PERSISTENT=0 or 1 forces
