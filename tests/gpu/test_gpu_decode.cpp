@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <iterator>
 #include <string>
 #include <vector>
@@ -72,6 +73,27 @@ bool expect_decode(const CaseConfig& c, uint64_t salt) {
 }
 
 }  // namespace
+
+// The splits merged in a cluster (select.hpp: decode_cluster_splits) for 2 to
+// kDecodeClusterMaxSplits uniform splits on sm_90+; never for fixed-size (batch-invariant) splits,
+// one split, more than kDecodeClusterMaxCtas or before sm_90. (FLASHSERVE_DECODE_CLUSTER forces it
+// within those bounds: the ctest entries cluster. run this binary so.) Host arithmetic.
+TEST(GpuDecode, ClusterMergeBySplits) {
+  using fs::kernels::decode_cluster_splits;
+  using fs::kernels::kDecodeClusterMaxCtas;
+  using fs::kernels::kDecodeClusterMaxSplits;
+  const char* env = std::getenv("FLASHSERVE_DECODE_CLUSTER");
+  const std::string forced = env ? env : "";
+  for (int n : {2, 8, kDecodeClusterMaxCtas}) {
+    const bool on = forced == "1" || (forced != "0" && n <= kDecodeClusterMaxSplits);
+    EXPECT_EQ(decode_cluster_splits(n, 0, 9), on) << n;
+    EXPECT_EQ(decode_cluster_splits(n, 0, 10), on) << n;
+    EXPECT_FALSE(decode_cluster_splits(n, 0, 8)) << n;
+    EXPECT_FALSE(decode_cluster_splits(n, 2048, 9)) << n;
+  }
+  EXPECT_FALSE(decode_cluster_splits(1, 0, 9));
+  EXPECT_FALSE(decode_cluster_splits(kDecodeClusterMaxCtas + 1, 0, 9));
+}
 
 TEST(GpuDecode, GqaLayoutsAndBlockSizes) {
   auto rng = fstest::make_rng(1);

@@ -20,8 +20,11 @@ constexpr DecodeKv kFmt = decode_kv(kDecodeConfigs[I].kv, kDecodeConfigs[I].v);
 // about the same time: long splits B = 64 L = 4k bf16 -0.7%, fp8 -2.1%, int8 -1.3% (bench/
 // RESULTS.md 22:40); short splits keep the heads in y (+0.8% at B = 256 L = 64 in x).
 // decode_fwd reads the order from gridDim.y.
+// p.cluster_splits: each (sequence x row CTA, KV head)'s splits run as one cluster (1, 1,
+// num_splits) that merges them (decode_mainloop.cuh: cluster_merge_store), where the layout's
+// shared memory holds the CTA's merged rows. Returns whether it did (no partials, no combine).
 template <size_t I, int kRows, DecodeTiling kTl, bool kHeadsInX>
-void launch_rows(const AttnParams& p, cudaStream_t stream) {
+bool launch_rows(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeConfig c = kDecodeConfigs[I];
   constexpr size_t smem = decode_smem_bytes(kFmt<I>, c.d, kRows, kTl);
   static_assert(sm90_ctas_fit(smem, kTl.ctas), "the launch bounds' CTAs per SM fit in shared memory");
@@ -29,8 +32,32 @@ void launch_rows(const AttnParams& p, cudaStream_t stream) {
   ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);  // 2-3 CTAs per SM need ~228 KB
   const unsigned x = unsigned(p.batch * p.row_ctas), hkv = unsigned(p.num_kv_heads), z = unsigned(p.num_splits);
   const dim3 grid = kHeadsInX ? dim3(x * hkv, 1, z) : dim3(x, hkv, z);
-  kernel<<<grid, 32 * decode_warps(c.d), smem, stream>>>(p);
+  constexpr bool kClusterFits = decode_cluster_merge_fits(kFmt<I>, c.d, kRows, kTl);
+  if (!kClusterFits || !p.cluster_splits || z < 2 || z > unsigned(kDecodeClusterMaxCtas)) {
+    kernel<<<grid, 32 * decode_warps(c.d), smem, stream>>>(p);
+    FS_CUDA_CHECK_LAUNCH();
+    return false;
+  }
+  if (z > 8) {  // past the portable cluster size
+    static const bool allowed = [&] {
+      FS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+      return true;
+    }();
+    (void)allowed;
+  }
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(32 * decode_warps(c.d));
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 1, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = z;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  FS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
   FS_CUDA_CHECK_LAUNCH();
+  return true;
 }
 
 // The instantiations of configuration I: the short tiling (decode_config.hpp) by the split's key
@@ -39,7 +66,7 @@ void launch_rows(const AttnParams& p, cudaStream_t stream) {
 // Batch-invariant calls (fixed-size splits) take their tiling from the split size alone, never
 // the batch's span, and 16 rows.
 template <size_t I>
-void launch_config(const AttnParams& p, cudaStream_t stream) {
+bool launch_config(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeKv f = kFmt<I>;
   constexpr int d = kDecodeConfigs[I].d;
   const bool invariant = p.split_size > 0;
@@ -47,29 +74,28 @@ void launch_config(const AttnParams& p, cudaStream_t stream) {
   const bool shrt = decode_launch_short(d, span, invariant ? 1 : p.num_splits);
   if constexpr (decode_has_wide(f)) {
     if (p.rows_per_cta == kDecodeWideRows && !shrt && !invariant) {
-      launch_rows<I, int(kDecodeWideRows), decode_wide_tiling(f, d), true>(p, stream);
-      return;
+      return launch_rows<I, int(kDecodeWideRows), decode_wide_tiling(f, d), true>(p, stream);
     }
   }
   AttnParams q = p;  // 16-row CTAs: twice as many per 32-row CTA the plan counted
   if (p.rows_per_cta == kDecodeWideRows) q.row_ctas = 2 * p.row_ctas;
-  if (shrt)
-    launch_rows<I, kDecodeRows, decode_short_tiling(f, d), false>(q, stream);
-  else
-    launch_rows<I, kDecodeRows, decode_tiling(f), true>(q, stream);
+  if (shrt) return launch_rows<I, kDecodeRows, decode_short_tiling(f, d), false>(q, stream);
+  return launch_rows<I, kDecodeRows, decode_tiling(f), true>(q, stream);
 }
 
 }  // namespace
 
-void launch_decode_attention(const AttnParams& p, void* stream) {
+bool launch_decode_attention(const AttnParams& p, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
+  bool merged = false;
   if (!dispatch_built<kDecodeConfigs>([&](const DecodeConfig& c) {
                                         return c.kv == p.k.dtype && c.v == p.v.dtype && c.d == p.head_dim;
                                       },
-                                      [&]<size_t I>() { launch_config<I>(p, s); }))
+                                      [&]<size_t I>() { merged = launch_config<I>(p, s); }))
     throw RuntimeError(detail::cat("decode attention: no instantiation for K ", dtype_name(p.k.dtype), ", V ",
                                    dtype_name(p.v.dtype), " and D ",
                                    p.head_dim));
+  return merged;
 }
 
 }  // namespace flashserve::kernels

@@ -30,8 +30,9 @@ void launch_prefill_tma(const AttnParams& p, const AttnKernelChoice& choice, voi
 void launch_prefill_fp8(const AttnParams& p, const AttnKernelChoice& choice, void* stream);
 
 // decode_fwd.cu: the decode kernel for (p.k.dtype, p.head_dim) (decode_config.hpp). Writes
-// out/lse directly when p.num_splits == 1, else the partials.
-void launch_decode_attention(const AttnParams& p, void* stream);
+// out/lse directly when p.num_splits == 1, else the partials; returns true when it merged the
+// splits itself (p.cluster_splits, where the layout allows: no combine needed).
+bool launch_decode_attention(const AttnParams& p, void* stream);
 
 // decode_mla.cu: the MLA absorbed-decode kernel for (p.q.dtype, p.k.dtype) (decode_mla_config.hpp), with
 // p.rows_per_cta packed rows per CTA and p.head_slices CTAs per sequence in y. Writes out/lse

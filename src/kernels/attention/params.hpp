@@ -73,6 +73,7 @@ struct AttnParams {
                                  // a sequence has its own seq_num_splits; one split is written directly
   int64_t max_split_keys = 0;    // a CTA's most keys: the plan's max_seqlen_k per split (0: unknown)
   int row_ctas = 1;              // decode kernel: CTAs per (sequence, KV head, split) (decode_row_ctas)
+  bool cluster_splits = false;   // decode kernel: merge the splits in a cluster (select.hpp: decode_cluster_splits)
   float* o_partial = nullptr;    // f32 [num_splits, Bq * rows, H, Dv] (workspace)
   float* lse_partial = nullptr;  // f32 [num_splits, Bq * rows, H] (workspace)
 

@@ -247,6 +247,15 @@ int prefill_tma_persistent_ctas(int64_t max_split_keys, int num_sms) {
   return on ? num_sms : 0;
 }
 
+bool decode_cluster_splits(int num_splits, int64_t split_size, int cc_major) {
+  static const int forced = [] {
+    const char* env = std::getenv("FLASHSERVE_DECODE_CLUSTER");
+    return env && (env[0] == '0' || env[0] == '1') && env[1] == '\0' ? env[0] - '0' : -1;
+  }();
+  if (num_splits < 2 || split_size > 0 || cc_major < 9 || num_splits > kDecodeClusterMaxCtas) return false;
+  return forced >= 0 ? forced == 1 : num_splits <= kDecodeClusterMaxSplits;
+}
+
 size_t generic_smem_bytes(int64_t d, int64_t dv, int64_t qv_dim) {
   const int64_t floats = kGenericPackedRows * (d + qv_dim) + kGenericTileKeys * (d + 1) + kGenericTileKeys * (dv + 1);
   return kGenericTileKeys * kGenericTokenLocBytes + size_t(floats) * sizeof(float);
