@@ -14,7 +14,7 @@ mkdir -p $out $logs
 t0=$SECONDS
 summary=$out/cluster-summary.txt  # grows in $OUT: it comes back even if the call is cut
 say() { echo "$*" | tee -a $summary; }
-build_cuda_dev /tmp/c.log /tmp/b.log attn_bench test_gpu_decode test_gpu_attention test_gpu_batch_invariant ||
+build_cuda_dev /tmp/c.log /tmp/b.log attn_bench test_gpu_decode test_gpu_decode_mla test_gpu_attention test_gpu_batch_invariant ||
   { tail -30 /tmp/c.log; grep -m3 -A12 error /tmp/b.log; exit 1; }
 say "build $((SECONDS - t0)) s"
 run() {  # run <log> <timeout> <env> <binary> [args]
@@ -22,6 +22,7 @@ run() {  # run <log> <timeout> <env> <binary> [args]
   say "$1: exit $? ($((SECONDS - t0)) s) $(grep -E '^\[  (PASSED|FAILED) |gpu fuzz\] [0-9]+ cases' $logs/$1 | tr '\n' ' ')"
 }
 run decode_on.log 150 FLASHSERVE_DECODE_CLUSTER=1 test_gpu_decode
+run mla_on.log 150 FLASHSERVE_DECODE_CLUSTER=1 test_gpu_decode_mla
 run invariant_on.log 120 FLASHSERVE_DECODE_CLUSTER=1 test_gpu_batch_invariant
 OUT=$logs/ab tools/gpu-ab --specs bench/specs/cluster_ab.txt --env-variant off="FLASHSERVE_DECODE_CLUSTER=0" \
   --env-variant on="FLASHSERVE_DECODE_CLUSTER=1" >$logs/gpu-ab.log 2>&1
@@ -33,6 +34,7 @@ sanitize() {  # sanitize <log> <tool> <timeout> <binary> <filter>
   say "$1: exit $? ($((SECONDS - t0)) s) $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) ' $logs/$1 | tr '\n' ' ')"
 }
 sanitize racecheck_decode.log racecheck 120 test_gpu_decode '*LargeBatchLongKv*:*VarlenContiguousAndEmpty*'
+sanitize racecheck_mla.log racecheck 120 test_gpu_decode_mla '*Split*'
 sanitize memcheck_decode.log memcheck 120 test_gpu_decode '*LargeBatchLongKv*:*VarlenContiguousAndEmpty*:*BadBlockIndex*'
 run attention_on.log 120 FLASHSERVE_DECODE_CLUSTER=1 test_gpu_attention
 say "total $((SECONDS - t0)) s"

@@ -4,6 +4,7 @@
 
 #include "kernels/attention/decode_fwd.cuh"
 #include "kernels/attention/launchers.hpp"
+#include "kernels/common/cluster_launch.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/dispatch.hpp"
 #include "kernels/common/smem_limit.cuh"
@@ -21,8 +22,9 @@ constexpr DecodeKv kFmt = decode_kv(kDecodeConfigs[I].kv, kDecodeConfigs[I].v);
 // RESULTS.md 22:40); short splits keep the heads in y (+0.8% at B = 256 L = 64 in x).
 // decode_fwd reads the order from gridDim.y.
 // p.cluster_splits: each (sequence x row CTA, KV head)'s splits run as one cluster (1, 1,
-// num_splits) that merges them (decode_mainloop.cuh: cluster_merge_store), where the layout's
-// shared memory holds the CTA's merged rows. Returns whether it did (no partials, no combine).
+// num_splits) that merges them (cluster_merge.cuh), where the layout's shared memory holds the
+// CTA's partial rows beside the merge area. Returns whether it did (no partials in the
+// workspace, no combine).
 template <size_t I, int kRows, DecodeTiling kTl, bool kHeadsInX>
 bool launch_rows(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeConfig c = kDecodeConfigs[I];
@@ -38,25 +40,7 @@ bool launch_rows(const AttnParams& p, cudaStream_t stream) {
     FS_CUDA_CHECK_LAUNCH();
     return false;
   }
-  if (z > 8) {  // past the portable cluster size
-    static const bool allowed = [&] {
-      FS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-      return true;
-    }();
-    (void)allowed;
-  }
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(32 * decode_warps(c.d));
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 1, attr.val.clusterDim.y = 1, attr.val.clusterDim.z = z;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  FS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
-  FS_CUDA_CHECK_LAUNCH();
+  launch_split_cluster<kernel>(grid, dim3(32 * decode_warps(c.d)), smem, stream, p);
   return true;
 }
 

@@ -4,8 +4,7 @@
 
 #include <type_traits>
 
-#include <cooperative_groups.h>
-
+#include "kernels/attention/cluster_merge.cuh"
 #include "kernels/attention/decode_mma.cuh"
 
 namespace flashserve::kernels::decode {
@@ -472,57 +471,10 @@ FS_DEV void store_row(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_
   if (lane == 0) store_lse(p, s.rows.qb, q_row, pi.h, lse);
 }
 
-// The CTAs of this CTA's cluster: 1 unless the launch merges a sequence's splits in a cluster
-// (decode_fwd.cu, cluster_merge).
-FS_DEV int cluster_ctas() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  return int(cooperative_groups::this_cluster().num_blocks());
-#else
-  return 1;
-#endif
-}
-
-// The splits of one (sequence, KV head) as one cluster of CTAs (the launch's cluster is
-// (1, 1, num_splits)): each CTA leaves its merged rows in its shared memory (xo [kRows, kD]
-// relative to xs [kRows] = (m, l)); after the cluster barrier the CTA of rank c merges rows
-// c, c + n, ... over the n CTAs' shared memory (distributed shared memory) and writes out and
-// LSE, so neither partials in the workspace nor the combine launch are needed. The second
-// barrier keeps each CTA's rows alive until its peers have read them. Splits in rank order, the
-// sum relative to the largest max: merge_lse's result up to fp32 rounding (a NaN state makes the
-// row NaN; empty states weigh 0; all empty gives out 0 and LSE -inf).
-template <class S>
-FS_DEV void cluster_merge_store(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows,
-                                const float* xo, const float* xs) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  cg::cluster_group cl = cg::this_cluster();
-  const int n = int(cl.num_blocks()), rank = int(cl.block_rank());
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  cl.sync();  // every CTA's rows are in its shared memory
-  for (int j = rank + n * warp; j < nrows; j += n * S::kWarps) {
-    RowState st;
-    for (int c = 0; c < n; ++c) st.m = nan_max(st.m, cl.map_shared_rank(xs, c)[2 * j]);
-    float o[S::kChan];
-#pragma unroll
-    for (int k = 0; k < S::kChan; ++k) o[k] = 0.0f;
-    for (int c = 0; c < n && st.m != kNegInf; ++c) {
-      const float* xc = cl.map_shared_rank(xs, c) + 2 * j;
-      if (xc[0] == kNegInf) continue;  // an empty split adds nothing
-      const float wt = expf(xc[0] - st.m);
-      st.l += xc[1] * wt;
-      const float* oc = cl.map_shared_rank(xo, c) + j * S::kDim + lane * S::kChan;
-#pragma unroll
-      for (int k = 0; k < S::kChan; ++k) o[k] += oc[k] * wt;
-    }
-    store_row<S>(p, s, g, g0, j, st, o, lane);
-  }
-  cl.sync();  // the peers are done with this CTA's rows
-#endif
-}
-
 // Merges the warps' states of each row (shared memory, reusing the warps' area) and writes
-// out and LSE (num_splits == 1, the sink merged once), the split partials, or, with the splits
-// in one cluster, merges the splits' states too (cluster_merge_store).
+// out and LSE (num_splits == 1, the sink merged once) or the split partials: to the workspace,
+// or, with the splits in one cluster (decode_fwd.cu), into shared memory after the merge area,
+// where cluster_combine merges them.
 template <class S, class Acc>
 FS_DEV void merge_and_store(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows, int split,
                             unsigned char* warps_base, Acc& w) {
@@ -530,9 +482,12 @@ FS_DEV void merge_and_store(const AttnParams& p, const DecodeSeq& s, int64_t g, 
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   float* mo = reinterpret_cast<float*>(warps_base);     // [kWarps, kRows, kD]
   float* ms = mo + S::kWarps * S::kRows * kD;           // [kWarps, kRows, 2]
-  float* xo = ms + S::kWarps * S::kRows * 2;            // clustered splits: the CTA's rows [kRows, kD]
-  float* xs = xo + S::kRows * kD;                       // and their (m, l) [kRows, 2]
+  float* xo = ms + S::kWarps * S::kRows * 2;            // clustered splits: the partials [kRows, kD],
+  float* xl = xo + S::kRows * kD;                       // their LSEs [kRows]
+  float* scratch = xl + S::kRows;                       // and cluster_combine's scratch
   const bool clustered = s.splits > 1 && cluster_ctas() > 1;  // the same in the cluster's CTAs
+  static_assert((S::kWarps * S::kRows * (kD + 2)) % 4 == 0 && kD % 4 == 0, "xo's rows: float4-aligned");
+  static_assert(kClusterMaxCtas == kDecodeClusterMaxCtas, "decode_config.hpp sizes the scratch with it");
   __syncthreads();  // every warp is done with its ring
   w.spill(mo, ms, warp, nrows, lane);
   __syncthreads();
@@ -554,22 +509,23 @@ FS_DEV void merge_and_store(const AttnParams& p, const DecodeSeq& s, int64_t g, 
 #pragma unroll
       for (int k = 0; k < S::kChan; ++k) o[k] *= load_f32_2d(p.v_scale, g, lane * S::kChan + k, 1.0f);
     }
-    if (clustered) {
-#pragma unroll
-      for (int k = 0; k < S::kChan; ++k) xo[j * kD + lane * S::kChan + k] = o[k];
-      if (lane == 0) xs[2 * j] = st.m, xs[2 * j + 1] = st.l;
-    } else if (s.splits > 1) {  // fixed-size splits: a sequence of one split is written directly
+    if (s.splits > 1) {  // fixed-size splits: a sequence of one split is written directly
       const PackedIdx pi = packed_idx(p, g, g0, j);
       const int64_t at = partial_index(p, split, s.rows.row_begin + pi.i, pi.h);
+      float* po = clustered ? xo + j * kD : p.o_partial + at * kD;
       const float scale = st.empty() ? 0.0f : s.kv.v_desc / st.l;
 #pragma unroll
-      for (int k = 0; k < S::kChan; ++k) p.o_partial[at * kD + lane * S::kChan + k] = o[k] * scale;
-      if (lane == 0) p.lse_partial[at] = st.lse();
+      for (int k = 0; k < S::kChan; ++k) po[lane * S::kChan + k] = o[k] * scale;
+      if (lane == 0) (clustered ? xl[j] : p.lse_partial[at]) = st.lse();
     } else {
       store_row<S>(p, s, g, g0, j, st, o, lane);
     }
   }
-  if (clustered) cluster_merge_store<S>(p, s, g, g0, nrows, xo, xs);
+  if (clustered)
+    cluster_combine<S::kRows, kD, S::kThreads>(p, xo, xl, scratch, nrows, [&](int j) {
+      const PackedIdx pi = packed_idx(p, g, g0, j);
+      return RowDest{s.rows.qb, s.rows.q_row(s.rows.row_begin + pi.i, p.batched), pi.h};
+    });
 }
 
 // One row group on the tensor cores (decode_mma.cuh: 16-bit, fp8 and int8 K/V), then the

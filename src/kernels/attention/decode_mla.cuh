@@ -328,15 +328,18 @@ FS_DEV void softmax_rows(const AttnParams& p, unsigned char* sbuf, float* rscale
 }
 
 // Packed row j's output scale, num / l times the sink's weight (0 when l = 0), with its LSE
-// m + log l stored (or the split's partial LSE) when j < nrows (MLA kernels' epilogues).
+// m + log l stored (or the split's partial LSE: into the workspace, or cluster_lse [j] for
+// cluster_combine) when j < nrows (MLA kernels' epilogues).
 FS_DEV float finish_row(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split, int j, float m,
-                        float l, float num) {
+                        float l, float num, float* cluster_lse = nullptr) {
   float lse = l == 0.0f ? kNegInf : m + logf(l);  // apply_sink may move it
   float scale = l == 0.0f ? 0.0f : num / l;
   if (j < nrows) {
     const PackedIdx pi = decode::packed_idx(p, 0, g0, j);
     const int64_t r = s.rows.row_begin + pi.i;
-    if (p.num_splits > 1) {
+    if (cluster_lse) {  // the split's partial LSE for cluster_combine
+      cluster_lse[j] = lse;
+    } else if (p.num_splits > 1) {
       p.lse_partial[partial_index(p, split, r, pi.h)] = lse;
     } else {
       scale *= apply_sink(p, pi.h, lse);

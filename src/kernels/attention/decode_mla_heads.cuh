@@ -55,6 +55,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/attention/cluster_merge.cuh"
 #include "kernels/attention/decode_mla.cuh"
 #include "kernels/common/wgmma.cuh"
 
@@ -467,13 +468,24 @@ FS_DEV PackedIdx packed_idx32(const AttnParams& p, int64_t g0, int j) {
   return pi;
 }
 
+// Shared memory of a split's partial rows when the splits run as one cluster (cluster_merge.cuh):
+// [kM, kMlaDv] rows, their LSEs [kM] and cluster_combine's scratch, in the KV stages (free after
+// the last tile).
+inline constexpr size_t kMlaClusterBytes =
+    (size_t(kMlaHeadsRows) * (kMlaDv + 1) + size_t(kClusterScratchFloats<kMlaHeadsRows>)) * sizeof(float);
+
 // Epilogue: per column, 1 / l (times the sink's weight) and the LSE (or the split's partial
 // LSE) from warpgroup 0's state, then out (or the split's fp32 partial) = O^T's column x that
-// scale, each warpgroup its kMb latent blocks.
+// scale, each warpgroup its kMb latent blocks. xo: kMlaClusterBytes of shared memory free for
+// the partials when the launch put the splits in one cluster (nullptr: a shape never launched
+// so), where cluster_combine then merges them.
 template <class S>
 FS_DEV void finish_cols(const AttnParams& p, const DecodeSeq& s, int64_t g0, int nrows, int split, float* red,
-                        float* rscale, ColState& cs, const float (&o)[S::kMb][2][4], int wg, int ww, int lane) {
+                        float* rscale, ColState& cs, const float (&o)[S::kMb][2][4], int wg, int ww, int lane,
+                        float* xo = nullptr) {
   const int tid = int(threadIdx.x);
+  const bool clustered = xo && p.num_splits > 1 && cluster_ctas() > 1;  // the same in the cluster's CTAs
+  float* xl = clustered ? xo + S::kM * kMlaDv : nullptr;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
 #pragma unroll
@@ -487,7 +499,8 @@ FS_DEV void finish_cols(const AttnParams& p, const DecodeSeq& s, int64_t g0, int
   if (tid < S::kM) {
     const int c = tid;
     const float l = red[c] + red[S::kM + c] + red[2 * S::kM + c] + red[3 * S::kM + c];
-    rscale[c] = finish_row(p, s, g0, nrows, split, c, red[4 * S::kM + c], l, S::kFp8 ? s.kv.v_desc : 1.0f);
+    rscale[c] = finish_row(p, s, g0, nrows, split, c, red[4 * S::kM + c], l, S::kFp8 ? s.kv.v_desc : 1.0f,
+                           clustered ? xl : nullptr);
   }
   rows_sync<S>();
   // O^T's rows lane / 4 + 8 h of the warp's 16 in latent block mb; RS shape: channels
@@ -505,7 +518,7 @@ FS_DEV void finish_cols(const AttnParams& p, const DecodeSeq& s, int64_t g0, int
       const float sc = rscale[c];
       const PackedIdx pi = packed_idx32(p, g0, c);
       const int64_t r = s.rows.row_begin + pi.i;
-      const auto row = p.num_splits > 1 ? out + partial_index(p, split, r, pi.h) * kMlaDv
+      const auto row = p.num_splits > 1 ? out + (clustered ? int64_t(c) : partial_index(p, split, r, pi.h)) * kMlaDv
                                         : out + s.rows.qb * p.out.stride[0] +
                                               s.rows.q_row(r, p.batched) * p.out.stride[1] + pi.h * p.out.stride[2];
 #pragma unroll
@@ -516,11 +529,16 @@ FS_DEV void finish_cols(const AttnParams& p, const DecodeSeq& s, int64_t g0, int
   };
   void* out = const_cast<void*>(p.out.data);
   const auto f32 = [](float x) { return x; };
-  if (p.num_splits > 1) store_cols(p.o_partial, f32);
+  if (p.num_splits > 1) store_cols(clustered ? xo : p.o_partial, f32);
   else if (p.out.dtype == DType::bf16)
     store_cols(static_cast<__nv_bfloat16*>(out), [](float x) { return __float2bfloat16_rn(x); });
   else if (p.out.dtype == DType::f16) store_cols(static_cast<__half*>(out), [](float x) { return __float2half_rn(x); });
   else store_cols(static_cast<float*>(out), f32);
+  if (clustered)
+    cluster_combine<S::kM, kMlaDv, S::kThreads>(p, xo, xl, xl + S::kM, nrows, [&](int j) {
+      const PackedIdx pi = packed_idx32(p, g0, j);
+      return RowDest{s.rows.qb, s.rows.q_row(s.rows.row_begin + pi.i, p.batched), pi.h};
+    });
 }
 
 // S^T from the two warpgroups' partials: each stores its 8 fragment values ([value][thread]
@@ -690,7 +708,9 @@ FS_DEV void run_rows_heads(const AttnParams& p, const DecodeSeq& s, int64_t g0, 
     if constexpr (!S::kConvert) issue_tile(k + kStages);
   }
   cp_async_wait<0>();
-  finish_cols<S>(p, s, g0, nrows, split, red - wg * 5 * S::kM, rscale, cs, o, wg, ww, lane);
+  static_assert(S::kStages * S::kStageBytes >= kMlaClusterBytes, "the stages hold a split's partial rows");
+  finish_cols<S>(p, s, g0, nrows, split, red - wg * 5 * S::kM, rscale, cs, o, wg, ww, lane,
+                 reinterpret_cast<float*>(sm + S::kKvOff));
 }
 
 // kWgs warpgroups, kStages KV stages (decode_mla_config.hpp: the shapes); kKv the latent's dtype

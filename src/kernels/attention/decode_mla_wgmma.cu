@@ -12,6 +12,7 @@
 #include "kernels/attention/decode_mla_pp.cuh"
 #include "kernels/attention/decode_mla_wgmma.cuh"
 #include "kernels/attention/launchers.hpp"
+#include "kernels/common/cluster_launch.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/dispatch.hpp"
 #include "kernels/common/smem_limit.cuh"
@@ -21,12 +22,19 @@ namespace flashserve::kernels {
 
 namespace {
 
+// p.cluster_splits: the splits as one cluster (1, 1, num_splits) that merges them
+// (cluster_merge.cuh, finish_cols). Returns whether it did (no partials, no combine).
 template <DType kDt, DType kKv, int kWgs, int kStages>
-void launch_heads(const AttnParams& p, dim3 grid, cudaStream_t s) {
+bool launch_heads(const AttnParams& p, dim3 grid, cudaStream_t s) {
   constexpr auto kernel = &mla::decode_mla_heads<kDt, kKv, kWgs, kStages>;
   constexpr size_t smem = mla_heads_smem_bytes(kWgs, kStages, is_fp8(kKv) && kWgs == 1);
   ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);
+  if (p.cluster_splits && grid.z >= 2 && grid.z <= unsigned(kClusterMaxCtas)) {
+    launch_split_cluster<kernel>(grid, dim3(128 * kWgs), smem, s, p);
+    return true;
+  }
   kernel<<<grid, 128 * kWgs, smem, s>>>(p);
+  return false;
 }
 
 template <DType kDt>
@@ -105,7 +113,7 @@ bool pp_fits(const AttnParams& p) {
 // (101 KB: two CTAs per SM), the MMAs' A operands converted in registers (S: ldmatrix on the key
 // rows, q permuted; P V: ldmatrix.trans, prmt, O^T's rows permuted): B = 64 L = 4k 100.2 us
 // (decode_mla 142.2, bf16 105.6), B = 128 L = 8k 302.3 (393.2, bf16 318.1). bench/RESULTS.md.
-void launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream) {
+bool launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream) {
   mla::require_mla_problem(p, "decode_mla_wgmma");
   if (p.rows_per_cta != 64 && p.rows_per_cta != kMlaHeadsRows)
     throw RuntimeError(detail::cat("decode_mla_wgmma attention: 64 or ", kMlaHeadsRows, " rows per CTA, got ",
@@ -114,6 +122,7 @@ void launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream) {
   const int forced = forced_heads_ctas();
   const bool pair = forced ? forced == 2 : mla_heads_pair(int64_t(grid.x) * grid.y * grid.z, num_sms);
   const auto s = static_cast<cudaStream_t>(stream);
+  bool merged = false;  // the splits merged in a cluster (launch_heads)
   if (is_fp8(p.k.dtype) && p.rows_per_cta != kMlaHeadsRows)
     throw RuntimeError(detail::cat("decode_mla_wgmma attention: an fp8 latent cache takes ", kMlaHeadsRows,
                                    " rows per CTA, got ", p.rows_per_cta));
@@ -122,8 +131,8 @@ void launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream) {
           [&]<size_t I>() {
             constexpr DType kDt = kMlaConfigs[I].dtype, kKv = kMlaConfigs[I].kv;
             if constexpr (is_fp8(kKv)) {
-              if (pair) launch_heads<kDt, kKv, 1, 2>(p, grid, s);  // the RS shape, two CTAs per SM
-              else launch_heads<kDt, kKv, 2, 2>(p, grid, s);
+              if (pair) merged = launch_heads<kDt, kKv, 1, 2>(p, grid, s);  // the RS shape, two CTAs per SM
+              else merged = launch_heads<kDt, kKv, 2, 2>(p, grid, s);
             } else if (p.rows_per_cta == 64 && pp_fits(p)) {
               if (p.paged && p.kv_dim1 < kMlaPpKeys) launch_pp<mla::decode_mla_pp<kDt, true>>(p, grid, s);
               else launch_pp<mla::decode_mla_pp<kDt, false>>(p, grid, s);
@@ -132,16 +141,17 @@ void launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream) {
               ensure_smem_limit<kernel>(mla_wgmma_smem_bytes(), /*max_carveout=*/true);
               kernel<<<grid, 256, mla_wgmma_smem_bytes(), s>>>(p);
             } else if (pair) {
-              launch_heads<kDt, kKv, 1, 1>(p, grid, s);
+              merged = launch_heads<kDt, kKv, 1, 1>(p, grid, s);
             } else if (pp_fits(p) && heads_tma_pays(p, int64_t(grid.x) * grid.y * grid.z, num_sms)) {
               launch_heads_tma<kDt>(p, grid, s);
             } else {
-              launch_heads<kDt, kKv, 2, 2>(p, grid, s);
+              merged = launch_heads<kDt, kKv, 2, 2>(p, grid, s);
             }
             FS_CUDA_CHECK_LAUNCH();
           }))
     throw RuntimeError(detail::cat("decode_mla_wgmma attention: no instantiation for q ", dtype_name(p.q.dtype),
                                    ", k/v ", dtype_name(p.k.dtype), "/", dtype_name(p.v.dtype)));
+  return merged;
 }
 
 }  // namespace flashserve::kernels

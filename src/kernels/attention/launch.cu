@@ -115,15 +115,15 @@ void attention(const detail::AttnProblem& pr, const Plan& plan, const ExecContex
   a.head_slices = choice.head_slices;
   if (choice.kernel == AttnKernelId::prefill_tma || choice.kernel == AttnKernelId::prefill_fp8)
     a.persistent_ctas = prefill_tma_persistent_ctas(a.max_split_keys, dev.num_sms);
-  if (choice.kernel == AttnKernelId::decode) {
+  if (choice.kernel == AttnKernelId::decode)
     a.row_ctas = decode_row_ctas(plan.shape.max_seqlen_q * a.group, plan.shape.kv_8bit);
+  if (choice.kernel == AttnKernelId::decode || choice.kernel == AttnKernelId::decode_mla_wgmma)
     a.cluster_splits = decode_cluster_splits(a.num_splits, a.split_size, dev.cc_major);
-  }
   if (a.batch == 0 || a.total_rows() == 0) return;
   const DeviceGuard guard(pr.q.device.index);
   bool merged = false;  // the kernel merged the splits itself
   if (choice.kernel == AttnKernelId::decode_mla) launch_decode_mla(a, ctx.stream);
-  else if (choice.kernel == AttnKernelId::decode_mla_wgmma) launch_decode_mla_wgmma(a, dev.num_sms, ctx.stream);
+  else if (choice.kernel == AttnKernelId::decode_mla_wgmma) merged = launch_decode_mla_wgmma(a, dev.num_sms, ctx.stream);
   else if (choice.kernel == AttnKernelId::decode) merged = launch_decode_attention(a, ctx.stream);
   else if (choice.kernel == AttnKernelId::prefill_mma) launch_prefill_attention(a, choice, ctx.stream);
   else if (choice.kernel == AttnKernelId::prefill_wgmma) launch_prefill_wgmma(a, choice, ctx.stream);

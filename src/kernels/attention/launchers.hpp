@@ -39,8 +39,9 @@ bool launch_decode_attention(const AttnParams& p, void* stream);
 // directly when p.num_splits == 1, else the partials.
 void launch_decode_mla(const AttnParams& p, void* stream);
 // decode_mla_wgmma.cu: the sm_90a MLA absorbed-decode kernels (16 or 64 rows, 16-bit latent
-// cache); num_sms picks the 16-row kernel's shape (mla_heads_pair).
-void launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream);
+// cache); num_sms picks the 16-row kernel's shape (mla_heads_pair). Returns true when it merged
+// the splits itself (p.cluster_splits on decode_mla_heads' cp.async shapes: no combine needed).
+bool launch_decode_mla_wgmma(const AttnParams& p, int num_sms, void* stream);
 
 // combine.cu: merges the p.num_splits partials of every covered (row, head) in split order,
 // applies the sink once and writes out/lse. `dependent` (sm_90+: the forward kernel just launched

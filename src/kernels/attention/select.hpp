@@ -270,12 +270,13 @@ constexpr size_t prefill_fp8_persistent_smem_bytes(int64_t d, int64_t dv) {
 // it off or on for every call (A/B runs, the GPU tests' persistent entries).
 int prefill_tma_persistent_ctas(int64_t max_split_keys, int num_sms);
 
-// ---- the decode kernel's splits merged in a cluster (decode_mainloop.cuh: cluster_merge_store)
-// instead of partials in the workspace and the combine launch (3.8-6 us per call, bench/
-// RESULTS.md 2026-11-26): for calls of 2 to kDecodeClusterMaxSplits splits whose splits are the
-// same for every sequence (not batch-invariant fixed-size ones), sm_90+. 0 for now: the form has
-// not run on a GPU yet, so no call takes it unless FLASHSERVE_DECODE_CLUSTER=1 (at most
-// kDecodeClusterMaxCtas splits); bench/pending says how it is measured.
+// ---- decode's splits merged in a cluster (cluster_merge.cuh: cluster_combine) instead of
+// partials in the workspace and the combine launch (3.8-6 us per call, bench/RESULTS.md
+// 2026-11-26): the decode kernel and decode_mla_heads' cp.async shapes, for calls of 2 to
+// kDecodeClusterMaxSplits splits whose splits are the same for every sequence (not
+// batch-invariant fixed-size ones), sm_90+. 0 for now: the form has not run on a GPU yet, so no
+// call takes it unless FLASHSERVE_DECODE_CLUSTER=1 (at most kDecodeClusterMaxCtas splits);
+// bench/pending/cluster-run.sh measures it.
 inline constexpr int kDecodeClusterMaxSplits = 0;
 // Whether a decode call of num_splits splits (split_size > 0: fixed-size ones) on a GPU of
 // compute capability cc_major merges them in a cluster. FLASHSERVE_DECODE_CLUSTER=0 or 1 forces
