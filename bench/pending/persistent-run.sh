@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# One device call (~6 min on an H200): build, the persistent forms' tests forced on, the A/B of
-# off / on (FLASHSERVE_PREFILL_PERSISTENT) on bench/specs/persistent_ab.txt, then racecheck and
-# memcheck of the forced-on tests. At most 8 files come back from $OUT: the logs go into one
-# tarball, the A/B table beside it, and the summary is printed last.
+# One device call (~6 min on an H200): build, the persistent prefill forms' tests forced on, the
+# A/B of off / on (FLASHSERVE_PREFILL_PERSISTENT) on bench/specs/persistent_ab.txt (ab.txt), then
+# racecheck and memcheck of the forced-on tests. PARTS="tests ab san" (default) or a subset;
+# session25-run.sh runs both pending scripts' parts in one call. At most 8 files come back from
+# $OUT: the logs go into one tarball, the A/B table beside it, and the summary is printed last.
 set -o pipefail
+parts=${PARTS:-"tests ab san"}
+has() { [[ " $parts " == *" $1 "* ]]; }
 cd "$(dirname "$0")/../.."
 . tools/lib/cuda-dev.sh
 use_cuda_toolkit
@@ -21,21 +24,28 @@ run() {  # run <log> <timeout> <env> <binary>
   env $3 timeout $2 build/cuda-dev/tests/gpu/$4 >$logs/$1 2>&1
   say "$1: exit $? ($((SECONDS - t0)) s) $(grep -E '^\[  (PASSED|FAILED) |gpu fuzz\] [0-9]+ cases' $logs/$1 | tr '\n' ' ')"
 }
-run prefill_on.log 150 FLASHSERVE_PREFILL_PERSISTENT=1 test_gpu_prefill
-run fp8_on.log 120 FLASHSERVE_PREFILL_PERSISTENT=1 test_gpu_prefill_fp8
-OUT=$logs/ab tools/gpu-ab --specs bench/specs/persistent_ab.txt --env-variant off="FLASHSERVE_PREFILL_PERSISTENT=0" \
-  --env-variant on="FLASHSERVE_PREFILL_PERSISTENT=1" >$logs/gpu-ab.log 2>&1
-cp $logs/ab/ab.txt $out/ab.txt 2>/dev/null
-san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-sanitize() {  # sanitize <log> <tool> <timeout> <binary> <filter>
-  FLASHSERVE_PREFILL_PERSISTENT=1 timeout $3 $san --tool $2 --error-exitcode 9 build/cuda-dev/tests/gpu/$4 \
-    --gtest_filter="$5" >$logs/$1 2>&1
-  say "$1: exit $? ($((SECONDS - t0)) s) $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) ' $logs/$1 | tr '\n' ' ')"
-}
-sanitize racecheck_prefill.log racecheck 120 test_gpu_prefill '*FullyMasked*:*Splits*:*ThreeWarpgroup*'
-sanitize racecheck_fp8.log racecheck 90 test_gpu_prefill_fp8 '*VarlenCausal*:*OutDtypes*'
-sanitize memcheck_prefill.log memcheck 120 test_gpu_prefill '*PagedBlockSizesOnPrefillTma*:*FullyMasked*:*Splits*'
-run attention_on.log 120 FLASHSERVE_PREFILL_PERSISTENT=1 test_gpu_attention
-say "total $((SECONDS - t0)) s"
+if has tests; then
+  run prefill_on.log 150 FLASHSERVE_PREFILL_PERSISTENT=1 test_gpu_prefill
+  run fp8_on.log 120 FLASHSERVE_PREFILL_PERSISTENT=1 test_gpu_prefill_fp8
+fi
+if has ab; then
+  OUT=$logs/ab tools/gpu-ab --specs bench/specs/persistent_ab.txt --env-variant off="FLASHSERVE_PREFILL_PERSISTENT=0" \
+    --env-variant on="FLASHSERVE_PREFILL_PERSISTENT=1" >$logs/gpu-ab.log 2>&1
+  cp $logs/ab/ab.txt $out/ab.txt 2>/dev/null
+  cat $out/ab.txt
+fi
+if has san; then
+  san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  sanitize() {  # sanitize <log> <tool> <timeout> <binary> <filter>
+    FLASHSERVE_PREFILL_PERSISTENT=1 timeout $3 $san --tool $2 --error-exitcode 9 build/cuda-dev/tests/gpu/$4 \
+      --gtest_filter="$5" >$logs/$1 2>&1
+    say "$1: exit $? ($((SECONDS - t0)) s) $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) ' $logs/$1 | tr '\n' ' ')"
+  }
+  sanitize racecheck_prefill.log racecheck 120 test_gpu_prefill '*FullyMasked*:*Splits*:*ThreeWarpgroup*'
+  sanitize racecheck_fp8.log racecheck 90 test_gpu_prefill_fp8 '*VarlenCausal*:*OutDtypes*'
+  sanitize memcheck_prefill.log memcheck 120 test_gpu_prefill '*PagedBlockSizesOnPrefillTma*:*FullyMasked*:*Splits*'
+  run attention_on.log 120 FLASHSERVE_PREFILL_PERSISTENT=1 test_gpu_attention
+fi
+say "persistent-run ($parts) $((SECONDS - t0)) s"
 tar czf $out/logs.tgz -C $logs . 2>/dev/null
-cat $out/ab.txt $summary
+cat $summary
