@@ -33,4 +33,31 @@ FS_HD MergeWeights merge_lse(float lse_a, float lse_b) {
   return {ea / sum, eb / sum, m + logf(sum)};
 }
 
+// The merge of n states at once: their LSEs l [n] (normalized here) give the merged LSE
+// (returned) and each state's weight w [n] = exp(l_s - lse) (the sum over states of w_s x o_s is
+// the merged output); NaN when any l_s is NaN (w NaN too), -inf and w 0 when all are empty.
+// merge_lse folded over the states, up to fp32 rounding (the split-KV merges of the CUDA kernels
+// in a cluster, attention/cluster_merge.cuh).
+FS_HD float merge_lses(const float* l, int n, float* w) {
+  float mx = -INFINITY;
+  bool nan = false;
+  for (int s = 0; s < n; ++s) {
+    const float x = normalize_lse(l[s]);
+    nan |= x != x;
+    mx = fmaxf(mx, x);
+  }
+  if (nan) {
+    for (int s = 0; s < n; ++s) w[s] = NAN;
+    return NAN;
+  }
+  float sum = 0.0f;
+  for (int s = 0; s < n; ++s) {
+    w[s] = mx == -INFINITY ? 0.0f : expf(normalize_lse(l[s]) - mx);
+    sum += w[s];
+  }
+  if (mx == -INFINITY) return -INFINITY;
+  for (int s = 0; s < n; ++s) w[s] /= sum;
+  return mx + logf(sum);
+}
+
 }  // namespace flashserve

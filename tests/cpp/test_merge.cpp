@@ -7,9 +7,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "common/softmax_state.hpp"
 #include "flashserve/merge.hpp"
 #include "flashserve/status.hpp"
 #include "support/checks.hpp"
@@ -221,4 +223,49 @@ TEST(MergeStates, NoTokens) {
   p.a_lse = p.b_lse = l;
   p.prefill_tokens_with_context = 0;
   EXPECT_NO_THROW(fs::merge_states(p));
+}
+
+// merge_lses (n states at once: the CUDA kernels' merge of a cluster's splits) against
+// merge_lse folded over the states, on random LSEs with empty (-inf, +inf) and NaN states mixed
+// in: the same LSE and weights (the folded weights are the products of each fold's), up to fp32
+// rounding; NaN anywhere gives NaN, all empty gives -inf and zero weights.
+TEST(MergeStates, ManyAtOnceMatchesFoldedPairs) {
+  auto rng = fstest::make_rng(0x5c1d);
+  std::uniform_real_distribution<float> u(-30.0f, 30.0f);
+  for (int rep = 0; rep < 2000; ++rep) {
+    const int n = 1 + int(rng() % 16);
+    std::vector<float> l(static_cast<size_t>(n)), w(l), fw(l);
+    for (float& x : l) {
+      const unsigned k = unsigned(rng() % 16);
+      x = k == 0 ? -INFINITY : k == 1 ? INFINITY : (k == 2 && rep % 7 == 0) ? NAN : u(rng);
+    }
+    if (rep % 5 == 0)
+      for (float& x : l) x = rng() % 2 ? -INFINITY : INFINITY;  // every state empty
+    const float lse = fs::merge_lses(l.data(), n, w.data());
+    float acc = l[0];  // the fold: state 0, then each next one merged in
+    fw[0] = 1.0f;
+    for (int s = 1; s < n; ++s) {
+      const fs::MergeWeights mw = fs::merge_lse(acc, l[size_t(s)]);
+      for (int t = 0; t < s; ++t) fw[size_t(t)] *= mw.w_a;
+      fw[size_t(s)] = mw.w_b;
+      acc = mw.lse;
+    }
+    if (n == 1 && acc == acc) acc = fs::normalize_lse(acc), fw[0] = acc == -INFINITY ? 0.0f : 1.0f;
+    if (acc != acc) {
+      EXPECT_TRUE(lse != lse) << rep;
+      continue;
+    }
+    EXPECT_EQ(lse == -INFINITY, acc == -INFINITY) << rep;
+    if (acc == -INFINITY) {
+      for (int s = 0; s < n; ++s) EXPECT_EQ(w[size_t(s)], 0.0f) << rep;
+      continue;
+    }
+    EXPECT_NEAR(lse, acc, 1e-5f * std::max(1.0f, std::fabs(acc))) << rep;
+    float sum = 0.0f;
+    for (int s = 0; s < n; ++s) {
+      EXPECT_NEAR(w[size_t(s)], fw[size_t(s)], 1e-5f) << rep << " state " << s;
+      sum += w[size_t(s)];
+    }
+    EXPECT_NEAR(sum, 1.0f, 1e-5f) << rep;
+  }
 }

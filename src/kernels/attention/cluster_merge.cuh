@@ -14,6 +14,7 @@
 
 #include <cooperative_groups.h>
 
+#include "common/softmax_state.hpp"
 #include "kernels/attention/epilogue.cuh"
 #include "kernels/attention/softmax.cuh"
 
@@ -58,21 +59,13 @@ FS_DEV void cluster_combine(const AttnParams& p, const float* xo, const float* x
   cl.sync();  // every CTA's partials are in its shared memory
   // The rows' merged LSEs and the ranks' weights (this CTA's rows: j = rank, rank + n, ...).
   for (int j = rank + n * t; j < nrows; j += n * kThreads) {
-    float l[kClusterMaxCtas];
-    float mx = -INFINITY;
-    bool nan = false;
-    for (int c = 0; c < n; ++c) {
-      l[c] = normalize_lse(cl.map_shared_rank(xl, c)[j]);
-      nan |= l[c] != l[c];
-      mx = fmaxf(mx, l[c]);
-    }
-    float sum = 0.0f;
-    for (int c = 0; c < n; ++c) sum += mx == -INFINITY ? 0.0f : expf(l[c] - mx);
-    for (int c = 0; c < n; ++c) w[c * kRows + j] = mx == -INFINITY ? 0.0f : expf(l[c] - mx) / sum;
-    float lse = nan ? NAN : mx == -INFINITY ? -INFINITY : mx + logf(sum);
+    float l[kClusterMaxCtas], wj[kClusterMaxCtas];
+    for (int c = 0; c < n; ++c) l[c] = cl.map_shared_rank(xl, c)[j];
+    float lse = merge_lses(l, n, wj);
+    for (int c = 0; c < n; ++c) w[c * kRows + j] = wj[c];
     const RowDest d = dest(j);
     const float sink_w = apply_sink(p, d.h, lse);  // lse: the sink merged in
-    ws[j] = nan ? NAN : sink_w;
+    ws[j] = lse != lse ? NAN : sink_w;
     store_lse(p, d.qb, d.q_row, d.h, lse);
   }
   __syncthreads();
