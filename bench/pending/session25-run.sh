@@ -2,7 +2,8 @@
 # Both pending scripts in one device call (machines were scarce: one start for both): one build
 # of every target they use, then the forced-on tests and A/Bs of both, then the sanitizers, in
 # the order of their value should the call be cut (each summary grows in $OUT as it goes).
-# Returns cluster-summary.txt, cluster-ab.txt, cluster-logs.tgz, summary.txt, ab.txt, logs.tgz.
+# Returns cluster-summary.txt, cluster-ab.txt, cluster-logs.tgz, summary.txt, ab.txt,
+# persistent-logs.tgz (6 of the 8 files a call returns).
 cd "$(dirname "$0")/../.."
 . tools/lib/cuda-dev.sh
 use_cuda_toolkit
