@@ -114,7 +114,9 @@ void attention(const detail::AttnProblem& pr, const Plan& plan, const ExecContex
   a.heads_per_cta = choice.heads_per_cta;
   a.head_slices = choice.head_slices;
   if (choice.kernel == AttnKernelId::prefill_tma || choice.kernel == AttnKernelId::prefill_fp8)
-    a.persistent_ctas = prefill_tma_persistent_ctas(a.max_split_keys, dev.num_sms);
+    a.persistent_ctas = prefill_tma_persistent_ctas(
+        prefill_cta_keys(a.max_split_keys, choice.rows_per_cta, a.causal, a.chunk, a.window_left, a.window_right),
+        dev.num_sms);
   if (choice.kernel == AttnKernelId::decode)
     a.row_ctas = decode_row_ctas(plan.shape.max_seqlen_q * a.group, plan.shape.kv_8bit);
   if (choice.kernel == AttnKernelId::decode || choice.kernel == AttnKernelId::decode_mla_wgmma)

@@ -265,8 +265,27 @@ constexpr size_t prefill_tma_persistent_smem_bytes(int64_t d, int64_t dv, int64_
 constexpr size_t prefill_fp8_persistent_smem_bytes(int64_t d, int64_t dv) {
   return prefill_fp8_smem_bytes(d, dv) + kPersistentSmemBytes;
 }
-// The CTAs of the persistent form for a call whose CTAs see at most max_split_keys keys (0:
-// unknown) on num_sms SMs, or 0 for one CTA per item. FLASHSERVE_PREFILL_PERSISTENT=0 or 1 forces
+// The most keys one prefill CTA of `rows` query rows sees: its split's keys (split_keys; 0:
+// unknown), bounded by a chunk (chunked local attention: a tile's rows see keys from the first
+// row's chunk start to the last row, at most chunk + rows - 1) or a window (window_left + rows +
+// the right extent: window_right, 0 when causal; -1 sides unbounded).
+constexpr int64_t prefill_cta_keys(int64_t split_keys, int64_t rows, bool causal, int64_t chunk, int64_t window_left,
+                                   int64_t window_right) {
+  int64_t bound = chunk > 0 ? chunk + rows - 1 : -1;
+  const int64_t right = causal ? 0 : window_right;
+  if (window_left >= 0 && right >= 0) {
+    const int64_t w = window_left + rows + right;
+    bound = bound < 0 || w < bound ? w : bound;
+  }
+  if (bound < 0) return split_keys;
+  return split_keys > 0 && split_keys < bound ? split_keys : bound;
+}
+static_assert(prefill_cta_keys(2048, 128, true, 0, -1, -1) == 2048 && prefill_cta_keys(0, 128, true, 0, -1, -1) == 0 &&
+              prefill_cta_keys(8192, 128, true, 2048, -1, -1) == 2175 && prefill_cta_keys(8192, 128, true, 0, 511, -1) == 639 &&
+              prefill_cta_keys(8192, 128, false, 0, 511, -1) == 8192 && prefill_cta_keys(8192, 128, false, 0, 511, 64) == 703 &&
+              prefill_cta_keys(256, 128, true, 0, 511, 0) == 256 && prefill_cta_keys(0, 128, true, 512, 100, 0) == 228);
+// The CTAs of the persistent form for a call whose CTAs see at most max_split_keys keys
+// (launch.cu: prefill_cta_keys; 0: unknown) on num_sms SMs, or 0 for one CTA per item. FLASHSERVE_PREFILL_PERSISTENT=0 or 1 forces
 // it off or on for every call (A/B runs, the GPU tests' persistent entries).
 int prefill_tma_persistent_ctas(int64_t max_split_keys, int num_sms);
 
