@@ -285,8 +285,9 @@ static_assert(prefill_cta_keys(2048, 128, true, 0, -1, -1) == 2048 && prefill_ct
               prefill_cta_keys(8192, 128, false, 0, 511, -1) == 8192 && prefill_cta_keys(8192, 128, false, 0, 511, 64) == 703 &&
               prefill_cta_keys(256, 128, true, 0, 511, 0) == 256 && prefill_cta_keys(0, 128, true, 512, 100, 0) == 228);
 // The CTAs of the persistent form for a call whose CTAs see at most max_split_keys keys
-// (launch.cu: prefill_cta_keys; 0: unknown) on num_sms SMs, or 0 for one CTA per item. FLASHSERVE_PREFILL_PERSISTENT=0 or 1 forces
-// it off or on for every call (A/B runs, the GPU tests' persistent entries).
+// (launch.cu: prefill_cta_keys; 0: unknown) on num_sms SMs, or 0 for one CTA per item.
+// FLASHSERVE_PREFILL_PERSISTENT=0 or 1 forces it off or on for every call (A/B runs, the GPU
+// tests' persistent entries).
 int prefill_tma_persistent_ctas(int64_t max_split_keys, int num_sms);
 
 // ---- decode's splits merged in a cluster (cluster_merge.cuh: cluster_combine) instead of
