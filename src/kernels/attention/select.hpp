@@ -294,14 +294,14 @@ int prefill_tma_persistent_ctas(int64_t max_split_keys, int num_sms);
 // partials in the workspace and the combine launch (3.8-6 us per call, bench/RESULTS.md
 // 2026-11-26): the decode kernel and decode_mla_heads' cp.async shapes, for calls of 2 to
 // kDecodeClusterMaxSplits splits whose splits are the same for every sequence (not
-// batch-invariant fixed-size ones), sm_90+. 0 for now: the form has not run on a GPU yet, so no
+// batch-invariant fixed-size ones), sm_90a. 0 for now: the form has not run on a GPU yet, so no
 // call takes it unless FLASHSERVE_DECODE_CLUSTER=1 (at most kDecodeClusterMaxCtas splits);
 // bench/pending/cluster-run.sh measures it.
 inline constexpr int kDecodeClusterMaxSplits = 0;
-// Whether a decode call of num_splits splits (split_size > 0: fixed-size ones) on a GPU of
-// compute capability cc_major merges them in a cluster. FLASHSERVE_DECODE_CLUSTER=0 or 1 forces
-// it off or on (within the bounds above) for every call.
-bool decode_cluster_splits(int num_splits, int64_t split_size, int cc_major);
+// Whether a decode call of num_splits splits (split_size > 0: fixed-size ones) on `dev` merges
+// them in a cluster: only where the device runs the build's sm_90a code (compute capability 9.0).
+// FLASHSERVE_DECODE_CLUSTER=0 or 1 forces it off or on (within those bounds) for every call.
+bool decode_cluster_splits(int num_splits, int64_t split_size, const DeviceProps& dev);
 
 struct AttnKernelChoice {
   AttnKernelId kernel = AttnKernelId::none;
