@@ -23,8 +23,8 @@ constexpr DecodeKv kFmt = decode_kv(kDecodeConfigs[I].kv, kDecodeConfigs[I].v);
 // decode_fwd reads the order from gridDim.y.
 // p.cluster_splits: each (sequence x row CTA, KV head)'s splits run as one cluster (1, 1,
 // num_splits) that merges them (cluster_merge.cuh), where the layout's shared memory holds the
-// CTA's partial rows beside the merge area. Returns whether it did (no partials in the
-// workspace, no combine).
+// CTA's partial rows beside the merge area and such a cluster fits on the device. Returns
+// whether it did (no partials in the workspace, no combine).
 template <size_t I, int kRows, DecodeTiling kTl, bool kHeadsInX>
 bool launch_rows(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeConfig c = kDecodeConfigs[I];
@@ -35,13 +35,12 @@ bool launch_rows(const AttnParams& p, cudaStream_t stream) {
   const unsigned x = unsigned(p.batch * p.row_ctas), hkv = unsigned(p.num_kv_heads), z = unsigned(p.num_splits);
   const dim3 grid = kHeadsInX ? dim3(x * hkv, 1, z) : dim3(x, hkv, z);
   constexpr bool kClusterFits = decode_cluster_merge_fits(kFmt<I>, c.d, kRows, kTl);
-  if (!kClusterFits || !p.cluster_splits || z < 2 || z > unsigned(kDecodeClusterMaxCtas)) {
-    kernel<<<grid, 32 * decode_warps(c.d), smem, stream>>>(p);
-    FS_CUDA_CHECK_LAUNCH();
-    return false;
-  }
-  launch_split_cluster<kernel>(grid, dim3(32 * decode_warps(c.d)), smem, stream, p);
-  return true;
+  if (kClusterFits && p.cluster_splits &&
+      launch_split_cluster<kernel>(grid, dim3(32 * decode_warps(c.d)), smem, stream, p))
+    return true;
+  kernel<<<grid, 32 * decode_warps(c.d), smem, stream>>>(p);
+  FS_CUDA_CHECK_LAUNCH();
+  return false;
 }
 
 // The instantiations of configuration I: the short tiling (decode_config.hpp) by the split's key

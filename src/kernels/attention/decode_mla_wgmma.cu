@@ -23,16 +23,14 @@ namespace flashserve::kernels {
 namespace {
 
 // p.cluster_splits: the splits as one cluster (1, 1, num_splits) that merges them
-// (cluster_merge.cuh, finish_cols). Returns whether it did (no partials, no combine).
+// (cluster_merge.cuh, finish_cols), where such a cluster fits on the device. Returns whether it
+// did (no partials, no combine).
 template <DType kDt, DType kKv, int kWgs, int kStages>
 bool launch_heads(const AttnParams& p, dim3 grid, cudaStream_t s) {
   constexpr auto kernel = &mla::decode_mla_heads<kDt, kKv, kWgs, kStages>;
   constexpr size_t smem = mla_heads_smem_bytes(kWgs, kStages, is_fp8(kKv) && kWgs == 1);
   ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);
-  if (p.cluster_splits && grid.z >= 2 && grid.z <= unsigned(kClusterMaxCtas)) {
-    launch_split_cluster<kernel>(grid, dim3(128 * kWgs), smem, s, p);
-    return true;
-  }
+  if (p.cluster_splits && launch_split_cluster<kernel>(grid, dim3(128 * kWgs), smem, s, p)) return true;
   kernel<<<grid, 128 * kWgs, smem, s>>>(p);
   return false;
 }

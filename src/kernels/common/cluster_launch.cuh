@@ -1,7 +1,7 @@
 // Launches whose grid's z (the split-KV splits) is one thread-block cluster (1, 1, z): the
 // splits of a work unit merged in the kernel through distributed shared memory
 // (attention/cluster_merge.cuh). Clusters past 8 CTAs need a per-kernel attribute (the
-// non-portable size, up to 16 on sm_90), set once per (kernel, device).
+// non-portable size, up to 16 on sm_90).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,18 +13,18 @@
 
 namespace flashserve::kernels {
 
+// Launches kKernel over `grid` with the cluster (1, 1, grid.z), or returns false without
+// launching when no such cluster fits on the device (cudaOccupancyMaxActiveClusters: a cluster
+// must be resident on one GPC at once, e.g. 16 CTAs of one per SM on a GPU whose GPCs have
+// fewer SMs); the caller then launches unclustered. Both the attribute and the fit are looked up
+// once per (kernel, device, cluster size).
 template <auto kKernel, class... Args>
-void launch_split_cluster(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Args&... args) {
-  if (grid.z > 8) {
-    constexpr int kMaxDevices = 64;
-    static std::array<std::atomic<bool>, kMaxDevices> allowed{};
-    int device = 0;
-    FS_CUDA_CHECK(cudaGetDevice(&device));
-    if (device >= kMaxDevices || !allowed[size_t(device)].load()) {
-      FS_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-      if (device < kMaxDevices) allowed[size_t(device)].store(true);
-    }
-  }
+bool launch_split_cluster(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Args&... args) {
+  constexpr int kMaxDevices = 64, kMaxCtas = 16;
+  static std::array<std::atomic<int>, kMaxDevices * (kMaxCtas + 1)> fits{};  // 0 unknown, 1 yes, 2 no
+  if (grid.z < 2 || grid.z > unsigned(kMaxCtas)) return false;
+  int device = 0;
+  FS_CUDA_CHECK(cudaGetDevice(&device));
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -37,8 +37,20 @@ void launch_split_cluster(dim3 grid, dim3 block, size_t smem, cudaStream_t strea
   attr.val.clusterDim.z = grid.z;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
+  std::atomic<int>* known = device < kMaxDevices ? &fits[size_t(device) * (kMaxCtas + 1) + grid.z] : nullptr;
+  int state = known ? known->load() : 0;
+  if (state == 0) {
+    if (grid.z > 8)  // past the portable cluster size
+      FS_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    int clusters = 0;
+    FS_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kKernel, &cfg));
+    state = clusters > 0 ? 1 : 2;
+    if (known) known->store(state);
+  }
+  if (state != 1) return false;
   FS_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kKernel, args...));
   FS_CUDA_CHECK_LAUNCH();
+  return true;
 }
 
 }  // namespace flashserve::kernels
