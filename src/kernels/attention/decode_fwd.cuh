@@ -18,7 +18,8 @@
 // tile's block-table entries are read one tile ahead into registers, so the dependent table
 // load never stalls a copy issue); per tile a warp runs q.k, the online softmax and p.v on its
 // 16 rows (decode_mma.cuh). The W warp states merge at the end (shared memory), then out (or
-// the split partial) and LSE.
+// the split partial) and LSE; with the splits launched as one cluster (decode_fwd.cu), the split
+// partials stay in shared memory and the cluster merges them (cluster_merge.cuh), no combine.
 //
 // Arithmetic (H200, paged bf16, B=64, L=4096, H=32, H_kv=8, D=128, block 16): KV bytes =
 // 64 * 4096 * 8 * 128 * 2 (K, V) * 2 B = 1.07 GB, q/out < 1 MB; ~4.3 TB/s copy ceiling = 33 GB/s
