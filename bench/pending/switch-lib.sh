@@ -27,12 +27,15 @@ sanitize() {  # sanitize <log> <tool> <timeout> <binary> <filter>: with VAR=1
   env $var=1 timeout $3 $san --tool $2 --error-exitcode 9 build/cuda-dev/tests/gpu/$4 --gtest_filter="$5" >$logs/$1 2>&1
   say "$1: exit $? ($((SECONDS - t0)) s) $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|^\[  (PASSED|FAILED) ' $logs/$1 | tr '\n' ' ')"
 }
-ab() {  # ab <specs> <table name in $OUT>: off / on on one build, skipped after a hang
+ab() {  # ab <specs> <table name in $OUT> [NAME="K=V .." ...]: off / on (and more variants) on one build, skipped after a hang
   [ -n "${hung:-}" ] && { say "A/B skipped: a test hung"; return; }
-  OUT=$logs/ab timeout 240 tools/gpu-ab --specs $1 --env-variant off="$var=0" --env-variant on="$var=1" \
+  local specs=$1 table=$2 more=()
+  shift 2
+  for v in "$@"; do more+=(--env-variant "$v"); done
+  OUT=$logs/ab timeout 300 tools/gpu-ab --specs $specs --env-variant off="$var=0" --env-variant on="$var=1" "${more[@]}" \
     >$logs/gpu-ab.log 2>&1
-  cp $logs/ab/ab.txt $out/$2 2>/dev/null
-  cat $out/$2
+  cp $logs/ab/ab.txt $out/$table 2>/dev/null
+  cat $out/$table
 }
 switch_done() {  # the tarball of the logs, the summary
   say "$tag ($parts) $((SECONDS - t0)) s"

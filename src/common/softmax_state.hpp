@@ -33,30 +33,30 @@ FS_HD MergeWeights merge_lse(float lse_a, float lse_b) {
   return {ea / sum, eb / sum, m + logf(sum)};
 }
 
-// The merge of n states at once: their LSEs l [n] (normalized here) give the merged LSE
-// (returned) and each state's weight w [n] = exp(l_s - lse) (the sum over states of w_s x o_s is
-// the merged output); NaN when any l_s is NaN (w NaN too), -inf and w 0 when all are empty.
-// merge_lse folded over the states, up to fp32 rounding (the split-KV merges of the CUDA kernels
-// in a cluster, attention/cluster_merge.cuh).
-FS_HD float merge_lses(const float* l, int n, float* w) {
+// The merge of n states at once: their LSEs lse_of(s) for s < n (normalized here) give the
+// merged LSE (returned) and each state's weight exp(l_s - lse), passed to set_weight(s, w) (the
+// sum over states of w_s x o_s is the merged output); NaN when any l_s is NaN (every weight NaN
+// too), -inf and weights 0 when all are empty. merge_lse folded over the states, up to fp32
+// rounding (the split-KV merge of the CUDA kernels' clusters, attention/cluster_merge.cuh, which
+// reads the LSEs from its peers' shared memory: accessors rather than arrays, which would go to
+// the stack there).
+template <class LseOf, class SetWeight>
+FS_HD float merge_lses(int n, LseOf&& lse_of, SetWeight&& set_weight) {
   float mx = -INFINITY;
   bool nan = false;
   for (int s = 0; s < n; ++s) {
-    const float x = normalize_lse(l[s]);
+    const float x = normalize_lse(lse_of(s));
     nan |= x != x;
     mx = fmaxf(mx, x);
   }
-  if (nan) {
-    for (int s = 0; s < n; ++s) w[s] = NAN;
-    return NAN;
+  if (nan || mx == -INFINITY) {
+    for (int s = 0; s < n; ++s) set_weight(s, nan ? NAN : 0.0f);
+    return nan ? NAN : -INFINITY;
   }
   float sum = 0.0f;
-  for (int s = 0; s < n; ++s) {
-    w[s] = mx == -INFINITY ? 0.0f : expf(normalize_lse(l[s]) - mx);
-    sum += w[s];
-  }
-  if (mx == -INFINITY) return -INFINITY;
-  for (int s = 0; s < n; ++s) w[s] /= sum;
+  for (int s = 0; s < n; ++s) sum += expf(normalize_lse(lse_of(s)) - mx);
+  const float inv = 1.0f / sum;
+  for (int s = 0; s < n; ++s) set_weight(s, expf(normalize_lse(lse_of(s)) - mx) * inv);
   return mx + logf(sum);
 }
 

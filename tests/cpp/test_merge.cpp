@@ -241,7 +241,8 @@ TEST(MergeStates, ManyAtOnceMatchesFoldedPairs) {
     }
     if (rep % 5 == 0)
       for (float& x : l) x = rng() % 2 ? -INFINITY : INFINITY;  // every state empty
-    const float lse = fs::merge_lses(l.data(), n, w.data());
+    const float lse =
+        fs::merge_lses(n, [&](int s) { return l[size_t(s)]; }, [&](int s, float ws) { w[size_t(s)] = ws; });
     float acc = l[0];  // the fold: state 0, then each next one merged in
     fw[0] = 1.0f;
     for (int s = 1; s < n; ++s) {

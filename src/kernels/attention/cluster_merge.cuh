@@ -59,10 +59,8 @@ FS_DEV void cluster_combine(const AttnParams& p, const float* xo, const float* x
   cl.sync();  // every CTA's partials are in its shared memory
   // The rows' merged LSEs and the ranks' weights (this CTA's rows: j = rank, rank + n, ...).
   for (int j = rank + n * t; j < nrows; j += n * kThreads) {
-    float l[kClusterMaxCtas], wj[kClusterMaxCtas];
-    for (int c = 0; c < n; ++c) l[c] = cl.map_shared_rank(xl, c)[j];
-    float lse = merge_lses(l, n, wj);
-    for (int c = 0; c < n; ++c) w[c * kRows + j] = wj[c];
+    float lse = merge_lses(
+        n, [&](int c) { return cl.map_shared_rank(xl, c)[j]; }, [&](int c, float wc) { w[c * kRows + j] = wc; });
     const RowDest d = dest(j);
     const float sink_w = apply_sink(p, d.h, lse);  // lse: the sink merged in
     ws[j] = lse != lse ? NAN : sink_w;
