@@ -17,6 +17,7 @@
 #include "common/softmax_state.hpp"
 #include "kernels/attention/epilogue.cuh"
 #include "kernels/attention/softmax.cuh"
+#include "kernels/common/sm_fit.hpp"
 
 namespace flashserve::kernels {
 
@@ -34,8 +35,6 @@ FS_DEV int cluster_ctas() {
 #endif
 }
 
-// Clusters of at most 16 CTAs (the non-portable bound on sm_90; 8 is the portable one).
-inline constexpr int kClusterMaxCtas = 16;
 // Shared memory of cluster_combine's scratch for kRows rows: each rank's weight per row and the
 // row's sink weight.
 template <int kRows>

@@ -180,14 +180,12 @@ constexpr bool decode_launch_short(int d, int64_t span, int splits) {
 constexpr bool decode_merge_fits(DecodeKv f, int d, int rows, DecodeTiling t) {
   return size_t(rows) * size_t(d + 2) * 4 <= decode_warp_bytes(f, d, t);
 }
-// Clusters of at most 16 CTAs (the non-portable bound on sm_90; 8 is the portable one).
-inline constexpr int kDecodeClusterMaxCtas = 16;
 // Splits merged in a cluster (cluster_merge.cuh): the merge area and, after it, the CTA's
 // normalized partial rows ([rows, D] and their LSEs [rows]) and cluster_combine's scratch
-// ([kDecodeClusterMaxCtas + 1, rows]) fit in the warps' area.
+// ([kClusterMaxCtas + 1, rows]) fit in the warps' area.
 constexpr bool decode_cluster_merge_fits(DecodeKv f, int d, int rows, DecodeTiling t) {
   const size_t floats = size_t(tiling_warps(t, d)) * size_t(rows) * size_t(d + 2) + size_t(rows) * size_t(d + 1) +
-                        size_t(kDecodeClusterMaxCtas + 1) * size_t(rows);
+                        size_t(kClusterMaxCtas + 1) * size_t(rows);
   return floats * 4 <= size_t(tiling_warps(t, d)) * decode_warp_bytes(f, d, t);
 }
 constexpr bool decode_merge_fits(DecodeKv f, int d, int rows) {

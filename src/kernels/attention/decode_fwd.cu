@@ -2,13 +2,12 @@
 // kDecodeConfigs (KV storage dtype x head size), the one table of decode instantiations.
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-
 #include "kernels/attention/decode_fwd.cuh"
 #include "kernels/attention/launchers.hpp"
 #include "kernels/common/cluster_launch.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/dispatch.hpp"
+#include "kernels/common/env_switch.hpp"
 #include "kernels/common/smem_limit.cuh"
 
 namespace flashserve::kernels {
@@ -49,10 +48,7 @@ bool launch_rows(const AttnParams& p, cudaStream_t stream) {
 // FLASHSERVE_DECODE_WARPS8=1: long splits on eight-warp CTAs (decode_config.hpp: decode_tiling8)
 // where a configuration has them; read once. Off otherwise until an A/B places it.
 bool warps8_forced() {
-  static const bool on = [] {
-    const char* env = std::getenv("FLASHSERVE_DECODE_WARPS8");
-    return env && env[0] == '1' && env[1] == '\0';
-  }();
+  static const bool on = env_digit<1, 1, 0>("FLASHSERVE_DECODE_WARPS8") == 1;
   return on;
 }
 

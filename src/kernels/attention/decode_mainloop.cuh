@@ -487,7 +487,6 @@ FS_DEV void merge_and_store(const AttnParams& p, const DecodeSeq& s, int64_t g, 
   float* scratch = xl + S::kRows;                       // and cluster_combine's scratch
   const bool clustered = s.splits > 1 && cluster_ctas() > 1;  // the same in the cluster's CTAs
   static_assert((S::kWarps * S::kRows * (kD + 2)) % 4 == 0 && kD % 4 == 0, "xo's rows: float4-aligned");
-  static_assert(kClusterMaxCtas == kDecodeClusterMaxCtas, "decode_config.hpp sizes the scratch with it");
   __syncthreads();  // every warp is done with its ring
   w.spill(mo, ms, warp, nrows, lane);
   __syncthreads();

@@ -500,7 +500,7 @@ FS_DEV void finish_cols(const AttnParams& p, const DecodeSeq& s, int64_t g0, int
     const int c = tid;
     const float l = red[c] + red[S::kM + c] + red[2 * S::kM + c] + red[3 * S::kM + c];
     rscale[c] = finish_row(p, s, g0, nrows, split, c, red[4 * S::kM + c], l, S::kFp8 ? s.kv.v_desc : 1.0f,
-                           clustered ? xl : nullptr);
+                           xl);
   }
   rows_sync<S>();
   // O^T's rows lane / 4 + 8 h of the warp's 16 in latent block mb; RS shape: channels

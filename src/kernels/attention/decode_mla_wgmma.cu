@@ -6,8 +6,6 @@
 // picks them only on 9.0 devices of builds with it.
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-
 #include "kernels/attention/decode_mla_heads_tma.cuh"
 #include "kernels/attention/decode_mla_pp.cuh"
 #include "kernels/attention/decode_mla_wgmma.cuh"
@@ -15,6 +13,7 @@
 #include "kernels/common/cluster_launch.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/dispatch.hpp"
+#include "kernels/common/env_switch.hpp"
 #include "kernels/common/smem_limit.cuh"
 #include "kernels/common/tma_map.cuh"
 
@@ -47,14 +46,6 @@ template <auto kKernel>
 void launch_pp(const AttnParams& p, dim3 grid, cudaStream_t s) {
   ensure_smem_limit<kKernel>(mla_pp_smem_bytes(), /*max_carveout=*/true);
   kKernel<<<grid, 384, mla_pp_smem_bytes(), s>>>(mla::pp_params(p));
-}
-
-// The launcher's shape switches (A/B runs, the GPU tests' ctest entries): environment variable
-// `name` as one digit in [lo, hi], read once; `otherwise` when unset or anything else.
-template <int kLo, int kHi, int kOtherwise>
-int env_digit(const char* name) {
-  const char* env = std::getenv(name);
-  return env && env[0] >= '0' + kLo && env[0] <= '0' + kHi && env[1] == '\0' ? env[0] - '0' : kOtherwise;
 }
 
 // FLASHSERVE_MLA_HEADS_CTAS_PER_SM=1 or 2: the 16-row kernel's shape forced whatever the grid

@@ -7,6 +7,7 @@
 
 #include "flashserve/status.hpp"
 #include "kernels/attention/select.hpp"
+#include "kernels/common/env_switch.hpp"
 
 namespace flashserve::kernels {
 
@@ -239,23 +240,17 @@ bool kernel_disabled(AttnKernelId kernel) {
 }
 
 int prefill_tma_persistent_ctas(int64_t max_split_keys, int num_sms) {
-  static const int forced = [] {
-    const char* env = std::getenv("FLASHSERVE_PREFILL_PERSISTENT");
-    return env && (env[0] == '0' || env[0] == '1') && env[1] == '\0' ? env[0] - '0' : -1;
-  }();
+  static const int forced = env_digit<0, 1, -1>("FLASHSERVE_PREFILL_PERSISTENT");
   const bool on = forced >= 0 ? forced == 1 : max_split_keys > 0 && max_split_keys <= kPrefillPersistentMaxKeys;
   return on ? num_sms : 0;
 }
 
 bool decode_cluster_splits(int num_splits, int64_t split_size, const DeviceProps& dev) {
-  static const int forced = [] {
-    const char* env = std::getenv("FLASHSERVE_DECODE_CLUSTER");
-    return env && (env[0] == '0' || env[0] == '1') && env[1] == '\0' ? env[0] - '0' : -1;
-  }();
+  static const int forced = env_digit<0, 1, -1>("FLASHSERVE_DECODE_CLUSTER");
   // The merge exists in the sm_90a image only (cluster_merge.cuh): any other image the device
   // would run (sm_80 code, or its PTX JIT-compiled for a newer GPU) writes the partials instead.
   if (!FLASHSERVE_SM90A || dev.cc_major != 9 || dev.cc_minor != 0) return false;
-  if (num_splits < 2 || split_size > 0 || num_splits > kDecodeClusterMaxCtas) return false;
+  if (num_splits < 2 || split_size > 0 || num_splits > kClusterMaxCtas) return false;
   return forced >= 0 ? forced == 1 : num_splits <= kDecodeClusterMaxSplits;
 }
 

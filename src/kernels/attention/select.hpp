@@ -295,7 +295,7 @@ int prefill_tma_persistent_ctas(int64_t max_split_keys, int num_sms);
 // 2026-11-26): the decode kernel and decode_mla_heads' cp.async shapes, for calls of 2 to
 // kDecodeClusterMaxSplits splits whose splits are the same for every sequence (not
 // batch-invariant fixed-size ones), sm_90a. 0 for now: the form has not run on a GPU yet, so no
-// call takes it unless FLASHSERVE_DECODE_CLUSTER=1 (at most kDecodeClusterMaxCtas splits);
+// call takes it unless FLASHSERVE_DECODE_CLUSTER=1 (at most kClusterMaxCtas splits);
 // bench/pending/cluster-run.sh measures it.
 inline constexpr int kDecodeClusterMaxSplits = 0;
 // Whether a decode call of num_splits splits (split_size > 0: fixed-size ones) on `dev` merges

@@ -10,6 +10,7 @@
 #include <atomic>
 
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/sm_fit.hpp"
 
 namespace flashserve::kernels {
 
@@ -20,9 +21,9 @@ namespace flashserve::kernels {
 // once per (kernel, device, cluster size).
 template <auto kKernel, class... Args>
 bool launch_split_cluster(dim3 grid, dim3 block, size_t smem, cudaStream_t stream, const Args&... args) {
-  constexpr int kMaxDevices = 64, kMaxCtas = 16;
-  static std::array<std::atomic<int>, kMaxDevices * (kMaxCtas + 1)> fits{};  // 0 unknown, 1 yes, 2 no
-  if (grid.z < 2 || grid.z > unsigned(kMaxCtas)) return false;
+  constexpr int kMaxDevices = 64;
+  static std::array<std::atomic<int>, kMaxDevices * (kClusterMaxCtas + 1)> fits{};  // 0 unknown, 1 yes, 2 no
+  if (grid.z < 2 || grid.z > unsigned(kClusterMaxCtas)) return false;
   int device = 0;
   FS_CUDA_CHECK(cudaGetDevice(&device));
   cudaLaunchConfig_t cfg{};
@@ -37,7 +38,7 @@ bool launch_split_cluster(dim3 grid, dim3 block, size_t smem, cudaStream_t strea
   attr.val.clusterDim.z = grid.z;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  std::atomic<int>* known = device < kMaxDevices ? &fits[size_t(device) * (kMaxCtas + 1) + grid.z] : nullptr;
+  std::atomic<int>* known = device < kMaxDevices ? &fits[size_t(device) * (kClusterMaxCtas + 1) + grid.z] : nullptr;
   int state = known ? known->load() : 0;
   if (state == 0) {
     if (grid.z > 8)  // past the portable cluster size
