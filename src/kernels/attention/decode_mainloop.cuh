@@ -509,13 +509,17 @@ FS_DEV void merge_and_store(const AttnParams& p, const DecodeSeq& s, int64_t g, 
       for (int k = 0; k < S::kChan; ++k) o[k] *= load_f32_2d(p.v_scale, g, lane * S::kChan + k, 1.0f);
     }
     if (s.splits > 1) {  // fixed-size splits: a sequence of one split is written directly
-      const PackedIdx pi = packed_idx(p, g, g0, j);
-      const int64_t at = partial_index(p, split, s.rows.row_begin + pi.i, pi.h);
-      float* po = clustered ? xo + j * kD : p.o_partial + at * kD;
+      // the partial row: row j of the CTA's own (clustered) or the workspace's
+      int64_t at = j;
+      if (!clustered) {
+        const PackedIdx pi = packed_idx(p, g, g0, j);
+        at = partial_index(p, split, s.rows.row_begin + pi.i, pi.h);
+      }
+      float* po = (clustered ? xo : p.o_partial) + at * kD;
       const float scale = st.empty() ? 0.0f : s.kv.v_desc / st.l;
 #pragma unroll
       for (int k = 0; k < S::kChan; ++k) po[lane * S::kChan + k] = o[k] * scale;
-      if (lane == 0) (clustered ? xl[j] : p.lse_partial[at]) = st.lse();
+      if (lane == 0) (clustered ? xl : p.lse_partial)[at] = st.lse();
     } else {
       store_row<S>(p, s, g, g0, j, st, o, lane);
     }
