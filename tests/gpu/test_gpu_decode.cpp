@@ -74,12 +74,14 @@ bool expect_decode(const CaseConfig& c, uint64_t salt) {
 
 }  // namespace
 
-// The splits merged in a cluster (select.hpp: decode_cluster_splits) for 2 to
-// kDecodeClusterMaxSplits uniform splits where the device runs the sm_90a code (9.0); never for
+// The splits merged in a cluster (select.hpp: decode_cluster_splits) for 2 to the kernel's
+// default bound (decode_cluster_default_max: kDecodeClusterMaxSplits, none for MLA's 8-bit
+// latent) uniform splits where the device runs the sm_90a code (9.0); never for
 // fixed-size (batch-invariant) splits, one split, more than kClusterMaxCtas, other devices
 // (8.x, or 10.0 running sm_80 code) or builds without sm_90a. (FLASHSERVE_DECODE_CLUSTER forces it
 // within those bounds: the ctest entries cluster. run this binary so.) Host arithmetic.
 TEST(GpuDecode, ClusterMergeBySplits) {
+  using fs::kernels::decode_cluster_default_max;
   using fs::kernels::decode_cluster_splits;
   using fs::kernels::kClusterMaxCtas;
   using fs::kernels::kDecodeClusterMaxSplits;
@@ -87,15 +89,19 @@ TEST(GpuDecode, ClusterMergeBySplits) {
   const std::string forced = env ? env : "";
   fs::DeviceProps h200 = fs::DeviceProps::h200(), a100 = h200, b200 = h200;
   a100.cc_major = 8, b200.cc_major = 10;
-  for (int n : {2, 8, kClusterMaxCtas}) {
-    const bool on = FLASHSERVE_SM90A && (forced == "1" || (forced != "0" && n <= kDecodeClusterMaxSplits));
-    EXPECT_EQ(decode_cluster_splits(n, 0, h200), on) << n;
-    EXPECT_FALSE(decode_cluster_splits(n, 0, a100)) << n;
-    EXPECT_FALSE(decode_cluster_splits(n, 0, b200)) << n;
-    EXPECT_FALSE(decode_cluster_splits(n, 2048, h200)) << n;
-  }
-  EXPECT_FALSE(decode_cluster_splits(1, 0, h200));
-  EXPECT_FALSE(decode_cluster_splits(kClusterMaxCtas + 1, 0, h200));
+  EXPECT_EQ(decode_cluster_default_max(false, true), kDecodeClusterMaxSplits);
+  EXPECT_EQ(decode_cluster_default_max(true, false), kDecodeClusterMaxSplits);
+  EXPECT_EQ(decode_cluster_default_max(true, true), 0);
+  for (int max : {0, kDecodeClusterMaxSplits})
+    for (int n : {2, 3, 8, kClusterMaxCtas}) {
+      const bool on = FLASHSERVE_SM90A && (forced == "1" || (forced != "0" && n <= max));
+      EXPECT_EQ(decode_cluster_splits(n, 0, max, h200), on) << n;
+      EXPECT_FALSE(decode_cluster_splits(n, 0, max, a100)) << n;
+      EXPECT_FALSE(decode_cluster_splits(n, 0, max, b200)) << n;
+      EXPECT_FALSE(decode_cluster_splits(n, 2048, max, h200)) << n;
+    }
+  EXPECT_FALSE(decode_cluster_splits(1, 0, kClusterMaxCtas, h200));
+  EXPECT_FALSE(decode_cluster_splits(kClusterMaxCtas + 1, 0, kClusterMaxCtas + 1, h200));
 }
 
 TEST(GpuDecode, GqaLayoutsAndBlockSizes) {

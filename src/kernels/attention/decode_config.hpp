@@ -96,9 +96,7 @@ struct DecodeTiling {
   int keys;
   int stages;
   int ctas;
-  int warps = 0;  // warps per CTA; 0: decode_warps(d)
 };
-constexpr int tiling_warps(DecodeTiling t, int d) { return t.warps > 0 ? t.warps : decode_warps(d); }
 // Long splits: decode_tile_keys and decode_stages, two CTAs per SM (by shared memory).
 constexpr DecodeTiling decode_tiling(DecodeKv f) { return {decode_tile_keys(f), decode_stages(f), 2}; }
 constexpr size_t decode_loc_bytes(DecodeTiling t) { return size_t(t.keys) * 24; }  // a warp's TokenLoc [keys] (load.cuh)
@@ -134,7 +132,7 @@ constexpr size_t decode_head_bytes(DecodeKv f, int d, int rows) {
   return size_t(rows) * (decode_q_stride(f, d) + kDecodeRowMetaBytes);
 }
 constexpr size_t decode_smem_bytes(DecodeKv f, int d, int rows, DecodeTiling t) {
-  return decode_head_bytes(f, d, rows) + size_t(tiling_warps(t, d)) * decode_warp_bytes(f, d, t);
+  return decode_head_bytes(f, d, rows) + size_t(decode_warps(d)) * decode_warp_bytes(f, d, t);
 }
 constexpr size_t decode_smem_bytes(DecodeKv f, int d, int rows) { return decode_smem_bytes(f, d, rows, decode_tiling(f)); }
 // Short splits (no warp streams more than two 16-key tiles): the CTA is one latency chain (table,
@@ -160,16 +158,6 @@ constexpr DecodeTiling decode_wide_tiling(DecodeKv f, int d) {
   while (t.stages > 2 && !sm90_ctas_fit(decode_smem_bytes(f, d, int(kDecodeWideRows), t), t.ctas)) --t.stages;
   return t;
 }
-// Eight-warp CTAs, one per SM (D = 128; the long tiling's tiles and ring): a grid of about one
-// CTA per SM keeps the warps per SM of two four-warp CTAs, e.g. 16 splits of a B = 1 decode
-// merged in a cluster (cluster_merge.cuh) where four-warp CTAs take 32 splits and the combine.
-// Taken only where FLASHSERVE_DECODE_WARPS8=1 asks (decode_fwd.cu) until it has been timed.
-inline constexpr int kDecodeWarps8 = 8;
-constexpr DecodeTiling decode_tiling8(DecodeKv f) { return {decode_tile_keys(f), decode_stages(f), 1, kDecodeWarps8}; }
-constexpr bool decode_has_tiling8(DecodeKv f, int d) {
-  return d == 128 && sm90_ctas_fit(decode_smem_bytes(f, d, kDecodeRows, decode_tiling8(f)), 1);
-}
-
 // Whether the launch takes the short tiling: a split's key span (bounded by the block table's
 // width x block size, or the contiguous cache's rows) gives no warp more than two 16-key tiles.
 constexpr bool decode_launch_short(int d, int64_t span, int splits) {
@@ -184,9 +172,9 @@ constexpr bool decode_merge_fits(DecodeKv f, int d, int rows, DecodeTiling t) {
 // normalized partial rows ([rows, D] and their LSEs [rows]) and cluster_combine's scratch
 // ([kClusterMaxCtas + 1, rows]) fit in the warps' area.
 constexpr bool decode_cluster_merge_fits(DecodeKv f, int d, int rows, DecodeTiling t) {
-  const size_t floats = size_t(tiling_warps(t, d)) * size_t(rows) * size_t(d + 2) + size_t(rows) * size_t(d + 1) +
+  const size_t floats = size_t(decode_warps(d)) * size_t(rows) * size_t(d + 2) + size_t(rows) * size_t(d + 1) +
                         size_t(kClusterMaxCtas + 1) * size_t(rows);
-  return floats * 4 <= size_t(tiling_warps(t, d)) * decode_warp_bytes(f, d, t);
+  return floats * 4 <= size_t(decode_warps(d)) * decode_warp_bytes(f, d, t);
 }
 constexpr bool decode_merge_fits(DecodeKv f, int d, int rows) {
   return decode_merge_fits(f, d, rows, decode_tiling(f)) && decode_merge_fits(f, d, rows, decode_short_tiling(f, d)) &&
@@ -207,9 +195,6 @@ constexpr bool decode_ctas_fit(DecodeKv f, int d) {
   return sm90_ctas_fit(decode_smem_bytes(f, d, 16, l), l.ctas) && sm90_ctas_fit(decode_smem_bytes(f, d, 16, s), s.ctas) &&
          (!decode_has_wide(f) || sm90_ctas_fit(decode_smem_bytes(f, d, int(kDecodeWideRows), w), w.ctas));
 }
-static_assert(decode_has_tiling8(kDecodeBf16, 128) && decode_has_tiling8(kDecodeFp8, 128) &&
-              decode_cluster_merge_fits(kDecodeBf16, 128, kDecodeRows, decode_tiling8(kDecodeBf16)) &&
-              decode_cluster_merge_fits(kDecodeFp8, 128, kDecodeRows, decode_tiling8(kDecodeFp8)));
 static_assert(decode_ctas_fit(kDecodeBf16, 128) && decode_ctas_fit(kDecodeBf16, 256));
 static_assert(decode_ctas_fit(kDecodeFp8, 128) && decode_ctas_fit(kDecodeFp8, 256));
 static_assert(decode_ctas_fit(kDecodeK8V8, 128) && decode_ctas_fit(kDecodeK8V8, 256));

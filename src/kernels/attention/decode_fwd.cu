@@ -7,7 +7,6 @@
 #include "kernels/common/cluster_launch.cuh"
 #include "kernels/common/cuda_check.cuh"
 #include "kernels/common/dispatch.hpp"
-#include "kernels/common/env_switch.hpp"
 #include "kernels/common/smem_limit.cuh"
 
 namespace flashserve::kernels {
@@ -31,8 +30,8 @@ bool launch_rows(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeConfig c = kDecodeConfigs[I];
   constexpr size_t smem = decode_smem_bytes(kFmt<I>, c.d, kRows, kTl);
   static_assert(sm90_ctas_fit(smem, kTl.ctas), "the launch bounds' CTAs per SM fit in shared memory");
-  constexpr int kWarps = tiling_warps(kTl, c.d);
-  constexpr auto kernel = &decode::decode_fwd<c.kv, c.v, c.d, kRows, kTl.keys, kTl.stages, kTl.ctas, kWarps>;
+  constexpr int kWarps = decode_warps(c.d);
+  constexpr auto kernel = &decode::decode_fwd<c.kv, c.v, c.d, kRows, kTl.keys, kTl.stages, kTl.ctas>;
   ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);  // 2-3 CTAs per SM need ~228 KB
   const unsigned x = unsigned(p.batch * p.row_ctas), hkv = unsigned(p.num_kv_heads), z = unsigned(p.num_splits);
   const dim3 grid = kHeadsInX ? dim3(x * hkv, 1, z) : dim3(x, hkv, z);
@@ -43,13 +42,6 @@ bool launch_rows(const AttnParams& p, cudaStream_t stream) {
   kernel<<<grid, 32 * kWarps, smem, stream>>>(p);
   FS_CUDA_CHECK_LAUNCH();
   return false;
-}
-
-// FLASHSERVE_DECODE_WARPS8=1: long splits on eight-warp CTAs (decode_config.hpp: decode_tiling8)
-// where a configuration has them; read once. Off otherwise until an A/B places it.
-bool warps8_forced() {
-  static const bool on = env_digit<1, 1, 0>("FLASHSERVE_DECODE_WARPS8") == 1;
-  return on;
 }
 
 // The instantiations of configuration I: the short tiling (decode_config.hpp) by the split's key
@@ -72,9 +64,6 @@ bool launch_config(const AttnParams& p, cudaStream_t stream) {
   AttnParams q = p;  // 16-row CTAs: twice as many per 32-row CTA the plan counted
   if (p.rows_per_cta == kDecodeWideRows) q.row_ctas = 2 * p.row_ctas;
   if (shrt) return launch_rows<I, kDecodeRows, decode_short_tiling(f, d), false>(q, stream);
-  if constexpr (decode_has_tiling8(f, d)) {
-    if (!invariant && warps8_forced()) return launch_rows<I, kDecodeRows, decode_tiling8(f), true>(q, stream);
-  }
   return launch_rows<I, kDecodeRows, decode_tiling(f), true>(q, stream);
 }
 

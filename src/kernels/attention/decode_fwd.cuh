@@ -110,7 +110,7 @@ struct Shape {
   static constexpr DType kVDtype = kV;   // V storage
   static constexpr DecodeKv kFmt = decode_kv(kKv, kV);
   static constexpr int kDim = kD;
-  static constexpr int kWarps = tiling_warps(kTl, kD);
+  static constexpr int kWarps = decode_warps(kD);
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRows = kR;
   static constexpr int kKb = kFmt.kb;    // bytes per K element

@@ -557,15 +557,13 @@ FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, in
   else run(std::false_type{});
 }
 
-// The tiling (decode_config.hpp's DecodeTiling as its four fields, warps resolved, as a kernel's
-// template arguments must be for nvcc's host stubs): long splits two CTAs per SM, at most 255
-// registers; short splits three, at most 168; eight-warp CTAs one per SM; picked by the launcher
-// (decode_fwd.cu).
-template <DType kKv, DType kV, int kD, int kRows, int kTileKeys, int kStages, int kCtas, int kWarps>
-__global__ void __launch_bounds__(32 * kWarps, kCtas)
+// The tiling (decode_config.hpp's DecodeTiling as its three fields, as a kernel's template
+// arguments must be for nvcc's host stubs): long splits two CTAs per SM, at most 255 registers;
+// short splits three, at most 168; picked by the launcher (decode_fwd.cu).
+template <DType kKv, DType kV, int kD, int kRows, int kTileKeys, int kStages, int kCtas>
+__global__ void __launch_bounds__(32 * decode_warps(kD), kCtas)
     decode_fwd(const __grid_constant__ AttnParams p) {
-  using S = Shape<kKv, kV, kD, kRows, DecodeTiling{kTileKeys, kStages, kCtas, kWarps}>;
-  static_assert(S::kWarps == kWarps, "the launch bounds' warps are the shape's");
+  using S = Shape<kKv, kV, kD, kRows, DecodeTiling{kTileKeys, kStages, kCtas}>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* q = smem_raw;                                                   // [kRows, kQStride]
   RowMeta* meta = reinterpret_cast<RowMeta*>(q + S::kRows * S::kQStride);       // [kRows]

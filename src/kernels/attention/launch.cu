@@ -120,7 +120,9 @@ void attention(const detail::AttnProblem& pr, const Plan& plan, const ExecContex
   if (choice.kernel == AttnKernelId::decode)
     a.row_ctas = decode_row_ctas(plan.shape.max_seqlen_q * a.group, plan.shape.kv_8bit);
   if (choice.kernel == AttnKernelId::decode || choice.kernel == AttnKernelId::decode_mla_wgmma)
-    a.cluster_splits = decode_cluster_splits(a.num_splits, a.split_size, dev);
+    a.cluster_splits = decode_cluster_splits(
+        a.num_splits, a.split_size,
+        decode_cluster_default_max(choice.kernel == AttnKernelId::decode_mla_wgmma, plan.shape.kv_8bit), dev);
   if (a.batch == 0 || a.total_rows() == 0) return;
   const DeviceGuard guard(pr.q.device.index);
   bool merged = false;  // the kernel merged the splits itself

@@ -245,13 +245,13 @@ int prefill_tma_persistent_ctas(int64_t max_split_keys, int num_sms) {
   return on ? num_sms : 0;
 }
 
-bool decode_cluster_splits(int num_splits, int64_t split_size, const DeviceProps& dev) {
+bool decode_cluster_splits(int num_splits, int64_t split_size, int default_max, const DeviceProps& dev) {
   static const int forced = env_digit<0, 1, -1>("FLASHSERVE_DECODE_CLUSTER");
   // The merge exists in the sm_90a image only (cluster_merge.cuh): any other image the device
   // would run (sm_80 code, or its PTX JIT-compiled for a newer GPU) writes the partials instead.
   if (!FLASHSERVE_SM90A || dev.cc_major != 9 || dev.cc_minor != 0) return false;
   if (num_splits < 2 || split_size > 0 || num_splits > kClusterMaxCtas) return false;
-  return forced >= 0 ? forced == 1 : num_splits <= kDecodeClusterMaxSplits;
+  return forced >= 0 ? forced == 1 : num_splits <= default_max;
 }
 
 size_t generic_smem_bytes(int64_t d, int64_t dv, int64_t qv_dim) {

@@ -252,9 +252,11 @@ constexpr size_t prefill_fp8_smem_bytes(int64_t d, int64_t dv) {
 // ---- the persistent forms of prefill_tma and prefill_fp8 (prefill_persistent.cuh): one CTA per
 // SM walking the items, each item's start (metadata, Q, the first tiles) overlapping the previous
 // item's end. Taken where a CTA's keys are at most kPrefillPersistentMaxKeys (short sequences:
-// few tiles per CTA). 0 for now: the forms have not run on a GPU yet (no machine could be had in
-// the session that wrote them), so no call takes them unless FLASHSERVE_PREFILL_PERSISTENT=1;
-// bench/pending/persistent-run.sh tests them and places the threshold (2048 keys expected).
+// few tiles per CTA). 0: no call takes them unless FLASHSERVE_PREFILL_PERSISTENT=1. Timed against
+// one CTA per item (bench/RESULTS.md 2026-12-07 22:10, an H100: the device lent no H200) they
+// were slower on 23 of 27 rows (S = 512-8k, D = 64/128/256, paged, fp8: 1.03-1.70x the time),
+// faster only at D = 64 causal S = 512 / 1k (0.93 / 0.96) and fp8 S = 8k (0.985); no key bound
+// separates those, so none is set.
 inline constexpr int64_t kPrefillPersistentMaxKeys = 0;
 inline constexpr size_t kTmaItemSlotBytes = 256;  // an item handed to the consumers (TmaItem)
 // What a persistent form adds to its kernel's shared memory: 5 mbarriers and two item slots.
@@ -294,14 +296,18 @@ int prefill_tma_persistent_ctas(int64_t max_split_keys, int num_sms);
 // partials in the workspace and the combine launch (3.8-6 us per call, bench/RESULTS.md
 // 2026-11-26): the decode kernel and decode_mla_heads' cp.async shapes, for calls of 2 to
 // kDecodeClusterMaxSplits splits whose splits are the same for every sequence (not
-// batch-invariant fixed-size ones), sm_90a. 0 for now: the form has not run on a GPU yet, so no
-// call takes it unless FLASHSERVE_DECODE_CLUSTER=1 (at most kClusterMaxCtas splits);
-// bench/pending/cluster-run.sh measures it.
-inline constexpr int kDecodeClusterMaxSplits = 0;
+// batch-invariant fixed-size ones), sm_90a. Timed (bench/RESULTS.md 2026-12-07 22:10, an H100):
+// clusters of 2 gain 1-2% (bf16 B16 L8k 0.989x the time, MLA H16 B64 bf16 0.979x, fp8 B16 L8k
+// 1.003x); larger ones lose (8 splits B4 L16k 1.31x, 16 splits B1 L32k 1.13x; MLA's fp8-latent
+// shape 1.75x at 4 splits), so the bound is 2, and MLA's 8-bit latent takes none by default.
+inline constexpr int kDecodeClusterMaxSplits = 2;
+// The default bound for a kernel's calls: kDecodeClusterMaxSplits, 0 for MLA's 8-bit latent.
+constexpr int decode_cluster_default_max(bool mla, bool kv_8bit) { return mla && kv_8bit ? 0 : kDecodeClusterMaxSplits; }
 // Whether a decode call of num_splits splits (split_size > 0: fixed-size ones) on `dev` merges
-// them in a cluster: only where the device runs the build's sm_90a code (compute capability 9.0).
-// FLASHSERVE_DECODE_CLUSTER=0 or 1 forces it off or on (within those bounds) for every call.
-bool decode_cluster_splits(int num_splits, int64_t split_size, const DeviceProps& dev);
+// them in a cluster: only where the device runs the build's sm_90a code (compute capability 9.0),
+// by default up to default_max splits (decode_cluster_default_max). FLASHSERVE_DECODE_CLUSTER=0
+// or 1 forces it off or on (within kClusterMaxCtas) for every call.
+bool decode_cluster_splits(int num_splits, int64_t split_size, int default_max, const DeviceProps& dev);
 
 struct AttnKernelChoice {
   AttnKernelId kernel = AttnKernelId::none;
