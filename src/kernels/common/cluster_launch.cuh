@@ -10,9 +10,19 @@
 #include <atomic>
 
 #include "kernels/common/cuda_check.cuh"
+#include "kernels/common/env_switch.hpp"
 #include "kernels/common/sm_fit.hpp"
 
 namespace flashserve::kernels {
+
+// The clusters' placement on a GPC's SMs (cudaClusterSchedulingPolicy): the driver's default
+// (0), spread over the SMs (1) or load-balanced (2). FLASHSERVE_DECODE_CLUSTER_POLICY=1/2 sets it
+// (an A/B: clusters of 8-16 splits ran 13-31% slower than the combine with the default,
+// bench/RESULTS.md 2026-12-07 22:10, perhaps packed two CTAs per SM on half a GPC's SMs).
+inline cudaClusterSchedulingPolicy cluster_policy() {
+  static const int policy = env_digit<0, 2, 0>("FLASHSERVE_DECODE_CLUSTER_POLICY");
+  return cudaClusterSchedulingPolicy(policy);
+}
 
 // Launches kKernel over `grid` with the cluster (1, 1, grid.z), or returns false without
 // launching when no such cluster fits on the device (cudaOccupancyMaxActiveClusters: a cluster
@@ -31,13 +41,15 @@ bool launch_split_cluster(dim3 grid, dim3 block, size_t smem, cudaStream_t strea
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 1;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = grid.z;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attrs[2]{};
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = 1;
+  attrs[0].val.clusterDim.y = 1;
+  attrs[0].val.clusterDim.z = grid.z;
+  attrs[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
+  attrs[1].val.clusterSchedulingPolicyPreference = cluster_policy();
+  cfg.attrs = attrs;
+  cfg.numAttrs = cluster_policy() == cudaClusterSchedulingPolicyDefault ? 1 : 2;
   std::atomic<int>* known = device < kMaxDevices ? &fits[size_t(device) * (kClusterMaxCtas + 1) + grid.z] : nullptr;
   int state = known ? known->load() : 0;
   if (state == 0) {
