@@ -11,7 +11,7 @@ mkdir -p "$out"
 t0=$SECONDS
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | tee "$out/run.txt"
 c=FLASHSERVE_DECODE_CLUSTER p=FLASHSERVE_DECODE_CLUSTER_POLICY
-OUT=/tmp/cluster-ab timeout 240 tools/gpu-ab --specs bench/specs/cluster_ab.txt --env-variant off="$c=0" \
+OUT=/tmp/cluster-ab timeout 300 tools/gpu-ab --specs bench/specs/cluster_ab.txt --env-variant off="$c=0" \
   --env-variant on="$c=1" --env-variant spread="$c=1 $p=1" --env-variant lb="$c=1 $p=2" >/tmp/cluster-ab.log 2>&1
 echo "gpu-ab exit $? ($((SECONDS - t0)) s)" | tee -a "$out/run.txt"
 cp /tmp/cluster-ab/ab.txt "$out/cluster-ab.txt" 2>/dev/null && cat "$out/cluster-ab.txt"
