@@ -17,8 +17,8 @@
 //          [blocks, block, Hkv, D(v)] (vLLM's flash_attn_varlen_func with a block table), each
 //          sequence's ceil(S / block) blocks shuffled over the pool of every input set.
 // decode:  kvcache_attention, q [B, Q, H, D] bf16 (Q = 1 unless given; Q > 1 is a causal
-//          verify step), paged NHD caches [blocks, block, Hkv, D] (kv = bf16 or fp8 e4m3,
-//          descales absent; or the vLLM int8 fork's formats, q int8 [B, Q, H, D] with q_scale f32
+//          verify step), paged NHD caches [blocks, block, Hkv, D] (kv = bf16, fp8 e4m3
+//          or fp8e5m2, descales absent; or the vLLM int8 fork's formats, q int8 [B, Q, H, D] with q_scale f32
 //          [B, Q, H], k int8 with k_scale_cache f32 [blocks, Hkv, block], v int8 with v_scale
 //          f32 [Hkv, D] (kv = k8v8) or bf16 (kv = k8v16); out bf16), block tables shuffled over the pool. mla=1: MLA absorbed decode,
 //          q [B, Q, H, 64] + q_v [B, Q, H, 512] over one latent cache [blocks, block, 1, 576]
@@ -126,8 +126,10 @@ Spec parse_spec(const std::string& text) {
     throw std::invalid_argument("mixed_step: expected S > 0, C >= 0, NP >= 0");
   if (s.op == "shared_prefix" && (s.P < 0 || s.P % s.block != 0 || s.P >= s.L))
     throw std::invalid_argument("P: expected whole blocks shorter than L, got " + std::to_string(s.P));
-  if (s.kv != "bf16" && s.kv != "fp8" && s.kv != "k8v8" && s.kv != "k8v16")
-    throw std::invalid_argument("kv: expected bf16, fp8, k8v8 or k8v16, got " + s.kv);
+  if (s.kv != "bf16" && s.kv != "fp8" && s.kv != "fp8e5m2" && s.kv != "k8v8" && s.kv != "k8v16")
+    throw std::invalid_argument("kv: expected bf16, fp8, fp8e5m2, k8v8 or k8v16, got " + s.kv);
+  if (s.kv == "fp8e5m2" && (s.op != "decode" || s.mla))
+    throw std::invalid_argument("kv=fp8e5m2: op=decode (GQA paged cache) only");
   static const char* const kMods[] = {"", "sinks", "alibi", "alibi_sqrt", "softcap", "chunk", "window"};
   if (std::find(std::begin(kMods), std::end(kMods), s.mod) == std::end(kMods))
     throw std::invalid_argument("mod: expected sinks, alibi, alibi_sqrt, softcap, chunk or window, got " + s.mod);
@@ -152,7 +154,8 @@ uint64_t splitmix64(uint64_t x) {
 }
 
 // Random codes with a bounded exponent: never zero, inf or NaN.
-// bf16: |x| in [2^-7, 2); fp8 e4m3: |x| in [2^-3, 2); int8: [-127, 127]; f32 (int8 scales): [0.5, 1.5) / 127.
+// bf16: |x| in [2^-7, 2); fp8 e4m3 and e5m2: |x| in [2^-3, 2); int8: [-127, 127]; f32 (int8 scales):
+// [0.5, 1.5) / 127.
 uint16_t random_bf16(uint64_t r) {
   const uint16_t sign = uint16_t(r & 0x8000u);
   const uint16_t exp = uint16_t(120 + ((r >> 8) & 7));
@@ -162,6 +165,11 @@ uint8_t random_e4m3(uint64_t r) {
   const uint8_t sign = uint8_t(r & 0x80u);
   const uint8_t exp = uint8_t(4 + ((r >> 8) & 3));
   return uint8_t(sign | (exp << 3) | ((r >> 16) & 7));
+}
+uint8_t random_e5m2(uint64_t r) {
+  const uint8_t sign = uint8_t(r & 0x80u);
+  const uint8_t exp = uint8_t(12 + ((r >> 8) & 3));
+  return uint8_t(sign | (exp << 2) | ((r >> 16) & 3));
 }
 
 // Fills `n` elements of a bf16, fp8, int8 or f32 device buffer through a host staging buffer.
@@ -184,7 +192,7 @@ void fill_random(void* dst, int64_t n, DType t, uint64_t seed) {
       } else if (t == DType::i8) {
         h[i] = uint8_t(int8_t(int64_t(r % 255) - 127));
       } else {
-        h[i] = random_e4m3(r);
+        h[i] = t == DType::f8e5m2 ? random_e5m2(r) : random_e4m3(r);
       }
     }
     cuda_ok(cudaMemcpy(static_cast<uint8_t*>(dst) + size_t(base) * esize, h, size_t(m) * esize,
@@ -342,7 +350,10 @@ BenchCase make_decode(const Spec& s, int nsets, Device dev, uint64_t seed) {
   BenchCase c;
   c.batched = true;
   const bool int8 = s.kv == "k8v8" || s.kv == "k8v16";
-  const DType kv_t = s.kv == "fp8" ? DType::f8e4m3 : int8 ? DType::i8 : DType::bf16;
+  const DType kv_t = s.kv == "fp8"       ? DType::f8e4m3
+                     : s.kv == "fp8e5m2" ? DType::f8e5m2
+                     : int8              ? DType::i8
+                                         : DType::bf16;
   const DType v_t = s.kv == "k8v16" ? DType::bf16 : kv_t, q_t = int8 ? DType::i8 : DType::bf16;
   const int64_t per_seq = (s.L + s.block - 1) / s.block;
   const int64_t pool = int64_t(nsets) * s.B * per_seq;

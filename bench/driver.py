@@ -47,7 +47,7 @@ class Config:
     S: int = 0
     L: int = 0
     block: int = 16
-    kv: str = "bf16"     # KV element type: bf16 | fp8 (e4m3) | k8v8 | k8v16 (the vLLM int8 fork's: int8 q and K with
+    kv: str = "bf16"     # KV element type: bf16 | fp8 (e4m3) | fp8e5m2 (decode) | k8v8 | k8v16 (the vLLM int8 fork's: int8 q and K with
                          # per-token scales, V int8 with per-channel scales or bf16)
     P: int = 0           # shared_prefix: tokens of L every request shares
     cascade: bool = True # shared_prefix: the builder may take the cascade path
@@ -102,7 +102,7 @@ class Config:
         int8: B·L·H_kv·(D·(1 + v elem) + 4) (the k scale per token and KV head)."""
         if self.kv in ("k8v8", "k8v16"):
             return self.B * self.L * self.Hkv * (self.D * (1 + (1 if self.kv == "k8v8" else 2)) + 4)
-        elem = 1 if self.kv == "fp8" else 2
+        elem = 1 if self.kv in ("fp8", "fp8e5m2") else 2
         if self.mla:  # the latent cache, read once: 576 channels per token
             return self.B * self.L * 576 * elem
         tokens = self.B * (self.S if self.op == "prefill" else self.L)
@@ -227,6 +227,10 @@ def all_configs() -> list[Config]:
                           kv="fp8", quick=b == 64 or (b, l) in short_shapes, **common))
     out.append(Config(name="decode_fp8_b64_l4k_bs1", family="fp8_decode", B=64, L=4096, block=1, kv="fp8", quick=True,
                       **common))
+    # fp8 e5m2 (vLLM's kv_cache_dtype fp8_e5m2; the same kernel, its own conversion) at two shapes.
+    for b, l in ((64, 4096), (16, 8192)):
+        out.append(Config(name=f"decode_fp8e5m2_b{b}_l{_k(l)}_bs16", family="fp8_decode", B=b, L=l, block=16,
+                          kv="fp8e5m2", quick=b == 64, **common))
     # Speculative verify (q_len 2-8, causal) over the decode shapes' caches; vs_decode: the q_len-1
     # row's time / this row's (the same KV bytes: issue 15 wants >= 0.9 at q_len 4). flashserve only.
     for kv in ("bf16", "fp8"):
