@@ -350,6 +350,16 @@ def _missing_row(c: Config, why: str, status: str) -> dict:
 
 # ---------------------------------------------------------------- figures
 
+# Families whose rows report vs_bf16: the bf16 row of the same shape's time / this row's.
+BF16_PAIRED = ("fp8_decode", "int8_decode", "fp8_prefill")
+
+
+def bf16_pair(c: Config) -> str:
+    """The name of the bf16 row that an 8-bit row of BF16_PAIRED is compared with."""
+    bf16 = c.name.replace(f"decode_{c.kv}_", "decode_").replace("prefill_fp8_paged_", "prefill_paged_")
+    return bf16.replace("prefill_fp8_", "prefill_")
+
+
 def add_figures(rows: list[dict], configs: list[Config], header: dict) -> None:
     """Throughput, fraction of ceiling, ratio to the best peer (and fp8 over bf16) per row."""
     by_name = {c.name: c for c in configs}
@@ -376,9 +386,8 @@ def add_figures(rows: list[dict], configs: list[Config], header: dict) -> None:
             peer_times = [times[(c.name, p)] for p in c.peers if (c.name, p) in times]
             if peer_times:
                 r["vs_best_peer"] = min(peer_times) / r["time_ms"]
-            if c.family in ("fp8_decode", "int8_decode", "fp8_prefill"):
-                bf16 = c.name.replace(f"decode_{c.kv}_", "decode_").replace("prefill_fp8_paged_", "prefill_paged_")
-                bf16 = bf16.replace("prefill_fp8_", "prefill_")
+            if c.family in BF16_PAIRED:
+                bf16 = bf16_pair(c)
                 if (bf16, "flashserve") in times:
                     r["vs_bf16"] = times[(bf16, "flashserve")] / r["time_ms"]
             if c.base and (c.base, "flashserve") in times:
