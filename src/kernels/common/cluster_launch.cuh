@@ -49,7 +49,7 @@ bool launch_split_cluster(dim3 grid, dim3 block, size_t smem, cudaStream_t strea
   attrs[1].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
   attrs[1].val.clusterSchedulingPolicyPreference = cluster_policy();
   cfg.attrs = attrs;
-  cfg.numAttrs = cluster_policy() == cudaClusterSchedulingPolicyDefault ? 1 : 2;
+  cfg.numAttrs = attrs[1].val.clusterSchedulingPolicyPreference == cudaClusterSchedulingPolicyDefault ? 1 : 2;
   std::atomic<int>* known = device < kMaxDevices ? &fits[size_t(device) * (kClusterMaxCtas + 1) + grid.z] : nullptr;
   int state = known ? known->load() : 0;
   if (state == 0) {
