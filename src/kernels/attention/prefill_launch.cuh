@@ -47,7 +47,7 @@ void launch_row_tiles(const AttnParams& p, size_t smem, int threads, cudaStream_
 }
 
 // kKernel as a persistent grid over the same items (prefill_persistent.cuh): min(items,
-// p.persistent_ctas) CTAs, each walking items c, c + G, ...
+// p.persistent_ctas) CTAs, CTA c taking item c, then the next untaken one
 template <auto kKernel, class Arg, int kM>
 void launch_row_tiles_persistent(const AttnParams& p, size_t smem, int threads, cudaStream_t stream, const Arg& arg) {
   ensure_smem_limit<kKernel>(smem, true);

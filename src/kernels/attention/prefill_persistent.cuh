@@ -1,7 +1,11 @@
 // prefill_tma as a persistent kernel (sm_90a): one CTA per SM walks the (row tile, head, split)
-// items of prefill_tma's grid in its order (longest causal tiles first, heads fastest), items
-// c, c + G, c + 2G, ... for CTA c of G, so that what one-CTA-per-item leaves serialized on an SM
-// overlaps the previous item's work:
+// items of prefill_tma's grid in its order (longest causal tiles first, heads fastest): CTA c of
+// G its item c first, then the next untaken one, G + a ticket from a global counter (as the
+// hardware hands one-CTA-per-item grids to whichever SM frees first: taking items c, c + G, ...
+// instead, the forms ran 1.03-1.70x the time of one CTA per item on an H100, the more where items
+// differ, causal D = 256 S = 2k 1.70x, non-causal D = 128 S = 2k 1.05x; a CTA's share of causal
+// items varies by ~+-14% and the GPCs' SMs run ~12% apart), so that what one-CTA-per-item leaves
+// serialized on an SM overlaps the previous item's work:
 // - the producer warp computes item i + 1's work (the row-tile lookup, the KV lengths and key
 //   range: a chain of dependent metadata loads) while the consumers run item i's last tiles, and
 //   hands it to them through shared memory (two item slots, mbarriers item_full / item_empty);
@@ -25,6 +29,7 @@ namespace flashserve::kernels::prefill {
 
 // One item as the producer hands it to the consumers (fp8: its descales too).
 struct TmaItem {
+  bool end = false;  // past the last item: the consumers stop
   CtaWork w;
   CtaKeys ck;
   int64_t h = 0;
@@ -33,7 +38,8 @@ struct TmaItem {
 };
 
 // A kernel's shared memory (Base: TmaSmem or Fp8Smem), then 5 mbarriers (item_full and
-// item_empty per slot, q_empty) and the two item slots.
+// item_empty per slot, q_empty), the two item slots and two ticket slots (the producer warps'
+// next item, shared_item).
 template <class Base>
 struct PersistSmem : Base {
   static constexpr uint32_t kBytes = Base::kBytes + uint32_t(kPersistentSmemBytes);
@@ -45,6 +51,9 @@ struct PersistSmem : Base {
     slots = raw + (xbars - smem_u32(raw)) + 5 * 8;
   }
   FS_DEV TmaItem& item(int slot) const { return *reinterpret_cast<TmaItem*>(slots + slot * kTmaItemSlotBytes); }
+  FS_DEV int64_t& ticket(int slot) const {
+    return *reinterpret_cast<int64_t*>(slots + 2 * kTmaItemSlotBytes + 8 * slot);
+  }
   FS_DEV uint32_t item_full(int slot) const { return xbars + 8 * slot; }
   FS_DEV uint32_t item_empty(int slot) const { return xbars + 16 + 8 * slot; }
   FS_DEV uint32_t q_empty() const { return xbars + 32; }
@@ -73,14 +82,31 @@ FS_DEV CtaWork item_work(const AttnParams& p, int64_t L, int64_t row_tiles, int6
   return cta_work<kM>(p, row_tiles - 1 - linear / p.num_heads);
 }
 
-// f(i, L) for the CTA's items L = c, c + G, ... (i counting them).
-template <int kM, class F>
-FS_DEV void for_each_item(const AttnParams& p, F&& f) {
-  const int64_t items = p.row_tile_items(kM);
-  int i = 0;
-#pragma unroll 1
-  for (int64_t L = blockIdx.x; L < items; L += gridDim.x, ++i) f(i, L);
+// The walk's counters (this translation unit's persistent launches): [0] tickets taken past the
+// CTAs' first items, [1] CTAs done taking them; the last CTA done resets both, so every launch
+// finds them zero (a kernel boundary orders one launch's reset before the next launch's reads).
+// Two launches of this unit's forms running at once, on two streams, would share them: the forms
+// are an A/B switch (select.hpp: kPrefillPersistentMaxKeys 0), and the counters move into the
+// call's workspace before any default takes them.
+static __device__ unsigned g_walk_tickets[2];
+
+// The item after those the CTA took: G + the next ticket (one atomic of lane 0, its value in
+// lane 0).
+FS_DEV unsigned take_ticket(int lane) { return lane == 0 ? gridDim.x + atomicAdd(&g_walk_tickets[0], 1u) : 0u; }
+
+// After the CTA's last ticket (lane 0 of the warp that took them): the last CTA resets the
+// counters.
+FS_DEV void walk_done(int lane) {
+  if (lane != 0) return;
+  __threadfence();
+  if (atomicAdd(&g_walk_tickets[1], 1u) == gridDim.x - 1) {
+    atomicExch(&g_walk_tickets[0], 0u);
+    atomicExch(&g_walk_tickets[1], 0u);
+  }
 }
+
+// The named barrier of the producer warps that walk the items together (ids 1-3: the ping-pong).
+inline constexpr int kWalkBar = 8;
 
 // The producers' side of a walk: each item's work (every producer warp computes it: cta_work is
 // warp-collective), which warp 0 hands to the consumers; Q of the active ones, once the previous
@@ -89,7 +115,8 @@ template <int kM, int kN>
 struct ItemProducer {
   const TmaAttnParams& tp;
   int lane;
-  bool hands_over;  // warp 0
+  bool hands_over;  // the leader: takes the tickets and hands the items over
+  int walkers = 1;  // producer warps walking the items (the leader among them)
   int nq = 0;       // Q loads so far
   // Item L's work (kFp8: with the descales); kv its sequence's KV (active items).
   template <bool kFp8>
@@ -106,19 +133,39 @@ struct ItemProducer {
     }
     return it;
   }
-  // The walk: every item's work (handed over), then for the active ones load(it, kv, j0), j0
-  // counting the CTA's tiles before the item's.
+  // The leader's value v (lane 0) in every walking warp's lanes, for item i.
+  template <class Sm>
+  FS_DEV int64_t shared_item(const Sm& sm, unsigned v, int i) const {
+    if (walkers == 1) return __shfl_sync(kFullMask, v, 0);
+    if (hands_over && lane == 0) sm.ticket(i & 1) = v;
+    named_sync(kWalkBar, 32 * walkers);  // warps read slot i & 1 before the leader rewrites it at i + 2
+    return sm.ticket(i & 1);
+  }
+  // The walk: items blockIdx.x, then the tickets' (the leader takes the next one while the
+  // current item loads), each handed over; for the active ones load(it, kv, j0), j0 counting
+  // the CTA's tiles before the item's; then the end, handed over too.
   template <bool kFp8, class T, int kW, class Sm, class Load>
   FS_DEV void walk(const Sm& sm, Load&& load) {
+    const int64_t items = tp.p.row_tile_items(kM);
+    int64_t L = blockIdx.x;
+    unsigned next = hands_over ? take_ticket(lane) : 0u;
     int j0 = 0;
-    for_each_item<kM>(tp.p, [&](int i, int64_t L) {
+#pragma unroll 1
+    for (int i = 0;; ++i) {
       SeqKv kv;
-      const TmaItem it = make<kFp8>(L, kv);
+      TmaItem it;
+      it.end = L >= items;
+      if (!it.end) it = make<kFp8>(L, kv);
       hand_over<T, kW>(sm, it, i);
-      if (!it.w.active) return;
-      load(it, kv, j0);
-      j0 += it.ck.tiles;
-    });
+      if (it.end) break;
+      if (it.w.active) {
+        load(it, kv, j0);
+        j0 += it.ck.tiles;
+      }
+      L = shared_item(sm, next, i);
+      if (hands_over && L < items) next = take_ticket(lane);
+    }
+    if (hands_over) walk_done(lane);
   }
   // Item i into slot i % 2 once the consumers took item i - 2 from it; then, active, its Q.
   template <class T, int kW, class Sm>
@@ -151,19 +198,21 @@ FS_DEV TmaItem take_item(const Sm& sm, int i, int lane) {
 // The consumers' walk: f(it, j0, q_ready) for every active item, j0 counting the CTA's tiles
 // before it; q_ready() waits for the item's Q (and releases it at once when the item has no
 // tiles: consume_tiles releases it after the last S otherwise).
-template <int kM, class Sm, class F>
-FS_DEV void consume_items(const AttnParams& p, const Sm& sm, int lane, F&& f) {
+template <class Sm, class F>
+FS_DEV void consume_items(const Sm& sm, int lane, F&& f) {
   int nq = 0, j0 = 0;
-  for_each_item<kM>(p, [&](int i, int64_t) {
+#pragma unroll 1
+  for (int i = 0;; ++i) {
     const TmaItem it = take_item(sm, i, lane);
-    if (!it.w.active) return;
+    if (it.end) return;
+    if (!it.w.active) continue;
     f(it, j0, [&] {
       mbar_wait(sm.q_full(), uint32_t(nq & 1));
       if (it.ck.tiles <= 0) release(sm.q_empty(), lane);  // Q not read
     });
     ++nq;
     j0 += it.ck.tiles;
-  });
+  }
 }
 
 template <class T, int kD, int kDv, bool kF32Out, bool kAlibi, int kWgs = 2>
@@ -192,7 +241,7 @@ __global__ void __launch_bounds__(tma_threads(kWgs), 1)
     regs_dealloc<tma_producer_regs(kWgs)>();
     const int pw = warp - 4 * kWgs;
     if (pw >= (split_load ? 2 * kTmaParts : 1)) return;
-    ItemProducer<S::kM, kN> ip{tp, lane, pw == 0};
+    ItemProducer<S::kM, kN> ip{tp, lane, pw == 0, split_load ? 2 * kTmaParts : 1};
     ip.template walk<false, T, wgmma_tile_width(kD)>(sm, [&](const TmaItem& it, const SeqKv& kv, int j0) {
       const Producer<T, kD, kDv, Sm> pr(tp, it.w, kv, it.ck, sm, lane);
       if (!split_load) pr.run_both(j0);
@@ -205,7 +254,7 @@ __global__ void __launch_bounds__(tma_threads(kWgs), 1)
   const ScoreLog2 score(p);
   const StageBars bars{sm.k_full(0), sm.k_empty(0), sm.v_full(0), sm.v_empty(0), sm.pins + 4 * threadIdx.x};
   chain_open<kWgs>(wg);
-  consume_items<S::kM>(p, sm, lane, [&](const TmaItem& it, int j0, const auto& q_ready) {
+  consume_items(sm, lane, [&](const TmaItem& it, int j0, const auto& q_ready) {
     const WarpKeys<S> wk(it.ck.rows, it.ck.n_begin, it.w.rows, warp, lane, reinterpret_cast<int2*>(sm.ranges));
     const ScoreBias<kAlibi> bias = make_score_bias<kAlibi>(p, it.w.b, it.h, score);
     const int64_t d0 = kAlibi ? bias_d0<S>(it.ck, warp, 0, lane) : 0;
@@ -261,7 +310,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_fp8_persistent(const _
   const int warp = int(warp_uniform(threadIdx.x / 32)), lane = int(threadIdx.x) % 32, wg = warp / 4;
   if (wg == 2) {  // the producer warpgroup: every warp walks the items (produce_fp8's roles)
     regs_dealloc<kTmaProducerRegs>();
-    ItemProducer<S::kM, kN> ip{tp, lane, warp == 8};
+    ItemProducer<S::kM, kN> ip{tp, lane, warp == 8, 4};
     ip.template walk<true, T, kD>(sm, [&](const TmaItem& it, const SeqKv& kv, int j0) {
       produce_fp8<T, kD, kDv>(tp, it.w, kv, it.ck, sm, warp - 8, lane, j0);
     });
@@ -270,7 +319,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) prefill_fp8_persistent(const _
   regs_alloc<kTmaConsumerRegs>();
   const StageBars bars{sm.k_full(0), sm.k_empty(0), sm.vt_full(0), sm.vt_empty(0), 0u};
   chain_open<2>(wg);
-  consume_items<S::kM>(p, sm, lane, [&](const TmaItem& it, int j0, const auto& q_ready) {
+  consume_items(sm, lane, [&](const TmaItem& it, int j0, const auto& q_ready) {
     const WarpKeys<S> wk(it.ck.rows, it.ck.n_begin, it.w.rows, warp, lane, reinterpret_cast<int2*>(sm.ranges));
     const ScoreLog2 score(p, it.qk_desc);
     const NoBias bias;

@@ -256,11 +256,13 @@ constexpr size_t prefill_fp8_smem_bytes(int64_t d, int64_t dv) {
 // one CTA per item (bench/RESULTS.md 2026-12-07 22:10, an H100: the device lent no H200) they
 // were slower on 23 of 27 rows (S = 512-8k, D = 64/128/256, paged, fp8: 1.03-1.70x the time),
 // faster only at D = 64 causal S = 512 / 1k (0.93 / 0.96) and fp8 S = 8k (0.985); no key bound
-// separates those, so none is set.
+// separates those, so none is set. That walk took items c, c + G, ...; it now takes tickets
+// (prefill_persistent.cuh), not yet timed.
 inline constexpr int64_t kPrefillPersistentMaxKeys = 0;
 inline constexpr size_t kTmaItemSlotBytes = 256;  // an item handed to the consumers (TmaItem)
-// What a persistent form adds to its kernel's shared memory: 5 mbarriers and two item slots.
-inline constexpr size_t kPersistentSmemBytes = 5 * 8 + 2 * kTmaItemSlotBytes;
+// What a persistent form adds to its kernel's shared memory: 5 mbarriers, two item slots and two
+// 8-byte ticket slots.
+inline constexpr size_t kPersistentSmemBytes = 5 * 8 + 2 * kTmaItemSlotBytes + 2 * 8;
 constexpr size_t prefill_tma_persistent_smem_bytes(int64_t d, int64_t dv, int64_t m) {
   return prefill_tma_smem_bytes(d, dv, m) + kPersistentSmemBytes;
 }
