@@ -4,10 +4,13 @@
 // barrier the CTAs merge them through distributed shared memory and write out and LSE. No split
 // partials go through the workspace and no combine kernel runs (combine.cu: 3.8-6 us per call on
 // the H200, a chain of dependent round trips after the forward grid's end, bench/RESULTS.md
-// 2026-11-26). The merge is combine.cu's (the partial LSEs' log-sum-exp, each split weighted by
-// exp(lse_s - lse), the sink merged once) in rank order, up to fp32 rounding: a NaN partial makes
-// the row NaN, empty splits (-inf) weigh 0, all empty gives out 0 and LSE -inf. It is not
-// combine.cu's fixed class-sum tree, so batch-invariant calls (fixed-size splits) never take it.
+// 2026-11-26). The merge is combine.cu's bit for bit (the partial LSEs' log-sum-exp in its
+// summation order, each split weighted by exp(lse_s - lse), split s's product in class s and the
+// classes' fixed pairwise tree, the sink merged once), so a call gives the same bits clustered
+// or not: a CUDA-graph replay of a fixed split count (empty splits past the keys, the combine)
+// equals the eager call whose keys cap its count at 2 (clustered). A NaN partial makes the row
+// NaN, empty splits (-inf) weigh 0, all empty gives out 0 and LSE -inf. Batch-invariant calls
+// (fixed-size splits, a count per sequence) never take it.
 //
 // Used by the decode kernel (decode_mainloop.cuh) and decode_mla_heads; sm_90+ only (clusters).
 #pragma once
@@ -35,8 +38,43 @@ FS_DEV int cluster_ctas() {
 #endif
 }
 
+// combine.cu's tree of kW class sums from class kK: its halves' sums added (((c0 + c1) + (c2 +
+// c3)) + ...); cls(c) is class c's.
+template <int kK, int kW, class Cls>
+FS_DEV float4 class_tree(Cls&& cls) {
+  if constexpr (kW == 1) {
+    return cls(kK);
+  } else {
+    const float4 a = class_tree<kK, kW / 2>(cls), b = class_tree<kK + kW / 2, kW / 2>(cls);
+    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+  }
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// Class c of row j's float4 v: split c's product w_c x_c (from zero; zeros past n), x_c read
+// from rank c's partial rows xo through distributed shared memory, w [c * kRows + j].
+template <int kRows, int kDv>
+FS_DEV auto cluster_class(const float* xo, const float* w, int j, int v, int n) {
+  return [=](int c) {
+    if (c >= n) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float wc = w[c * kRows + j];
+    const float4 x = reinterpret_cast<const float4*>(cooperative_groups::this_cluster().map_shared_rank(xo, c) +
+                                                     j * kDv)[v];
+    return make_float4(fmaf(wc, x.x, 0.0f), fmaf(wc, x.y, 0.0f), fmaf(wc, x.z, 0.0f), fmaf(wc, x.w, 0.0f));
+  };
+}
+// The tree of all kClusterMaxCtas classes, out of line: inline, its loads raised the decode
+// kernels' spills (bf16 short tiling 52 -> 88 bytes) for the clusters of 3-16 splits that only
+// FLASHSERVE_DECODE_CLUSTER=1 forms.
+template <int kRows, int kDv>
+__device__ __noinline__ float4 cluster_classes16(const float* xo, const float* w, int j, int v, int n) {
+  return class_tree<0, kClusterMaxCtas>(cluster_class<kRows, kDv>(xo, w, j, v, n));
+}
+#endif
+
 // Shared memory of cluster_combine's scratch for kRows rows: each rank's weight per row and the
 // row's sink weight.
+static_assert(kClusterMaxCtas == 16, "combine.cu's 16 class sums: a cluster's split c is class c");
 template <int kRows>
 inline constexpr int kClusterScratchFloats = (kClusterMaxCtas + 1) * kRows;
 
@@ -71,14 +109,10 @@ FS_DEV void cluster_combine(const AttnParams& p, const float* xo, const float* x
   const int mine = (nrows - rank + n - 1) / n;  // rows rank, rank + n, ...
   for (int i = t; i < mine * kVec; i += kThreads) {
     const int j = rank + n * (i / kVec), v = i % kVec;
-    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    for (int c = 0; c < n; ++c) {
-      const float wc = w[c * kRows + j];
-      if (wc == 0.0f) continue;  // an empty split adds nothing
-      const float4 x = reinterpret_cast<const float4*>(cl.map_shared_rank(xo, c) + j * kDv)[v];
-      acc.x = fmaf(wc, x.x, acc.x), acc.y = fmaf(wc, x.y, acc.y), acc.z = fmaf(wc, x.z, acc.z),
-      acc.w = fmaf(wc, x.w, acc.w);
-    }
+    // combine.cu's classes: split c's product (from zero) in class c, then their pairwise tree
+    // (classes past n are zeros, which leave the sums as they are: 2 classes' tree for n <= 2).
+    const float4 acc = n <= 2 ? class_tree<0, 2>(cluster_class<kRows, kDv>(xo, w, j, v, n))
+                              : cluster_classes16<kRows, kDv>(xo, w, j, v, n);
     const float s = ws[j];
     const RowDest d = dest(j);
     const float x[4] = {acc.x, acc.y, acc.z, acc.w};

@@ -79,7 +79,7 @@ __device__ __forceinline__ float4 add4(const float4& a, const float4& b) {
 
 // Split s accumulates into class sum s mod kClasses (in increasing s) and out is their fixed
 // pairwise tree: the bits depend on the splits alone, not on the launch shape.
-constexpr int kClasses = 16;
+constexpr int kClasses = 16;  // cluster_merge.cuh merges a cluster's splits in the same classes
 
 // The split groups G of a call of `splits` splits (launch_split_combine's choice), and the most
 // splits each G serves: the kernel sizes its registers by the latter (kSlots at G = 1, the LSEs a

@@ -256,8 +256,10 @@ constexpr size_t prefill_fp8_smem_bytes(int64_t d, int64_t dv) {
 // one CTA per item (bench/RESULTS.md 2026-12-07 22:10, an H100: the device lent no H200) they
 // were slower on 23 of 27 rows (S = 512-8k, D = 64/128/256, paged, fp8: 1.03-1.70x the time),
 // faster only at D = 64 causal S = 512 / 1k (0.93 / 0.96) and fp8 S = 8k (0.985); no key bound
-// separates those, so none is set. That walk took items c, c + G, ...; it now takes tickets
-// (prefill_persistent.cuh), not yet timed.
+// separates those, so none is set. That walk took items c, c + G, ...; with tickets
+// (prefill_persistent.cuh) its SMs are as balanced as one CTA per item and the causal rows
+// improved (D 256 S 2k 1.70 -> 1.22x, D 128 1.24 -> 1.05x), but 25 of 27 rows stay slower
+// (1.01-1.31x): each item takes ~5% more active cycles (ncu, bench/RESULTS.md 2026-12-08 00:21).
 inline constexpr int64_t kPrefillPersistentMaxKeys = 0;
 inline constexpr size_t kTmaItemSlotBytes = 256;  // an item handed to the consumers (TmaItem)
 // What a persistent form adds to its kernel's shared memory: 5 mbarriers, two item slots and two
