@@ -104,13 +104,15 @@ TEST(GpuDecode, ClusterMergeBySplits) {
   EXPECT_FALSE(decode_cluster_splits(kClusterMaxCtas + 1, 0, kClusterMaxCtas + 1, h200));
 }
 
-// The cluster merge and the combine give the same bits (cluster_merge.cuh): a call of 2 splits
-// (merged in a cluster where the device runs the sm_90a code) against the same call at 4 splits
-// whose last two are empty (partials and the combine) -- what a CUDA-graph replay of a fixed
-// split count meets in an eager call whose keys cap its count at 2 (test_backend_graphs.py's
-// 1000-step replay found a 1-ulp difference while the cluster summed in rank order). KV of 129-256
-// keys (two granules of 128) in a block table of 1024 keys (max_seqlen_k: 4 splits allowed),
-// decode and verify rows, out and LSE compared byte for byte.
+// The cluster merge and the combine give the same bits (cluster_merge.cuh): the same call at 2
+// splits (merged in a cluster where the device runs the sm_90a code and the bound takes 2), 4
+// (clustered under FLASHSERVE_DECODE_CLUSTER=1: the ctest cluster. entry) and 18 (past
+// kClusterMaxCtas: partials and the combine), the splits past the second empty -- what a
+// CUDA-graph replay of a fixed split count meets in an eager call whose keys cap its count at 2
+// (test_backend_graphs.py's 1000-step replay found a 1-ulp difference while the cluster summed in
+// rank order). KV of 129-256 keys (two granules of 128) in a block table of ~3200 keys
+// (max_seqlen_k: 18 splits allowed, each split's span past the short tiling's, so every count
+// runs the long tiling), decode and verify rows, out and LSE compared byte for byte.
 TEST(GpuDecode, ClusterMergeEqualsCombineBitwise) {
   auto rng = fstest::make_rng(0xc1a55);
   for (int rep = 0; rep < 6; ++rep) {
@@ -118,22 +120,25 @@ TEST(GpuDecode, ClusterMergeEqualsCombineBitwise) {
     std::uniform_int_distribution<int64_t> len(129, 256);
     for (int64_t& k : c.k_lens) k = len(rng);
     c.q_lens.assign(c.k_lens.size(), rep % 2 ? 4 : 1);
-    c.extra_table_cols = 48;
+    c.extra_table_cols = 184;
     fstest::AttentionCase ac = fstest::build_case(c, rng);
     fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
-    std::vector<unsigned char> out[2], lse[2];
-    for (int i = 0; i < 2; ++i) {
+    const int splits[] = {2, 4, 18};
+    std::vector<unsigned char> out[3], lse[3];
+    for (int i = 0; i < 3; ++i) {
       fs::AttentionParams p = ac.params;
-      p.num_splits = 2 + 2 * i;
+      p.num_splits = splits[i];
       const fs::Plan plan = fsgpu::plan_case(ac, p);
-      ASSERT_EQ(plan.num_splits, 2 + 2 * i) << fstest::describe(c);
+      ASSERT_EQ(plan.num_splits, splits[i]) << fstest::describe(c);
       dc.params.num_splits = p.num_splits;
       fsgpu::run_gpu_planned(ac, dc, plan);
       out[i] = *ac.out.bytes;
       lse[i] = *ac.lse.bytes;
     }
-    EXPECT_TRUE(out[0] == out[1]) << "out differs, " << fstest::describe(c);
-    EXPECT_TRUE(lse[0] == lse[1]) << "lse differs, " << fstest::describe(c);
+    for (int i = 1; i < 3; ++i) {
+      EXPECT_TRUE(out[i] == out[0]) << "out at " << splits[i] << " splits differs from 2, " << fstest::describe(c);
+      EXPECT_TRUE(lse[i] == lse[0]) << "lse at " << splits[i] << " splits differs from 2, " << fstest::describe(c);
+    }
   }
 }
 

@@ -303,8 +303,12 @@ int prefill_tma_persistent_ctas(int64_t max_split_keys, int num_sms);
 // batch-invariant fixed-size ones), sm_90a. Timed (bench/RESULTS.md 2026-12-07 22:10, an H100):
 // clusters of 2 gain 1-2% (bf16 B16 L8k 0.989x the time, MLA H16 B64 bf16 0.979x, fp8 B16 L8k
 // 1.003x); larger ones lose (8 splits B4 L16k 1.31x, 16 splits B1 L32k 1.13x; MLA's fp8-latent
-// shape 1.75x at 4 splits), so the bound is 2, and MLA's 8-bit latent takes none by default.
-inline constexpr int kDecodeClusterMaxSplits = 2;
+// shape 1.75x at 4 splits); again on 2026-12-08 00:21, 0.5% at 2 splits. The bound was 2 until
+// a 1000-step graph replay differed from its eager step by 1 ulp (the cluster summed in rank
+// order, the combine in its class tree; RESULTS.md 2026-12-08 00:21). The cluster now sums as
+// the combine does, which no GPU has run yet: 0 (no cluster by default, FLASHSERVE_DECODE_CLUSTER=1
+// forms them) until bench/pending/session27-verify.sh passes; then 2 again.
+inline constexpr int kDecodeClusterMaxSplits = 0;
 // The default bound for a kernel's calls: kDecodeClusterMaxSplits, 0 for MLA's 8-bit latent.
 constexpr int decode_cluster_default_max(bool mla, bool kv_8bit) { return mla && kv_8bit ? 0 : kDecodeClusterMaxSplits; }
 // Whether a decode call of num_splits splits (split_size > 0: fixed-size ones) on `dev` merges
