@@ -112,7 +112,8 @@ TEST(GpuDecode, ClusterMergeBySplits) {
 // (test_backend_graphs.py's 1000-step replay found a 1-ulp difference while the cluster summed in
 // rank order). KV of 129-256 keys (two granules of 128) in a block table of ~3200 keys
 // (max_seqlen_k: 18 splits allowed, each split's span past the short tiling's, so every count
-// runs the long tiling), decode and verify rows, out and LSE compared byte for byte.
+// runs the long tiling), decode and verify rows: the 2-split call against the oracle, then out
+// and LSE of the three compared byte for byte.
 TEST(GpuDecode, ClusterMergeEqualsCombineBitwise) {
   auto rng = fstest::make_rng(0xc1a55);
   for (int rep = 0; rep < 6; ++rep) {
@@ -121,7 +122,11 @@ TEST(GpuDecode, ClusterMergeEqualsCombineBitwise) {
     for (int64_t& k : c.k_lens) k = len(rng);
     c.q_lens.assign(c.k_lens.size(), rep % 2 ? 4 : 1);
     c.extra_table_cols = 184;
+    c.num_splits = 2;
     fstest::AttentionCase ac = fstest::build_case(c, rng);
+    const fsgpu::Outcome o = fsgpu::run_and_compare(ac, [](fs::AttentionParams&) {});  // right, first
+    EXPECT_EQ(o.kernel, "decode") << fstest::describe(c);
+    EXPECT_EQ(o.error, "") << fstest::describe(c) << "\n(seed " << fstest::test_seed() << ")";
     fsgpu::DeviceCase dc = fsgpu::mirror_case(ac);
     const int splits[] = {2, 4, 18};
     std::vector<unsigned char> out[3], lse[3];
