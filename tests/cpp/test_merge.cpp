@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -268,5 +269,33 @@ TEST(MergeStates, ManyAtOnceMatchesFoldedPairs) {
       sum += w[size_t(s)];
     }
     EXPECT_NEAR(sum, 1.0f, 1e-5f) << rep;
+  }
+}
+
+// combine_order_sum (merge_lses' sum of exponentials, the cluster merge's) against the warp's
+// own order in split_combine, simulated lane by lane: lane l sums v(l), v(l + 32), ... from 0,
+// then every lane adds its xor partner's value at offsets 16, 8, 4, 2, 1, lane 0's result; bit
+// for bit, for 1 to 80 terms of mixed magnitudes (the 2-lane shortcut and past 32 included).
+// The cluster merge equals the combine only while this holds.
+TEST(MergeStates, ManyAtOnceSumsInTheCombineOrder) {
+  auto rng = fstest::make_rng(0xb077e2f1);
+  std::uniform_real_distribution<float> mag(-20.0f, 0.0f);
+  for (int rep = 0; rep < 3000; ++rep) {
+    const int n = 1 + int(rng() % 80);
+    std::vector<float> v(static_cast<size_t>(n));
+    for (float& x : v) x = rng() % 9 == 0 ? 0.0f : std::exp2(mag(rng)) * (1.0f + float(rng() % 1000) / 999.0f);
+    float lane[32];
+    for (int l = 0; l < 32; ++l) {
+      float a = 0.0f;
+      for (int s = l; s < n; s += 32) a += v[size_t(s)];
+      lane[l] = a;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      float next[32];
+      for (int l = 0; l < 32; ++l) next[l] = lane[l] + lane[l ^ o];
+      std::copy(next, next + 32, lane);
+    }
+    const float got = fs::combine_order_sum(n, [&](int s) { return v[size_t(s)]; });
+    EXPECT_EQ(std::memcmp(&got, &lane[0], sizeof(float)), 0) << "n " << n << ": " << got << " vs " << lane[0];
   }
 }
