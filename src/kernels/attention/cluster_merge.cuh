@@ -38,18 +38,6 @@ FS_DEV int cluster_ctas() {
 #endif
 }
 
-// combine.cu's tree of kW class sums from class kK: its halves' sums added (((c0 + c1) + (c2 +
-// c3)) + ...); cls(c) is class c's.
-template <int kK, int kW, class Cls>
-FS_DEV float4 class_tree(Cls&& cls) {
-  if constexpr (kW == 1) {
-    return cls(kK);
-  } else {
-    const float4 a = class_tree<kK, kW / 2>(cls), b = class_tree<kK + kW / 2, kW / 2>(cls);
-    return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-  }
-}
-
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 // Class c of row j's float4 v: split c's product w_c x_c (from zero; zeros past n), x_c read
 // from rank c's partial rows xo through distributed shared memory, w [c * kRows + j].
@@ -74,7 +62,7 @@ __device__ __noinline__ float4 cluster_classes16(const float* xo, const float* w
 
 // Shared memory of cluster_combine's scratch for kRows rows: each rank's weight per row and the
 // row's sink weight.
-static_assert(kClusterMaxCtas == 16, "combine.cu's 16 class sums: a cluster's split c is class c");
+static_assert(kClusterMaxCtas == kCombineClasses, "a cluster's split c is combine.cu's class c");
 template <int kRows>
 inline constexpr int kClusterScratchFloats = (kClusterMaxCtas + 1) * kRows;
 

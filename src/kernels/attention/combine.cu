@@ -73,13 +73,10 @@ __device__ __forceinline__ float merge_split_lses(const float* lse_s, int64_t st
 __device__ __forceinline__ void fma4(float4& acc, float w, const float4& x) {
   acc.x = fmaf(w, x.x, acc.x), acc.y = fmaf(w, x.y, acc.y), acc.z = fmaf(w, x.z, acc.z), acc.w = fmaf(w, x.w, acc.w);
 }
-__device__ __forceinline__ float4 add4(const float4& a, const float4& b) {
-  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
-}
 
 // Split s accumulates into class sum s mod kClasses (in increasing s) and out is their fixed
-// pairwise tree: the bits depend on the splits alone, not on the launch shape.
-constexpr int kClasses = 16;  // cluster_merge.cuh merges a cluster's splits in the same classes
+// pairwise tree (softmax.cuh: class_tree, which cluster_merge.cuh sums with too).
+constexpr int kClasses = kCombineClasses;
 
 // The split groups G of a call of `splits` splits (launch_split_combine's choice), and the most
 // splits each G serves: the kernel sizes its registers by the latter (kSlots at G = 1, the LSEs a
@@ -180,15 +177,10 @@ __global__ void __launch_bounds__(kCombineThreads, 8) split_combine(const __grid
   const float ws = apply_sink(p, h, lse);  // lse: the sink merged in
   const int64_t q_row = seq.q_row(r, p.batched);
   if (v < nvec) {
-    float4 c[kClasses];
-#pragma unroll
-    for (int k = 0; k < kClasses; ++k)
-      c[k] = kG > 1 ? sums[k * kLanes + lv] : k < kSlots ? acc[k % kSlots] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int d = 1; d < kClasses; d *= 2)
-#pragma unroll
-      for (int k = 0; k < kClasses; k += 2 * d) c[k] = add4(c[k], c[k + d]);
-    const float x[4] = {c[0].x, c[0].y, c[0].z, c[0].w};
+    const float4 c = class_tree<0, kClasses>([&](int k) {
+      return kG > 1 ? sums[k * kLanes + lv] : k < kSlots ? acc[k % kSlots] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    });
+    const float x[4] = {c.x, c.y, c.z, c.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) store_out(p, seq.qb, q_row, h, 4 * v + e, lse != lse ? NAN : x[e] * ws);
   }

@@ -23,6 +23,19 @@ FS_DEV float warp_max_nan(float x) {
   return x;
 }
 
+// The split-KV merges' channel sums (combine.cu, cluster_merge.cuh): split s's weighted partial
+// goes into class sum s mod kCombineClasses (in increasing s), and the output is the classes'
+// fixed pairwise tree, so the bits depend on the splits alone, not on which merge or launch shape.
+inline constexpr int kCombineClasses = 16;
+FS_DEV float4 add4(const float4& a, const float4& b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
+// The tree of kW class sums from class kK: its halves' sums added (((c0 + c1) + (c2 + c3)) + ...);
+// cls(k) is class k's (k a compile-time constant in each call).
+template <int kK, int kW, class Cls>
+FS_DEV float4 class_tree(Cls&& cls) {
+  if constexpr (kW == 1) return cls(kK);
+  else return add4(class_tree<kK, kW / 2>(cls), class_tree<kK + kW / 2, kW / 2>(cls));
+}
+
 // Running max m and sum l of exp(s - m) over the keys absorbed so far (empty: m = -inf, l = 0).
 struct RowState {
   float m = kNegInf;
