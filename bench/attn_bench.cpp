@@ -156,21 +156,16 @@ uint64_t splitmix64(uint64_t x) {
 // Random codes with a bounded exponent: never zero, inf or NaN.
 // bf16: |x| in [2^-7, 2); fp8 e4m3 and e5m2: |x| in [2^-3, 2); int8: [-127, 127]; f32 (int8 scales):
 // [0.5, 1.5) / 127.
-uint16_t random_bf16(uint64_t r) {
-  const uint16_t sign = uint16_t(r & 0x8000u);
-  const uint16_t exp = uint16_t(120 + ((r >> 8) & 7));
-  return uint16_t(sign | (exp << 7) | ((r >> 16) & 0x7F));
+// A code of kBits with the sign on top, kMant mantissa bits and the exponent field kExpLo plus
+// 0 .. kExpSpan - 1 (a power of two), sign and mantissa from r.
+template <int kBits, int kMant, uint32_t kExpLo, uint32_t kExpSpan>
+uint32_t random_code(uint64_t r) {
+  const uint32_t sign = uint32_t(r) & (1u << (kBits - 1)), exp = kExpLo + (uint32_t(r >> 8) & (kExpSpan - 1));
+  return sign | (exp << kMant) | (uint32_t(r >> 16) & ((1u << kMant) - 1));
 }
-uint8_t random_e4m3(uint64_t r) {
-  const uint8_t sign = uint8_t(r & 0x80u);
-  const uint8_t exp = uint8_t(4 + ((r >> 8) & 3));
-  return uint8_t(sign | (exp << 3) | ((r >> 16) & 7));
-}
-uint8_t random_e5m2(uint64_t r) {
-  const uint8_t sign = uint8_t(r & 0x80u);
-  const uint8_t exp = uint8_t(12 + ((r >> 8) & 3));
-  return uint8_t(sign | (exp << 2) | ((r >> 16) & 3));
-}
+uint16_t random_bf16(uint64_t r) { return uint16_t(random_code<16, 7, 120, 8>(r)); }
+uint8_t random_e4m3(uint64_t r) { return uint8_t(random_code<8, 3, 4, 4>(r)); }
+uint8_t random_e5m2(uint64_t r) { return uint8_t(random_code<8, 2, 12, 4>(r)); }
 
 // Fills `n` elements of a bf16, fp8, int8 or f32 device buffer through a host staging buffer.
 void fill_random(void* dst, int64_t n, DType t, uint64_t seed) {
