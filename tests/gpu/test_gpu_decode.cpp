@@ -3,7 +3,8 @@
 // same plan: batches up to 64, KV up to 8k, block sizes 1/16/256, NHD/HND, GQA 1..16, q_len x
 // group up to 16, fp8 KV (e4m3/e5m2 on the tensor cores, bf16/f16/fp8 q, per-tensor and per-head
 // descales), int8 K8V8 / K8V16 (int8 q with q_scale, s8 mma, k_scale_cache, v_scale), sinks, soft-cap, window, ALiBi, splits 1..16, LSE; bad block indices
-// give NaN rows; a varlen max_seqlen_q below the truth still computes every row.
+// give NaN rows; a varlen max_seqlen_q below the truth still computes every row; the long
+// tiling's TMA form (sm_90a) on pages of 16 x k keys and contiguous caches.
 // Configurations not instantiated in this build (FLASHSERVE_DEV_CONFIGS) are skipped, named.
 #include <gtest/gtest.h>
 
@@ -158,6 +159,32 @@ TEST(GpuDecode, GqaLayoutsAndBlockSizes) {
         c.layout = layout;
         c.num_splits = 1 + i % 3;
         expect_decode(c, 100 + uint64_t(i++));
+      }
+}
+
+// The long tiling's TMA form (decode_config.hpp: decode_tma_tiling; sm_90a, 16-bit K/V): pages of
+// 16 x k keys (48 included) and contiguous caches, NHD and HND, lengths off the 16-key tiles (the
+// tail tile by cp.async on the same barriers, then its stage reused by TMA in the next row
+// group or call), 1 or 3 splits, GQA 1 / 4 / 8 (verify rows past one query row): the cp.async
+// ring by default (kDecodeTmaDefault), the TMA form in the ctest entries tma.
+// (FLASHSERVE_DECODE_TMA=1).
+TEST(GpuDecode, TmaFormPagesAndTails) {
+  auto rng = fstest::make_rng(15);
+  int i = 0;
+  for (int64_t bs : {16, 32, 48, 64, 256, 0})
+    for (int64_t group : {1, 4, 8})
+      for (fs::KvLayout layout : {fs::KvLayout::nhd, fs::KvLayout::hnd}) {
+        CaseConfig c = decode_config(5, 1200, group, rng);
+        if (bs == 0) c.mode = KvMode::batched_contiguous;
+        else c.block_size = bs;
+        c.layout = layout;
+        c.num_splits = 1 + 2 * (i % 2);
+        c.k_lens[0] = 1200 - 7;  // a tail tile in every split count
+        if (group == 1) {  // 4 packed rows from 4 query rows, each seeing its own prefix
+          c.q_lens.assign(c.q_lens.size(), 4);
+          c.causal = true;
+        }
+        expect_decode(c, 1500 + uint64_t(i++));
       }
 }
 

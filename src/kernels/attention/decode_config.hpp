@@ -90,15 +90,32 @@ constexpr bool decode_config_built(DType kv, int64_t d) { return decode_config_b
 inline constexpr size_t kDecodeRowMetaBytes = 40;
 inline constexpr size_t kDecodeStageMaskBytes = 16;  // a stage's bad-key mask (padded)
 
-// How a launch streams keys: keys per warp tile, the depth of each warp's cp.async ring, and the
-// CTAs per SM the kernel's launch bounds ask for (its register budget: 255 at 2, 168 at 3).
+// How a launch streams keys: keys per warp tile, the depth of each warp's ring, the CTAs per SM
+// the kernel's launch bounds ask for (its register budget: 255 at 2, 168 at 3), and whether the
+// ring is the TMA form (decode_tma_tiling).
 struct DecodeTiling {
   int keys;
   int stages;
   int ctas;
+  bool tma = false;
 };
 // Long splits: decode_tile_keys and decode_stages, two CTAs per SM (by shared memory).
 constexpr DecodeTiling decode_tiling(DecodeKv f) { return {decode_tile_keys(f), decode_stages(f), 2}; }
+// The TMA form of the long tiling (sm_90a, 16-bit K and V; select.hpp's decode_tma_form says
+// where): a tile whose 16 keys lie in one page segment (or contiguous rows) and the cache is one
+// TMA box per 128-byte column block of K and of V, issued by as many lanes, completing the
+// stage's full mbarrier, where the cp.async ring takes 512 16-byte copies per tile and warp
+// (ncu, bf16 B = 1 L = 32k: 27% of the stall samples wait for the block-table entries queued
+// behind them); other tiles (sequence tails, bad block ids) are copied with cp.async as before,
+// arriving on the same barrier. Stages hold K then V as SwizzledTile<16> (128-byte swizzle, no
+// row pad: TMA's layout), 1024-byte aligned; the bad-key masks after the stages, the barriers
+// after the rows' metadata (outside the warps' area, which the merge reuses).
+constexpr bool decode_has_tma(DecodeKv f) { return f.kb == 2 && f.vb == 2 && !f.int8; }
+constexpr DecodeTiling decode_tma_tiling(DecodeKv f) {
+  DecodeTiling t = decode_tiling(f);
+  t.tma = true;
+  return t;
+}
 constexpr size_t decode_loc_bytes(DecodeTiling t) { return size_t(t.keys) * 24; }  // a warp's TokenLoc [keys] (load.cuh)
 
 // Shared memory layout, in bytes (decode_fwd.cuh carves it the same way):
@@ -123,16 +140,27 @@ constexpr size_t decode_kscale_offset(DecodeKv f, int d, DecodeTiling t) {  // i
   return size_t(t.keys) * (decode_k_stride(f, d) + decode_v_stride(f, d)) + kDecodeStageMaskBytes;
 }
 constexpr size_t decode_stage_bytes(DecodeKv f, int d, DecodeTiling t) {
+  if (t.tma) return size_t(t.keys) * size_t(d) * size_t(f.kb + f.vb);  // K, V swizzled (a multiple of 1 KB)
   return decode_kscale_offset(f, d, t) + (f.int8 ? size_t(t.keys) * 4 : 0);
 }
+constexpr size_t decode_round_kb(size_t bytes) { return (bytes + 1023) / 1024 * 1024; }
 constexpr size_t decode_warp_bytes(DecodeKv f, int d, DecodeTiling t) {
+  if (t.tma)  // the stages, their bad-key masks, TokenLoc [keys]; the next warp's stages 1 KB aligned
+    return decode_round_kb(size_t(t.stages) * (decode_stage_bytes(f, d, t) + kDecodeStageMaskBytes) +
+                           decode_loc_bytes(t));
   return size_t(t.stages) * decode_stage_bytes(f, d, t) + decode_loc_bytes(t);
 }
 constexpr size_t decode_head_bytes(DecodeKv f, int d, int rows) {
   return size_t(rows) * (decode_q_stride(f, d) + kDecodeRowMetaBytes);
 }
+// The TMA form's full barriers [warps, stages] after the rows' metadata, then up to 1 KB to the
+// warps' area's alignment.
+constexpr size_t decode_tma_head_bytes(int d, DecodeTiling t) {
+  return t.tma ? size_t(decode_warps(d)) * size_t(t.stages) * 8 + 1024 : 0;
+}
 constexpr size_t decode_smem_bytes(DecodeKv f, int d, int rows, DecodeTiling t) {
-  return decode_head_bytes(f, d, rows) + size_t(decode_warps(d)) * decode_warp_bytes(f, d, t);
+  return decode_head_bytes(f, d, rows) + decode_tma_head_bytes(d, t) +
+         size_t(decode_warps(d)) * decode_warp_bytes(f, d, t);
 }
 constexpr size_t decode_smem_bytes(DecodeKv f, int d, int rows) { return decode_smem_bytes(f, d, rows, decode_tiling(f)); }
 // Short splits (no warp streams more than two 16-key tiles): the CTA is one latency chain (table,
@@ -196,6 +224,11 @@ constexpr bool decode_ctas_fit(DecodeKv f, int d) {
          (!decode_has_wide(f) || sm90_ctas_fit(decode_smem_bytes(f, d, int(kDecodeWideRows), w), w.ctas));
 }
 static_assert(decode_ctas_fit(kDecodeBf16, 128) && decode_ctas_fit(kDecodeBf16, 256));
+static_assert(sm90_ctas_fit(decode_smem_bytes(kDecodeBf16, 64, 16, decode_tma_tiling(kDecodeBf16)), 2) &&
+              sm90_ctas_fit(decode_smem_bytes(kDecodeBf16, 128, 16, decode_tma_tiling(kDecodeBf16)), 2) &&
+              sm90_ctas_fit(decode_smem_bytes(kDecodeBf16, 256, 16, decode_tma_tiling(kDecodeBf16)), 2) &&
+              decode_merge_fits(kDecodeBf16, 64, 16, decode_tma_tiling(kDecodeBf16)) &&
+              decode_merge_fits(kDecodeBf16, 256, 16, decode_tma_tiling(kDecodeBf16)));
 static_assert(decode_ctas_fit(kDecodeFp8, 128) && decode_ctas_fit(kDecodeFp8, 256));
 static_assert(decode_ctas_fit(kDecodeK8V8, 128) && decode_ctas_fit(kDecodeK8V8, 256));
 static_assert(decode_ctas_fit(kDecodeK8V16, 128) && decode_ctas_fit(kDecodeK8V16, 256));

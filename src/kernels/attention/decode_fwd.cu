@@ -2,47 +2,16 @@
 // kDecodeConfigs (KV storage dtype x head size), the one table of decode instantiations.
 #include <cuda_runtime.h>
 
-#include "kernels/attention/decode_fwd.cuh"
-#include "kernels/attention/launchers.hpp"
-#include "kernels/common/cluster_launch.cuh"
-#include "kernels/common/cuda_check.cuh"
+#include "kernels/attention/decode_launch.cuh"
 #include "kernels/common/dispatch.hpp"
-#include "kernels/common/smem_limit.cuh"
+#include "kernels/common/env_switch.hpp"
 
 namespace flashserve::kernels {
 
 namespace {
 
-template <size_t I>
-constexpr DecodeKv kFmt = decode_kv(kDecodeConfigs[I].kv, kDecodeConfigs[I].v);
-
-// kHeadsInX: the grid's x is (sequence x row CTA) x KV head, the head fastest, so the CTAs of one
-// sequence's heads start together and read the same pages (a token's heads lie side by side) at
-// about the same time: long splits B = 64 L = 4k bf16 -0.7%, fp8 -2.1%, int8 -1.3% (bench/
-// RESULTS.md 22:40); short splits keep the heads in y (+0.8% at B = 256 L = 64 in x).
-// decode_fwd reads the order from gridDim.y.
-// p.cluster_splits: each (sequence x row CTA, KV head)'s splits run as one cluster (1, 1,
-// num_splits) that merges them (cluster_merge.cuh), where the layout's shared memory holds the
-// CTA's partial rows beside the merge area and such a cluster fits on the device. Returns
-// whether it did (no partials in the workspace, no combine).
-template <size_t I, int kRows, DecodeTiling kTl, bool kHeadsInX>
-bool launch_rows(const AttnParams& p, cudaStream_t stream) {
-  constexpr DecodeConfig c = kDecodeConfigs[I];
-  constexpr size_t smem = decode_smem_bytes(kFmt<I>, c.d, kRows, kTl);
-  static_assert(sm90_ctas_fit(smem, kTl.ctas), "the launch bounds' CTAs per SM fit in shared memory");
-  constexpr int kWarps = decode_warps(c.d);
-  constexpr auto kernel = &decode::decode_fwd<c.kv, c.v, c.d, kRows, kTl.keys, kTl.stages, kTl.ctas>;
-  ensure_smem_limit<kernel>(smem, /*max_carveout=*/true);  // 2-3 CTAs per SM need ~228 KB
-  const unsigned x = unsigned(p.batch * p.row_ctas), hkv = unsigned(p.num_kv_heads), z = unsigned(p.num_splits);
-  const dim3 grid = kHeadsInX ? dim3(x * hkv, 1, z) : dim3(x, hkv, z);
-  constexpr bool kClusterFits = decode_cluster_merge_fits(kFmt<I>, c.d, kRows, kTl);
-  if (kClusterFits && p.cluster_splits &&
-      launch_split_cluster<kernel>(grid, dim3(32 * kWarps), smem, stream, p))
-    return true;
-  kernel<<<grid, 32 * kWarps, smem, stream>>>(p);
-  FS_CUDA_CHECK_LAUNCH();
-  return false;
-}
+using decode::kFmt;
+using decode::launch_rows;
 
 // The instantiations of configuration I: the short tiling (decode_config.hpp) by the split's key
 // span, 16 rows per CTA; else the long tiling, 32 rows per CTA (two passes per tile: a 16-bit
@@ -64,10 +33,21 @@ bool launch_config(const AttnParams& p, cudaStream_t stream) {
   AttnParams q = p;  // 16-row CTAs: twice as many per 32-row CTA the plan counted
   if (p.rows_per_cta == kDecodeWideRows) q.row_ctas = 2 * p.row_ctas;
   if (shrt) return launch_rows<I, kDecodeRows, decode_short_tiling(f, d), false>(q, stream);
+  if (decode_has_tma(f) && p.decode_tma) return launch_decode_tma(q, stream);  // decode_fwd_tma.cu
   return launch_rows<I, kDecodeRows, decode_tiling(f), true>(q, stream);
 }
 
 }  // namespace
+
+bool decode_tma_form(const AttnParams& p, const DeviceProps& dev) {
+  static const int forced = env_digit<0, 1, -1>("FLASHSERVE_DECODE_TMA");
+  if (!(forced >= 0 ? forced == 1 : kDecodeTmaDefault)) return false;
+  if (!FLASHSERVE_SM90A || dev.cc_major != 9 || dev.cc_minor != 0) return false;
+  if (!is_half(p.k.dtype) || p.v.dtype != p.k.dtype || p.head_dim != p.head_dim_v) return false;
+  if (p.paged && p.kv_dim1 % kDecodeTileKeys != 0) return false;  // a tile from a 16-aligned row: one page
+  return tma_mappable(p.k, p.kv_dim0, p.kv_dim1, p.num_kv_heads, p.head_dim) &&
+         tma_mappable(p.v, p.kv_dim0, p.kv_dim1, p.num_kv_heads, p.head_dim_v);
+}
 
 bool launch_decode_attention(const AttnParams& p, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);

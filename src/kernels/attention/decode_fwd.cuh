@@ -20,6 +20,10 @@
 // 16 rows (decode_mma.cuh). The W warp states merge at the end (shared memory), then out (or
 // the split partial) and LSE; with the splits launched as one cluster (decode_fwd.cu), the split
 // partials stay in shared memory and the cluster merges them (cluster_merge.cuh), no combine.
+// The TMA form (sm_90a, 16-bit K/V, long splits; decode_config.hpp: decode_tma_tiling) keeps this
+// structure: a warp's ring completes mbarriers instead of cp.async groups, its whole-page tiles
+// loaded as TMA boxes by a few lanes (issue_tma) where the cp.async ring issues 16 copies per
+// lane and tile.
 //
 // Arithmetic (H200, paged bf16, B=64, L=4096, H=32, H_kv=8, D=128, block 16): KV bytes =
 // 64 * 4096 * 8 * 128 * 2 (K, V) * 2 B = 1.07 GB, q/out < 1 MB; ~4.3 TB/s copy ceiling = 33 GB/s
@@ -54,6 +58,8 @@
 // (bench/RESULTS.md 22:10).
 #pragma once
 
+#include <cuda.h>
+
 #include <cstdint>
 
 #include "kernels/attention/decode_config.hpp"
@@ -64,6 +70,8 @@
 #include "kernels/attention/schedule.cuh"
 #include "kernels/attention/softmax.cuh"
 #include "kernels/common/mma.cuh"
+#include "kernels/common/tma.cuh"
+#include "kernels/common/wgmma.cuh"
 
 namespace flashserve::kernels::decode {
 
@@ -126,9 +134,12 @@ struct Shape {
   static constexpr int kStages = kTl.stages;  // cp.async ring depth per warp
   static constexpr int kCtas = kTl.ctas;      // CTAs per SM of the launch bounds (registers: 255 at 2, 168 at 3)
   static constexpr int kTile = kTl.keys;      // keys per warp tile
+  static constexpr bool kTma = kTl.tma;       // the TMA form (decode_config.hpp: decode_tma_tiling)
   static constexpr size_t kStageBytes = decode_stage_bytes(kFmt, kD, kTl);
   static constexpr size_t kKScaleOffset = decode_kscale_offset(kFmt, kD, kTl);  // int8: k scales in a stage
   static constexpr size_t kWarpBytes = decode_warp_bytes(kFmt, kD, kTl);
+  // A warp's TokenLoc scratch: after its stages (the TMA form: after their bad-key masks too).
+  static constexpr size_t kLocOffset = kStages * (kStageBytes + (kTl.tma ? kDecodeStageMaskBytes : 0));
   static_assert(kStages >= 2, "a ring: one tile issued ahead of the one consumed");
   static_assert(kChunks >= 2 && kChunks <= 32 && 32 % kChunks == 0, "a warp copies whole rows");
   static_assert(kVChunks >= 2 && kVChunks <= 32 && 32 % kVChunks == 0, "a warp copies whole rows");
@@ -137,11 +148,18 @@ struct Shape {
   static_assert(kR == 16 || kR == 32, "the tensor cores take 16 rows (the mma's M) per pass, one or two passes");
   static_assert(decode_merge_fits(kFmt, kD, kR, kTl), "the merge area fits in the warps' area");
   static_assert(kKScaleOffset % 16 == 0, "int8 k scales: 16-byte aligned in the stage");
+  static_assert(kLocOffset + decode_loc_bytes(kTl) <= kWarpBytes, "the warp's area holds its scratch");
+  static_assert(!kTma || (decode_has_tma(kFmt) && kStageBytes % 1024 == 0 && kWarpBytes % 1024 == 0),
+                "the TMA form: 16-bit K and V, stages 1 KB aligned");
+  // The TMA form's K and V tiles: 16-byte chunk c of key row r at Swz::at(r, c) (TMA's 128-byte
+  // swizzle per 64-channel column block); the others' at r x kKStride (kVStride) + 16 c.
+  using Swz = SwizzledTile<kTile>;
 };
 
-// A warp's view of its stage `s`: K [kTile, kKStride] bytes, V [kTile, kVStride], the bad-key mask
-// (bit k: key k lies outside the cache; issue_tile), int8 K: the keys' scales [kTile] f32 (0 for
-// keys not loaded).
+// A warp's view of its stage `s`: K [kTile, kKStride] bytes, V [kTile, kVStride] (the TMA form:
+// K then V swizzled, S::k_at / v_at), the bad-key mask (bit k: key k lies outside the cache;
+// issue_tile; the TMA form's after the stages), int8 K: the keys' scales [kTile] f32 (0 for keys
+// not loaded).
 template <class S>
 struct Stage {
   unsigned char* k;
@@ -150,10 +168,23 @@ struct Stage {
   float* kscale;
   FS_DEV Stage(unsigned char* warp_base, int s) {
     k = warp_base + size_t(s) * S::kStageBytes;
-    v = k + S::kTile * S::kKStride;
-    bad = reinterpret_cast<uint32_t*>(v + S::kTile * S::kVStride);
-    kscale = reinterpret_cast<float*>(k + S::kKScaleOffset);
+    if constexpr (S::kTma) {
+      v = k + S::kTile * S::kDim * 2;
+      bad = reinterpret_cast<uint32_t*>(warp_base + S::kStages * S::kStageBytes + s * kDecodeStageMaskBytes);
+      kscale = nullptr;
+    } else {
+      v = k + S::kTile * S::kKStride;
+      bad = reinterpret_cast<uint32_t*>(v + S::kTile * S::kVStride);
+      kscale = reinterpret_cast<float*>(k + S::kKScaleOffset);
+    }
   }
+};
+
+// The TMA form's tensor maps (make_tma_map: boxes of 16 keys x 64 channels of one head) beside
+// the parameters; the other forms' kernels take AttnParams alone.
+struct DecodeTmaParams {
+  CUtensorMap k, v;
+  AttnParams p;
 };
 
 // The CTA's sequence: q rows [row_begin, row_end) (clamped into the flat rows: metadata is

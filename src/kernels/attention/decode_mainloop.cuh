@@ -347,14 +347,63 @@ FS_DEV TokenLoc tile_loc(const AttnParams& p, const SeqKv& kv, const TileKey& k)
   return L;
 }
 
+// A warp's ring in the TMA form: its stages' full barriers (`bars`: stage i's at bars + 8 i,
+// 32 arrivals a phase), the parity each waits for next (bit i) and the stages whose last fill was
+// cp.async (bit i), kept across row groups (warp-uniform).
+struct WarpRing {
+  const CUtensorMap* maps;  // K's and V's tensor maps (the TMA form), else null
+  uint32_t bars;
+  uint32_t phases;
+  uint32_t cp_filled;
+  FS_DEV uint32_t full(int stage) const { return bars + 8u * uint32_t(stage); }
+};
+
+// The TMA form (decode_config.hpp: decode_tma_tiling): loads the tile by TMA when every key of it
+// is valid (inside every bound; tile_loc) and its rows are one box: contiguous rows, or paged
+// rows from a 16-aligned row of one page (the launch's block size a multiple of 16: select.hpp's
+// decode_tma_form); returns whether it did (warp-uniform). Lanes < 2 x kBlocks each issue one
+// box (a 128-byte column block of 16 rows of K, then of V); lane 0 expects the tile's bytes on
+// `full` and the other lanes arrive (the phase cannot complete before lane 0's arrival).
+template <class S>
+FS_DEV bool issue_tma(const AttnParams& p, WarpRing& ring, const SeqKv& kv, const Stage<S>& st, int stage,
+                      const TokenLoc& L, const TileKey& key, int lane) {
+  const int row = __shfl_sync(kFullMask, int(key.d1), 0), blk = __shfl_sync(kFullMask, key.d0, 0);
+  if (!__all_sync(kFullMask, L.state == kTokenValid) || (p.paged && (row & (S::kTile - 1)) != 0)) return false;
+  constexpr int kBlocks = S::kDim * 2 / 128;  // column blocks per K (V) row
+  const uint32_t full = ring.full(stage);
+  if (ring.cp_filled >> stage & 1u) {  // the stage's last fill was cp.async: its writes before the boxes'
+    fence_proxy_async_shared();
+    __syncwarp();
+    ring.cp_filled &= ~(1u << stage);
+  }
+  if (lane == 0) {
+    *st.bad = 0u;
+    mbar_arrive_expect_tx(full, uint32_t(S::kStageBytes));  // K and V
+  } else {
+    mbar_arrive(full);
+  }
+  if (lane < 2 * kBlocks) {
+    const bool v = lane >= kBlocks;
+    const int c = v ? lane - kBlocks : lane;
+    tma_load_4d(smem_u32(v ? st.v : st.k) + uint32_t(c) * S::Swz::kBlockBytes, ring.maps + int(v), full, c * 64,
+                int(kv.g), row, blk);
+  }
+  return true;
+}
+
 // Issues the copies of a tile's 16 keys (located by `key`, this lane's key of the tile: lanes
 // t and t + 16 hold the same) into stage st, whole rows per copy step (coalesced); skipped and
 // bad keys become zero rows. The locations pass through the warp's scratch `loc` [16]; the
-// stage's bad mask gets bit k set when key k is bad.
+// stage's bad mask gets bit k set when key k is bad. The TMA form: by TMA where issue_tma can,
+// else the copies as here, each lane arriving on the stage's `full` once its copies completed.
 template <class S>
-FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st, TokenLoc* loc, const TileKey& key,
-                       int lane) {
+FS_DEV void issue_tile(const AttnParams& p, WarpRing& ring, const SeqKv& kv, const Stage<S>& st, int stage,
+                       TokenLoc* loc, const TileKey& key, int lane) {
   const TokenLoc L = tile_loc(p, kv, key);
+  if constexpr (S::kTma) {
+    if (issue_tma<S>(p, ring, kv, st, stage, L, key, lane)) return;
+    ring.cp_filled |= 1u << stage;
+  }
   const uint32_t bad = __ballot_sync(kFullMask, lane < S::kTile && L.state == kTokenBad);
   if (lane == 0) *st.bad = bad;
   if (lane < S::kTile) loc[lane] = L;
@@ -375,9 +424,12 @@ FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st,
   static_assert(S::kKb != 1 || kRowsPerStep % 2 == 0, "8-bit K swizzle: one row parity per lane");
   const int c = lane % S::kChunks;
   const int ck = S::kKb == 1 ? c ^ ((lane / S::kChunks) & 1) : c;
-  const uint32_t dk = smem_u32(st.k + ck * kDecodeChunk);
+  // Destinations: row r's chunk at dk + r x kKStride (dv, kVStride), the TMA form's swizzled.
+  const uint32_t dk = smem_u32(st.k + (S::kTma ? 0 : ck * kDecodeChunk));
+  auto k_dst = [&](int r) { return S::kTma ? dk + S::Swz::at(r, ck) : dk + uint32_t(r * S::kKStride); };
   if constexpr (S::kChunks == S::kVChunks) {  // K and V rows of one width: one pass
-    const uint32_t dv = smem_u32(st.v + c * kDecodeChunk);
+    const uint32_t dv = smem_u32(st.v + (S::kTma ? 0 : c * kDecodeChunk));
+    auto v_dst = [&](int r) { return S::kTma ? dv + S::Swz::at(r, c) : dv + uint32_t(r * S::kVStride); };
     // Every row's location first: ptxas keeps a shared-memory read after an earlier cp.async (it
     // may alias the copy's destination), so read one by one they made each step wait for its read.
     constexpr int kSteps = S::kTile / kRowsPerStep;
@@ -388,18 +440,18 @@ FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st,
     for (int i = 0; i < kSteps; ++i) {
       const int r = lane / S::kChunks + i * kRowsPerStep;
       const bool ok = R[i].state == kTokenValid;  // else 16 zero bytes (offsets 0: an in-bounds address)
-      cp_async_16(dk + r * S::kKStride, kg + R[i].k_off * S::kKb + c * kDecodeChunk, ok);
-      cp_async_16(dv + r * S::kVStride, vg + R[i].v_off * S::kVb + c * kDecodeChunk, ok);
+      cp_async_16(k_dst(r), kg + R[i].k_off * S::kKb + c * kDecodeChunk, ok);
+      cp_async_16(v_dst(r), vg + R[i].v_off * S::kVb + c * kDecodeChunk, ok);
     }
   } else {  // K8V16: K rows half V's width
 #pragma unroll
     for (int i = 0; i < S::kTile / kRowsPerStep; ++i) {
       const int r = lane / S::kChunks + i * kRowsPerStep;
       const TokenLoc R = loc[r];
-      cp_async_16(dk + r * S::kKStride, kg + R.k_off * S::kKb + c * kDecodeChunk, R.state == kTokenValid);
+      cp_async_16(k_dst(r), kg + R.k_off * S::kKb + c * kDecodeChunk, R.state == kTokenValid);
     }
     const int cv = lane % S::kVChunks;
-    const uint32_t dv = smem_u32(st.v + cv * kDecodeChunk);
+    const uint32_t dv = smem_u32(st.v + cv * kDecodeChunk);  // (no TMA form: 8-bit K)
 #pragma unroll
     for (int i = 0; i < S::kTile / kVRowsPerStep; ++i) {
       const int r = lane / S::kVChunks + i * kVRowsPerStep;
@@ -407,29 +459,31 @@ FS_DEV void issue_tile(const AttnParams& p, const SeqKv& kv, const Stage<S>& st,
       cp_async_16(dv + r * S::kVStride, vg + R.v_off * S::kVb + cv * kDecodeChunk, R.state == kTokenValid);
     }
   }
+  if constexpr (S::kTma) cp_async_mbar_arrive_noinc(ring.full(stage));
   __syncwarp();  // loc is rewritten by the next issue
 }
 
 // The warp's tiles w, w + W, ... of keys [u.lo, u.hi) (tiles aligned to the split's start, as
-// the CPU reference), through an S::kStages-deep ring of cp.async groups. The first
+// the CPU reference), through an S::kStages-deep ring of cp.async groups (the TMA form: of
+// stages completing full barriers, `ring`). The first
 // kStages - 1 tiles are issued before anything else (their block-table entries read together),
 // then setup() runs (the row group's q and meta: a global round trip that overlaps the copies;
 // H200: 1-4% faster at B=64..256) and returns the consumer. The block-table entries of the tile
 // after the one being issued wait in registers (`ahead`). consume(c, stage, t0) takes each tile
 // once its copies have landed; the consumer is returned.
 template <class S, class Setup, class Consume>
-FS_DEV auto stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* warp_base, KeyRange u, Setup&& setup,
-                        Consume&& consume) {
+FS_DEV auto stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* warp_base, WarpRing& ring, KeyRange u,
+                        Setup&& setup, Consume&& consume) {
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   constexpr int kTile = S::kTile, kAhead = S::kStages - 1;
-  TokenLoc* loc = reinterpret_cast<TokenLoc*>(warp_base + S::kStages * S::kStageBytes);
+  TokenLoc* loc = reinterpret_cast<TokenLoc*>(warp_base + S::kLocOffset);
   const int64_t base = s.range.begin + (u.lo - s.range.begin) / kTile * kTile;
   const int64_t tiles = u.lo < u.hi ? (u.hi - base + kTile - 1) / kTile : 0;
   const int64_t mine = tiles > warp ? (tiles - warp + S::kWarps - 1) / S::kWarps : 0;
   auto tile_start = [&](int64_t k) { return base + (warp + k * S::kWarps) * kTile; };
   int issue_stage = 0, consume_stage = 0;  // ring positions of the next issue / consume
   auto issue_key = [&](const TileKey& key) {
-    issue_tile<S>(p, s.kv, Stage<S>(warp_base, issue_stage), loc, key, lane);
+    issue_tile<S>(p, ring, s.kv, Stage<S>(warp_base, issue_stage), issue_stage, loc, key, lane);
     issue_stage = issue_stage + 1 == S::kStages ? 0 : issue_stage + 1;
   };
   TileKey first[kAhead];  // the prologue's tiles (skipped past u.hi)
@@ -438,7 +492,7 @@ FS_DEV auto stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* 
 #pragma unroll
   for (int k = 0; k < kAhead; ++k) {
     if (k < mine) issue_key(first[k]);
-    cp_async_commit();
+    if constexpr (!S::kTma) cp_async_commit();
   }
   TileKey ahead = tile_key<kTile>(p, s.kv, tile_start(kAhead), u.lo, u.hi, lane);
   auto c = setup();
@@ -447,14 +501,19 @@ FS_DEV auto stream_keys(const AttnParams& p, const DecodeSeq& s, unsigned char* 
       issue_key(ahead);
       if (k + kAhead + 1 < mine) ahead = tile_key<kTile>(p, s.kv, tile_start(k + kAhead + 1), u.lo, u.hi, lane);
     }
-    cp_async_commit();
-    cp_async_wait<S::kStages - 1>();
+    if constexpr (S::kTma) {  // tile k's phase of its stage's barrier
+      mbar_wait(ring.full(consume_stage), (ring.phases >> consume_stage) & 1u);
+      ring.phases ^= 1u << consume_stage;
+    } else {
+      cp_async_commit();
+      cp_async_wait<S::kStages - 1>();
+    }
     __syncwarp();
     consume(c, Stage<S>(warp_base, consume_stage), tile_start(k));
     consume_stage = consume_stage + 1 == S::kStages ? 0 : consume_stage + 1;
     __syncwarp();  // the stage is free for the next issue
   }
-  cp_async_wait<0>();
+  if constexpr (!S::kTma) cp_async_wait<0>();  // (the TMA form waited for every tile it issued)
   return c;
 }
 
@@ -535,7 +594,7 @@ FS_DEV void merge_and_store(const AttnParams& p, const DecodeSeq& s, int64_t g, 
 // cross-warp merge.
 template <DType kKv, class S>
 FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, int64_t g0, int nrows, int split,
-                          unsigned char* q, RowMeta* meta, unsigned char* warps_base) {
+                          unsigned char* q, RowMeta* meta, unsigned char* warps_base, WarpRing& ring) {
   const int lane = int(threadIdx.x) % 32;
   unsigned char* warp_base = warps_base + size_t(threadIdx.x / 32) * S::kWarpBytes;
   const KeyRange u = group_key_union(p, s, g0, nrows);
@@ -543,7 +602,7 @@ FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, in
   // choice outside the loop, so neither copy carries the other's instructions or registers.
   auto run = [&](auto split_p) {
     MmaWarp<kKv, S> w = stream_keys<S>(
-        p, s, warp_base, u,
+        p, s, warp_base, ring, u,
         [&] {
           setup_rows<S>(p, s, g, g0, nrows, q, meta);
           return MmaWarp<kKv, S>(q, meta, lane);
@@ -557,17 +616,16 @@ FS_DEV void run_row_group(const AttnParams& p, const DecodeSeq& s, int64_t g, in
   else run(std::false_type{});
 }
 
-// The tiling (decode_config.hpp's DecodeTiling as its three fields, as a kernel's template
-// arguments must be for nvcc's host stubs): long splits two CTAs per SM, at most 255 registers;
-// short splits three, at most 168; picked by the launcher (decode_fwd.cu).
-template <DType kKv, DType kV, int kD, int kRows, int kTileKeys, int kStages, int kCtas>
-__global__ void __launch_bounds__(32 * decode_warps(kD), kCtas)
-    decode_fwd(const __grid_constant__ AttnParams p) {
-  using S = Shape<kKv, kV, kD, kRows, DecodeTiling{kTileKeys, kStages, kCtas}>;
+// The CTA's body: shared memory carved as decode_config.hpp lays it out (the TMA form: the full
+// barriers after the rows' metadata, initialized here, the warps' area 1 KB aligned), then its
+// row groups.
+template <DType kKv, class S>
+FS_DEV void decode_cta(const AttnParams& p, const CUtensorMap* maps) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* q = smem_raw;                                                   // [kRows, kQStride]
   RowMeta* meta = reinterpret_cast<RowMeta*>(q + S::kRows * S::kQStride);       // [kRows]
   unsigned char* warps_base = reinterpret_cast<unsigned char*>(meta + S::kRows);
+  WarpRing ring{maps, 0u, 0u, 0u};
   // The grid's order (decode_fwd.cu): long splits x = (sequence x row CTA) x KV head, the head
   // fastest (gridDim.y == 1); short splits x = sequence x row CTA, y = KV head.
   const unsigned hkv = gridDim.y == 1 ? unsigned(p.num_kv_heads) : 1u, br = blockIdx.x / hkv;
@@ -575,12 +633,45 @@ __global__ void __launch_bounds__(32 * decode_warps(kD), kCtas)
   const int split = int(blockIdx.z), r = int(br % unsigned(p.row_ctas));
   const DecodeSeq s = decode_sequence(p, br / unsigned(p.row_ctas), g, split);
   if (split >= s.splits) return;  // fixed-size splits: past this sequence's own (the whole CTA)
+  if constexpr (S::kTma) {  // each warp's barriers, by its lane 0, for its own ring
+    const uint32_t bars = smem_u32(warps_base);
+    ring.bars = bars + uint32_t(int(threadIdx.x) / 32 * S::kStages * 8);
+    const uint32_t area = (bars + uint32_t(S::kWarps * S::kStages * 8) + 1023u) & ~1023u;
+    warps_base += area - bars;
+    if (threadIdx.x % 32 == 0) {
+      for (int i = 0; i < S::kStages; ++i) mbar_init(ring.full(i), 32u);
+      mbar_init_fence();
+    }
+    __syncwarp();
+  }
   const int64_t packed = s.rows.sq() * p.group;
   for (int64_t g0 = int64_t(r) * S::kRows; g0 < packed; g0 += int64_t(p.row_ctas) * S::kRows) {
     const int nrows = int(imin(S::kRows, packed - g0));
     __syncthreads();  // the previous row group is done with shared memory
-    run_row_group<kKv, S>(p, s, g, g0, nrows, split, q, meta, warps_base);
+    run_row_group<kKv, S>(p, s, g, g0, nrows, split, q, meta, warps_base, ring);
+    // The TMA form: the merge's writes over the stages, ordered before the next row group's boxes
+    // (each thread's here, every thread's by the loop's barrier).
+    if constexpr (S::kTma) fence_proxy_async_shared();
   }
+}
+
+// The tiling (decode_config.hpp's DecodeTiling as its fields, as a kernel's template arguments
+// must be for nvcc's host stubs): long splits two CTAs per SM, at most 255 registers; short
+// splits three, at most 168; picked by the launcher (decode_fwd.cu).
+template <DType kKv, DType kV, int kD, int kRows, int kTileKeys, int kStages, int kCtas>
+__global__ void __launch_bounds__(32 * decode_warps(kD), kCtas)
+    decode_fwd(const __grid_constant__ AttnParams p) {
+  decode_cta<kKv, Shape<kKv, kV, kD, kRows, DecodeTiling{kTileKeys, kStages, kCtas}>>(p, nullptr);
+}
+// The TMA form (sm_90a; decode_tma_tiling's fields): its tensor maps beside the parameters.
+template <DType kKv, DType kV, int kD, int kRows, int kTileKeys, int kStages, int kCtas>
+__global__ void __launch_bounds__(32 * decode_warps(kD), kCtas)
+    decode_fwd_tma(const __grid_constant__ DecodeTmaParams tp) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  decode_cta<kKv, Shape<kKv, kV, kD, kRows, DecodeTiling{kTileKeys, kStages, kCtas, true}>>(tp.p, &tp.k);
+#else
+  __trap();  // launched on sm_90 devices only (select.hpp: decode_tma_form)
+#endif
 }
 
 }  // namespace flashserve::kernels::decode

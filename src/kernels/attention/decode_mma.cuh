@@ -291,11 +291,12 @@ struct MmaWarp {
       }
       return;
     }
-    const uint32_t kbase = smem_u32(st.k) + uint32_t((lane % 8 + 8 * (lane / 16)) * S::kKStride + 16 * ((lane / 8) % 2));
+    const int krow = lane % 8 + 8 * (lane / 16), kchunk = (lane / 8) % 2;
+    const uint32_t kbase = smem_u32(st.k) + (S::kTma ? 0u : uint32_t(krow * S::kKStride + 16 * kchunk));
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks) {
       uint32_t b[4];  // keys 0-7 (lo, hi channels), keys 8-15 (lo, hi)
-      ldmatrix_x4(b, kbase + uint32_t(ks * 32));
+      ldmatrix_x4(b, S::kTma ? kbase + S::Swz::at(krow, 2 * ks + kchunk) : kbase + uint32_t(ks * 32));
 #pragma unroll
       for (int ps = 0; ps < kPasses; ++ps) {
         uint32_t a[4];
@@ -441,12 +442,12 @@ struct MmaWarp {
             for (int e = 0; e < 2; ++e) mma_n(4 * c + 2 * h + e, bl[e], bh[e]);
           }
       } else {
-        const uint32_t vbase = smem_u32(st.v) + uint32_t((16 * kk + lane % 8 + 8 * ((lane / 8) % 2)) * S::kVStride +
-                                                         16 * (lane / 16));
+        const int vrow = 16 * kk + lane % 8 + 8 * ((lane / 8) % 2), vchunk = lane / 16;
+        const uint32_t vbase = smem_u32(st.v) + (S::kTma ? 0u : uint32_t(vrow * S::kVStride + 16 * vchunk));
 #pragma unroll
         for (int n2 = 0; n2 < kNTiles / 2; ++n2) {
           uint32_t b[4];  // channels 16 n2 + (0-7 | 8-15) x keys (0-7 | 8-15)
-          ldmatrix_x4_trans(b, vbase + uint32_t(n2 * 32));
+          ldmatrix_x4_trans(b, S::kTma ? vbase + S::Swz::at(vrow, 2 * n2 + vchunk) : vbase + uint32_t(n2 * 32));
           mma_n(2 * n2, b[0], b[1]);
           mma_n(2 * n2 + 1, b[2], b[3]);
         }

@@ -117,8 +117,10 @@ void attention(const detail::AttnProblem& pr, const Plan& plan, const ExecContex
     a.persistent_ctas = prefill_tma_persistent_ctas(
         prefill_cta_keys(a.max_split_keys, choice.rows_per_cta, a.causal, a.chunk, a.window_left, a.window_right),
         dev.num_sms);
-  if (choice.kernel == AttnKernelId::decode)
+  if (choice.kernel == AttnKernelId::decode) {
     a.row_ctas = decode_row_ctas(plan.shape.max_seqlen_q * a.group, plan.shape.kv_8bit);
+    a.decode_tma = decode_tma_form(a, dev);
+  }
   if (choice.kernel == AttnKernelId::decode || choice.kernel == AttnKernelId::decode_mla_wgmma)
     a.cluster_splits = decode_cluster_splits(
         a.num_splits, a.split_size,

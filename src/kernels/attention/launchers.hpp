@@ -33,6 +33,14 @@ void launch_prefill_fp8(const AttnParams& p, const AttnKernelChoice& choice, voi
 // out/lse directly when p.num_splits == 1, else the partials; returns true when it merged the
 // splits itself (p.cluster_splits, where the layout allows: no combine needed).
 bool launch_decode_attention(const AttnParams& p, void* stream);
+// Whether the decode kernel's long splits take its TMA form (decode_config.hpp: decode_tma_tiling)
+// for a call on `dev` (launch.cu sets p.decode_tma): where the device runs the build's sm_90a code,
+// for 16-bit K and V of views TMA can map (common/tma_map.cuh), contiguous or in pages of a
+// multiple of 16 keys; by default where kDecodeTmaDefault says. FLASHSERVE_DECODE_TMA=0 or 1
+// forces it off or on within those bounds (A/B runs; the GPU tests' tma. entries).
+// kDecodeTmaDefault: false until the form has run on a GPU (bench/pending/README.md).
+inline constexpr bool kDecodeTmaDefault = false;
+bool decode_tma_form(const AttnParams& p, const DeviceProps& dev);
 
 // decode_mla.cu: the MLA absorbed-decode kernel for (p.q.dtype, p.k.dtype) (decode_mla_config.hpp), with
 // p.rows_per_cta packed rows per CTA and p.head_slices CTAs per sequence in y. Writes out/lse

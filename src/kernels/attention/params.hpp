@@ -74,6 +74,7 @@ struct AttnParams {
   int64_t max_split_keys = 0;    // a CTA's most keys: the plan's max_seqlen_k per split (0: unknown)
   int row_ctas = 1;              // decode kernel: CTAs per (sequence, KV head, split) (decode_row_ctas)
   bool cluster_splits = false;   // decode kernel: merge the splits in a cluster (select.hpp: decode_cluster_splits)
+  bool decode_tma = false;       // decode kernel: its TMA form for long splits (launchers.hpp: decode_tma_form)
   float* o_partial = nullptr;    // f32 [num_splits, Bq * rows, H, Dv] (workspace)
   float* lse_partial = nullptr;  // f32 [num_splits, Bq * rows, H] (workspace)
 

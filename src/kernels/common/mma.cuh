@@ -37,6 +37,11 @@ FS_DEV void st_shared_v4(uint32_t dst, uint32_t a, uint32_t b, uint32_t c, uint3
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(dst), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
 FS_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// An arrival on the mbarrier at `bar` once every cp.async this thread issued before it has
+// completed (.noinc: the arrival counts against the barrier's expected count).
+FS_DEV void cp_async_mbar_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
 template <int kPending>
 FS_DEV void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");

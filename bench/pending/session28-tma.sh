@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The decode kernel's TMA form (issue 15; decode_config.hpp: decode_tma_tiling), its first GPU run:
+# test_gpu_decode forced on (FLASHSERVE_DECODE_TMA=1: the new TmaFormPagesAndTails and every case
+# it can take), memcheck and racecheck of its cases, then the A/B against the cp.async ring on
+# one build (the env switch; the other kernels' SASS is byte-identical to 4aead93's, checked
+# with cuobjdump). Run after session27-verify.sh on the same warm machine (~3 min more).
+cd "$(dirname "$0")/../.."
+. tools/lib/cuda-dev.sh
+use_cuda_toolkit
+t0=$SECONDS
+cmake --preset cuda-dev >/tmp/tma-configure.log 2>&1 || { tail -20 /tmp/tma-configure.log; exit 1; }
+cmake --build build/cuda-dev -j "$(nproc)" --target test_gpu_decode attn_bench >/tmp/tma-build.log 2>&1 ||
+  { tail -30 /tmp/tma-build.log; exit 1; }
+echo "build ok ($((SECONDS - t0)) s)"
+bin=build/cuda-dev/tests/gpu/test_gpu_decode
+FLASHSERVE_DECODE_TMA=1 timeout 300 $bin 2>&1 | grep -E "FAILED|PASSED|Failure|error" | head -20
+san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+for tool in memcheck racecheck; do
+  FLASHSERVE_DECODE_TMA=1 timeout 200 "$san" --tool $tool --error-exitcode 9 $bin \
+    --gtest_filter='*TmaForm*:*BadBlock*:*VarlenContiguousAndEmpty*' 2>&1 | grep -E "SUMMARY|FAILED|PASSED" | head -4
+done
+echo "tests done ($((SECONDS - t0)) s)"
+tools/gpu-ab --specs bench/specs/decode_tma_ab.txt --env-variant tma="FLASHSERVE_DECODE_TMA=1" 2>&1 | tail -16
+echo "done ($((SECONDS - t0)) s)"

@@ -1,0 +1,24 @@
+// The decode kernel's TMA form (decode_config.hpp: decode_tma_tiling): its instantiations, one
+// per 16-bit entry of kDecodeConfigs, in a translation unit of their own (decode_launch.cuh).
+#include "kernels/attention/decode_launch.cuh"
+#include "kernels/common/dispatch.hpp"
+
+namespace flashserve::kernels {
+
+bool launch_decode_tma(const AttnParams& p, cudaStream_t stream) {
+  bool merged = false;
+  if (!dispatch_built<kDecodeConfigs>(
+          [&](const DecodeConfig& c) { return c.kv == p.k.dtype && c.v == p.v.dtype && c.d == p.head_dim; },
+          [&]<size_t I>() {
+            constexpr DecodeKv f = decode::kFmt<I>;
+            if constexpr (decode_has_tma(f))
+              merged = decode::launch_rows<I, kDecodeRows, decode_tma_tiling(f), true>(p, stream);
+            else
+              throw RuntimeError(detail::cat("decode attention: no TMA form for K ", dtype_name(p.k.dtype)));
+          }))
+    throw RuntimeError(detail::cat("decode attention: no TMA form for K ", dtype_name(p.k.dtype), ", V ",
+                                   dtype_name(p.v.dtype), " and D ", p.head_dim));
+  return merged;
+}
+
+}  // namespace flashserve::kernels
