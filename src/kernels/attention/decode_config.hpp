@@ -101,16 +101,17 @@ struct DecodeTiling {
 };
 // Long splits: decode_tile_keys and decode_stages, two CTAs per SM (by shared memory).
 constexpr DecodeTiling decode_tiling(DecodeKv f) { return {decode_tile_keys(f), decode_stages(f), 2}; }
-// The TMA form of the long tiling (sm_90a, 16-bit K and V; select.hpp's decode_tma_form says
-// where): a tile whose 16 keys lie in one page segment (or contiguous rows) and the cache is one
-// TMA box per 128-byte column block of K and of V, issued by as many lanes, completing the
-// stage's full mbarrier, where the cp.async ring takes 512 16-byte copies per tile and warp
-// (ncu, bf16 B = 1 L = 32k: 27% of the stall samples wait for the block-table entries queued
-// behind them); other tiles (sequence tails, bad block ids) are copied with cp.async as before,
-// arriving on the same barrier. Stages hold K then V as SwizzledTile<16> (128-byte swizzle, no
-// row pad: TMA's layout), 1024-byte aligned; the bad-key masks after the stages, the barriers
-// after the rows' metadata (outside the warps' area, which the merge reuses).
-constexpr bool decode_has_tma(DecodeKv f) { return f.kb == 2 && f.vb == 2 && !f.int8; }
+// The TMA form of the long tiling (sm_90a; 16-bit K and V, or fp8 K and V at D >= 128, whose rows
+// fill a 128-byte column block; launchers.hpp's decode_tma_form says where): a tile whose keys
+// are all in the cache, 16 rows per page segment (pages of 16 x k keys, or contiguous rows), is
+// one TMA box per segment and 128-byte column block of K and of V, issued by as many lanes,
+// completing the stage's full mbarrier, where the cp.async ring takes 512 16-byte copies per tile
+// and warp (ncu, bf16 B = 1 L = 32k: 27% of the stall samples wait for the block-table entries
+// queued behind them); other tiles (sequence tails, bad block ids) are copied with cp.async as
+// before, arriving on the same barrier. Stages hold K then V as SwizzledTile<keys> (128-byte
+// swizzle, no row pad: TMA's layout), 1024-byte aligned; the bad-key masks after the stages, the
+// barriers after the rows' metadata (outside the warps' area, which the merge reuses).
+constexpr bool decode_has_tma(DecodeKv f, int d) { return f.kb == f.vb && !f.int8 && d * f.kb >= 128; }
 constexpr DecodeTiling decode_tma_tiling(DecodeKv f) {
   DecodeTiling t = decode_tiling(f);
   t.tma = true;
@@ -229,6 +230,8 @@ static_assert(sm90_ctas_fit(decode_smem_bytes(kDecodeBf16, 64, 16, decode_tma_ti
               sm90_ctas_fit(decode_smem_bytes(kDecodeBf16, 256, 16, decode_tma_tiling(kDecodeBf16)), 2) &&
               decode_merge_fits(kDecodeBf16, 64, 16, decode_tma_tiling(kDecodeBf16)) &&
               decode_merge_fits(kDecodeBf16, 256, 16, decode_tma_tiling(kDecodeBf16)));
+static_assert(sm90_ctas_fit(decode_smem_bytes(kDecodeFp8, 128, 16, decode_tma_tiling(kDecodeFp8)), 2) &&
+              sm90_ctas_fit(decode_smem_bytes(kDecodeFp8, 256, 16, decode_tma_tiling(kDecodeFp8)), 2));
 static_assert(decode_ctas_fit(kDecodeFp8, 128) && decode_ctas_fit(kDecodeFp8, 256));
 static_assert(decode_ctas_fit(kDecodeK8V8, 128) && decode_ctas_fit(kDecodeK8V8, 256));
 static_assert(decode_ctas_fit(kDecodeK8V16, 128) && decode_ctas_fit(kDecodeK8V16, 256));

@@ -33,7 +33,7 @@ bool launch_config(const AttnParams& p, cudaStream_t stream) {
   AttnParams q = p;  // 16-row CTAs: twice as many per 32-row CTA the plan counted
   if (p.rows_per_cta == kDecodeWideRows) q.row_ctas = 2 * p.row_ctas;
   if (shrt) return launch_rows<I, kDecodeRows, decode_short_tiling(f, d), false>(q, stream);
-  if (decode_has_tma(f) && p.decode_tma) return launch_decode_tma(q, stream);  // decode_fwd_tma.cu
+  if (decode_has_tma(f, d) && p.decode_tma) return launch_decode_tma(q, stream);  // decode_fwd_tma.cu
   return launch_rows<I, kDecodeRows, decode_tiling(f), true>(q, stream);
 }
 
@@ -43,7 +43,9 @@ bool decode_tma_form(const AttnParams& p, const DeviceProps& dev) {
   static const int forced = env_digit<0, 1, -1>("FLASHSERVE_DECODE_TMA");
   if (!(forced >= 0 ? forced == 1 : kDecodeTmaDefault)) return false;
   if (!FLASHSERVE_SM90A || dev.cc_major != 9 || dev.cc_minor != 0) return false;
-  if (!is_half(p.k.dtype) || p.v.dtype != p.k.dtype || p.head_dim != p.head_dim_v) return false;
+  if (p.v.dtype != p.k.dtype || p.head_dim != p.head_dim_v || !(is_half(p.k.dtype) || is_fp8(p.k.dtype)) ||
+      p.head_dim * int64_t(kv_bytes(p.k.dtype)) < 128)  // 16-bit or fp8 rows in 128-byte column blocks
+    return false;
   if (p.paged && p.kv_dim1 % kDecodeTileKeys != 0) return false;  // a tile from a 16-aligned row: one page
   return tma_mappable(p.k, p.kv_dim0, p.kv_dim1, p.num_kv_heads, p.head_dim) &&
          tma_mappable(p.v, p.kv_dim0, p.kv_dim1, p.num_kv_heads, p.head_dim_v);

@@ -20,10 +20,10 @@
 // 16 rows (decode_mma.cuh). The W warp states merge at the end (shared memory), then out (or
 // the split partial) and LSE; with the splits launched as one cluster (decode_fwd.cu), the split
 // partials stay in shared memory and the cluster merges them (cluster_merge.cuh), no combine.
-// The TMA form (sm_90a, 16-bit K/V, long splits; decode_config.hpp: decode_tma_tiling) keeps this
-// structure: a warp's ring completes mbarriers instead of cp.async groups, its whole-page tiles
-// loaded as TMA boxes by a few lanes (issue_tma) where the cp.async ring issues 16 copies per
-// lane and tile.
+// The TMA form (sm_90a, 16-bit K/V or fp8 at D >= 128, long splits; decode_config.hpp:
+// decode_tma_tiling) keeps this structure: a warp's ring completes mbarriers instead of cp.async
+// groups, its tiles loaded as TMA boxes (one per 16-row page segment and 128-byte column block)
+// by a few lanes (issue_tma) where the cp.async ring issues 16 copies per lane and tile.
 //
 // Arithmetic (H200, paged bf16, B=64, L=4096, H=32, H_kv=8, D=128, block 16): KV bytes =
 // 64 * 4096 * 8 * 128 * 2 (K, V) * 2 B = 1.07 GB, q/out < 1 MB; ~4.3 TB/s copy ceiling = 33 GB/s
@@ -149,10 +149,13 @@ struct Shape {
   static_assert(decode_merge_fits(kFmt, kD, kR, kTl), "the merge area fits in the warps' area");
   static_assert(kKScaleOffset % 16 == 0, "int8 k scales: 16-byte aligned in the stage");
   static_assert(kLocOffset + decode_loc_bytes(kTl) <= kWarpBytes, "the warp's area holds its scratch");
-  static_assert(!kTma || (decode_has_tma(kFmt) && kStageBytes % 1024 == 0 && kWarpBytes % 1024 == 0),
-                "the TMA form: 16-bit K and V, stages 1 KB aligned");
+  static_assert(!kTma || (decode_has_tma(kFmt, kD) && kStageBytes % 1024 == 0 && kWarpBytes % 1024 == 0 &&
+                          kTile % 16 == 0),
+                "the TMA form: 16-bit or fp8 K and V in 128-byte column blocks, 16-row segments, stages 1 KB "
+                "aligned");
   // The TMA form's K and V tiles: 16-byte chunk c of key row r at Swz::at(r, c) (TMA's 128-byte
-  // swizzle per 64-channel column block); the others' at r x kKStride (kVStride) + 16 c.
+  // swizzle per 128-byte column block); the others' at r x kKStride (kVStride) + 16 c (8-bit K:
+  // chunk c ^ (r & 1)).
   using Swz = SwizzledTile<kTile>;
 };
 
@@ -169,7 +172,7 @@ struct Stage {
   FS_DEV Stage(unsigned char* warp_base, int s) {
     k = warp_base + size_t(s) * S::kStageBytes;
     if constexpr (S::kTma) {
-      v = k + S::kTile * S::kDim * 2;
+      v = k + S::kTile * S::kDim * S::kKb;
       bad = reinterpret_cast<uint32_t*>(warp_base + S::kStages * S::kStageBytes + s * kDecodeStageMaskBytes);
       kscale = nullptr;
     } else {
@@ -180,7 +183,7 @@ struct Stage {
   }
 };
 
-// The TMA form's tensor maps (make_tma_map: boxes of 16 keys x 64 channels of one head) beside
+// The TMA form's tensor maps (make_tma_map: boxes of 16 keys x 128 bytes of one head) beside
 // the parameters; the other forms' kernels take AttnParams alone.
 struct DecodeTmaParams {
   CUtensorMap k, v;

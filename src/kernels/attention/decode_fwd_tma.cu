@@ -11,7 +11,7 @@ bool launch_decode_tma(const AttnParams& p, cudaStream_t stream) {
           [&](const DecodeConfig& c) { return c.kv == p.k.dtype && c.v == p.v.dtype && c.d == p.head_dim; },
           [&]<size_t I>() {
             constexpr DecodeKv f = decode::kFmt<I>;
-            if constexpr (decode_has_tma(f))
+            if constexpr (decode_has_tma(f, kDecodeConfigs[I].d))
               merged = decode::launch_rows<I, kDecodeRows, decode_tma_tiling(f), true>(p, stream);
             else
               throw RuntimeError(detail::cat("decode attention: no TMA form for K ", dtype_name(p.k.dtype)));

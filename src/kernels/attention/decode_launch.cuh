@@ -27,7 +27,7 @@ constexpr DecodeKv kFmt = decode_kv(kDecodeConfigs[I].kv, kDecodeConfigs[I].v);
 // num_splits) that merges them (cluster_merge.cuh), where the layout's shared memory holds the
 // CTA's partial rows beside the merge area and such a cluster fits on the device. Returns
 // whether it did (no partials in the workspace, no combine).
-// kTl.tma: the TMA form (decode_fwd_tma), its tensor maps made here (boxes of the tile's keys).
+// kTl.tma: the TMA form (decode_fwd_tma), its tensor maps made here (boxes of 16 keys).
 template <size_t I, int kRows, DecodeTiling kTl, bool kHeadsInX>
 bool launch_rows(const AttnParams& p, cudaStream_t stream) {
   constexpr DecodeConfig c = kDecodeConfigs[I];
@@ -49,8 +49,8 @@ bool launch_rows(const AttnParams& p, cudaStream_t stream) {
   if constexpr (kTl.tma) {
     DecodeTmaParams tp;
     tp.p = p;
-    tp.k = make_tma_map(p.k, p.kv_dim0, p.kv_dim1, p.num_kv_heads, c.d, kTl.keys, "k");
-    tp.v = make_tma_map(p.v, p.kv_dim0, p.kv_dim1, p.num_kv_heads, c.d, kTl.keys, "v");
+    tp.k = make_tma_map(p.k, p.kv_dim0, p.kv_dim1, p.num_kv_heads, c.d, 16, "k");  // 16-row page segments
+    tp.v = make_tma_map(p.v, p.kv_dim0, p.kv_dim1, p.num_kv_heads, c.d, 16, "v");
     return launch.template operator()<&decode_fwd_tma<c.kv, c.v, c.d, kRows, kTl.keys, kTl.stages, kTl.ctas>>(
         tp);
   } else {

@@ -359,17 +359,20 @@ struct WarpRing {
 };
 
 // The TMA form (decode_config.hpp: decode_tma_tiling): loads the tile by TMA when every key of it
-// is valid (inside every bound; tile_loc) and its rows are one box: contiguous rows, or paged
-// rows from a 16-aligned row of one page (the launch's block size a multiple of 16: select.hpp's
-// decode_tma_form); returns whether it did (warp-uniform). Lanes < 2 x kBlocks each issue one
-// box (a 128-byte column block of 16 rows of K, then of V); lane 0 expects the tile's bytes on
-// `full` and the other lanes arrive (the phase cannot complete before lane 0's arrival).
+// is valid (inside every bound; tile_loc) and each 16 of its rows are one box: contiguous rows,
+// or paged rows from a 16-aligned row of a page (the launch's block size a multiple of 16:
+// launchers.hpp's decode_tma_form), segment s's block id and row those of lane 16 s's key;
+// returns whether it did (warp-uniform). Lane i < 2 x kSegs x kBlocks issues box i (operand
+// i / (kSegs kBlocks): K, then V; segment; 128-byte column block); lane 0 expects the tile's
+// bytes on `full` and the other lanes arrive (the phase cannot complete before lane 0's arrival).
 template <class S>
 FS_DEV bool issue_tma(const AttnParams& p, WarpRing& ring, const SeqKv& kv, const Stage<S>& st, int stage,
                       const TokenLoc& L, const TileKey& key, int lane) {
-  const int row = __shfl_sync(kFullMask, int(key.d1), 0), blk = __shfl_sync(kFullMask, key.d0, 0);
-  if (!__all_sync(kFullMask, L.state == kTokenValid) || (p.paged && (row & (S::kTile - 1)) != 0)) return false;
-  constexpr int kBlocks = S::kDim * 2 / 128;  // column blocks per K (V) row
+  constexpr int kBlocks = S::kDim * S::kKb / 128, kSegs = S::kTile / 16, kBoxes = 2 * kSegs * kBlocks;
+  static_assert(kBoxes <= 32, "a box per lane");
+  const int seg = (lane / kBlocks) % kSegs;
+  const int row = __shfl_sync(kFullMask, int(key.d1), 16 * seg), blk = __shfl_sync(kFullMask, key.d0, 16 * seg);
+  if (!__all_sync(kFullMask, L.state == kTokenValid && (!p.paged || (row & 15) == 0))) return false;
   const uint32_t full = ring.full(stage);
   if (ring.cp_filled >> stage & 1u) {  // the stage's last fill was cp.async: its writes before the boxes'
     fence_proxy_async_shared();
@@ -382,11 +385,10 @@ FS_DEV bool issue_tma(const AttnParams& p, WarpRing& ring, const SeqKv& kv, cons
   } else {
     mbar_arrive(full);
   }
-  if (lane < 2 * kBlocks) {
-    const bool v = lane >= kBlocks;
-    const int c = v ? lane - kBlocks : lane;
-    tma_load_4d(smem_u32(v ? st.v : st.k) + uint32_t(c) * S::Swz::kBlockBytes, ring.maps + int(v), full, c * 64,
-                int(kv.g), row, blk);
+  if (lane < kBoxes) {
+    const int v = lane / (kSegs * kBlocks), c = lane % kBlocks;
+    tma_load_4d(smem_u32(v ? st.v : st.k) + uint32_t(c) * S::Swz::kBlockBytes + uint32_t(seg * 16 * 128),
+                ring.maps + v, full, c * (128 / S::kKb), int(kv.g), row, blk);
   }
   return true;
 }
@@ -426,7 +428,7 @@ FS_DEV void issue_tile(const AttnParams& p, WarpRing& ring, const SeqKv& kv, con
   const int ck = S::kKb == 1 ? c ^ ((lane / S::kChunks) & 1) : c;
   // Destinations: row r's chunk at dk + r x kKStride (dv, kVStride), the TMA form's swizzled.
   const uint32_t dk = smem_u32(st.k + (S::kTma ? 0 : ck * kDecodeChunk));
-  auto k_dst = [&](int r) { return S::kTma ? dk + S::Swz::at(r, ck) : dk + uint32_t(r * S::kKStride); };
+  auto k_dst = [&](int r) { return S::kTma ? dk + S::Swz::at(r, c) : dk + uint32_t(r * S::kKStride); };
   if constexpr (S::kChunks == S::kVChunks) {  // K and V rows of one width: one pass
     const uint32_t dv = smem_u32(st.v + (S::kTma ? 0 : c * kDecodeChunk));
     auto v_dst = [&](int r) { return S::kTma ? dv + S::Swz::at(r, c) : dv + uint32_t(r * S::kVStride); };

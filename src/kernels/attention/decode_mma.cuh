@@ -227,7 +227,7 @@ struct MmaWarp {
 
   // 8-bit K (fp8, int8): the lane's D / 4 bytes of key row g + 8n (lane / 4 = g), chunks
   // c0.. of the row (c0 = (lane % 4) x D / 64), chunk c stored at c ^ (row & 1) (unpadded
-  // rows, decode_config.hpp), as D / 16 words.
+  // rows, decode_config.hpp; the TMA form: at Swz::at(row, c)), as D / 16 words.
   static constexpr int k8BitLaneWords = S::kDim / 16;
   FS_DEV static void k_words_8bit(const Stage<S>& st, int n, int lane, uint32_t (&w)[k8BitLaneWords]) {
     constexpr int kLaneBytes = S::kDim / 4;
@@ -235,8 +235,33 @@ struct MmaWarp {
     const unsigned char* kr = st.k + (lane / 4) * S::kKStride;
 #pragma unroll
     for (int j = 0; j < kLaneBytes / 16; ++j) {  // chunk c0 + j, stored at (c0 + j) ^ swz
-      const uint4 v = *reinterpret_cast<const uint4*>(kr + 8 * n * S::kKStride + 16 * ((c0 + j) ^ swz));
+      const unsigned char* at = S::kTma ? st.k + S::Swz::at(lane / 4 + 8 * n, c0 + j)
+                                        : kr + 8 * n * S::kKStride + 16 * ((c0 + j) ^ swz);
+      const uint4 v = *reinterpret_cast<const uint4*>(at);
       w[4 * j] = v.x, w[4 * j + 1] = v.y, w[4 * j + 2] = v.z, w[4 * j + 3] = v.w;
+    }
+  }
+  // 8-bit V: the lane's D / 8 bytes (n-tiles' channels (lane / 4) x D / 8 ..) of key rows
+  // 16 kk + (2t, 2t + 1, 2t + 8, 2t + 9) (t = lane % 4) as words.
+  template <int kLaneBytes>
+  FS_DEV static void v_words_8bit(const Stage<S>& st, int kk, int lane, uint32_t (&w)[4][kLaneBytes / 4]) {
+    const int r0 = 16 * kk + 2 * (lane % 4);
+    if constexpr (S::kTma) {  // (D >= 128: whole 16-byte chunks)
+      constexpr int kChunks = kLaneBytes / 16;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < kChunks; ++j) {
+          const uint4 v = *reinterpret_cast<const uint4*>(st.v + S::Swz::at(r0 + (i & 1) + 8 * (i / 2),
+                                                                             (lane / 4) * kChunks + j));
+          w[i][4 * j] = v.x, w[i][4 * j + 1] = v.y, w[i][4 * j + 2] = v.z, w[i][4 * j + 3] = v.w;
+        }
+    } else {
+      const unsigned char* vr = st.v + r0 * S::kVStride + (lane / 4) * kLaneBytes;
+      load_words<kLaneBytes>(vr, w[0]);
+      load_words<kLaneBytes>(vr + S::kVStride, w[1]);
+      load_words<kLaneBytes>(vr + 8 * S::kVStride, w[2]);
+      load_words<kLaneBytes>(vr + 9 * S::kVStride, w[3]);
     }
   }
 
@@ -413,11 +438,7 @@ struct MmaWarp {
       if constexpr (kV8) {
         constexpr int kLaneBytes = S::kDim / 8;  // one byte per n-tile
         uint32_t w[4][kLaneBytes / 4];           // keys 16 kk + (2t, 2t+1, 2t+8, 2t+9)
-        const unsigned char* vr = st.v + (16 * kk + 2 * (lane % 4)) * S::kVStride + (lane / 4) * kLaneBytes;
-        load_words<kLaneBytes>(vr, w[0]);
-        load_words<kLaneBytes>(vr + S::kVStride, w[1]);
-        load_words<kLaneBytes>(vr + 8 * S::kVStride, w[2]);
-        load_words<kLaneBytes>(vr + 9 * S::kVStride, w[3]);
+        v_words_8bit<kLaneBytes>(st, kk, lane, w);
         if constexpr (kInt8) {  // bias by 128 once per word (i8x2_biased_to_f16x2)
 #pragma unroll
           for (int i = 0; i < 4; ++i)
