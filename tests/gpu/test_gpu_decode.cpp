@@ -166,7 +166,7 @@ TEST(GpuDecode, GqaLayoutsAndBlockSizes) {
 // K/V at D >= 128): pages of 16 x k keys (48 included: fp8's 32-key tiles then span two page
 // segments of different pages) and contiguous caches, NHD and HND, lengths off the tiles (the
 // tail tile by cp.async on the same barriers), 1 or 3 splits, GQA 1 / 4 / 8 (causal verify rows
-// past one query row), bf16 and fp8 (e4m3, e5m2; bf16 or fp8 q) caches: the cp.async ring by
+// past one query row: 4 and 32 packed rows), bf16 and fp8 (e4m3, e5m2; bf16 or fp8 q) caches: the cp.async ring by
 // default (kDecodeTmaDefault), the TMA form in the ctest entries tma. (FLASHSERVE_DECODE_TMA=1).
 TEST(GpuDecode, TmaFormPagesAndTails) {
   auto rng = fstest::make_rng(15);
@@ -180,7 +180,8 @@ TEST(GpuDecode, TmaFormPagesAndTails) {
         c.layout = i % 2 ? fs::KvLayout::hnd : fs::KvLayout::nhd;
         c.num_splits = 1 + 2 * (i / 2 % 2);
         c.k_lens[0] = 1200 - 7;  // a tail tile in every split count
-        if (group == 1) {  // 4 packed rows from 4 query rows, each seeing its own prefix
+        if (group != 4) {  // 4 or 32 packed rows from 4 query rows, each seeing its own prefix (32:
+                           // a 16-bit cache's 32-row CTAs, an fp8 one's two 16-row CTAs)
           c.q_lens.assign(c.q_lens.size(), 4);
           for (int64_t& k : c.k_lens) k = std::max<int64_t>(k, 4);
           c.causal = true;

@@ -182,11 +182,14 @@ constexpr DecodeTiling decode_short_tiling(DecodeKv f, int d) {
 // the long tiling's ring made shallower until it fits beside the larger q (D = 128: 2 stages,
 // 81 KB). 8-bit caches keep 16-row CTAs (decode_cta_rows: fp8 ran slower in 32-row ones).
 constexpr bool decode_has_wide(DecodeKv f) { return f.kb == 2; }
-constexpr DecodeTiling decode_wide_tiling(DecodeKv f, int d) {
-  DecodeTiling t{kDecodeTileKeys, decode_stages(f), 2};
+constexpr DecodeTiling decode_wide_tiling(DecodeKv f, int d, bool tma = false) {
+  DecodeTiling t{kDecodeTileKeys, decode_stages(f), 2, tma};
   while (t.stages > 2 && !sm90_ctas_fit(decode_smem_bytes(f, d, int(kDecodeWideRows), t), t.ctas)) --t.stages;
   return t;
 }
+// The TMA form of the 32-row CTAs (decode_tma_tiling's stages, unpadded): D = 128 keeps the long
+// tiling's 3 stages (107 KB) where the padded ring fits 2.
+constexpr DecodeTiling decode_wide_tma_tiling(DecodeKv f, int d) { return decode_wide_tiling(f, d, true); }
 // Whether the launch takes the short tiling: a split's key span (bounded by the block table's
 // width x block size, or the contiguous cache's rows) gives no warp more than two 16-key tiles.
 constexpr bool decode_launch_short(int d, int64_t span, int splits) {
@@ -230,6 +233,8 @@ static_assert(sm90_ctas_fit(decode_smem_bytes(kDecodeBf16, 64, 16, decode_tma_ti
               sm90_ctas_fit(decode_smem_bytes(kDecodeBf16, 256, 16, decode_tma_tiling(kDecodeBf16)), 2) &&
               decode_merge_fits(kDecodeBf16, 64, 16, decode_tma_tiling(kDecodeBf16)) &&
               decode_merge_fits(kDecodeBf16, 256, 16, decode_tma_tiling(kDecodeBf16)));
+static_assert(decode_wide_tma_tiling(kDecodeBf16, 128).stages == 3 && decode_wide_tiling(kDecodeBf16, 128).stages == 2 &&
+              decode_merge_fits(kDecodeBf16, 128, int(kDecodeWideRows), decode_wide_tma_tiling(kDecodeBf16, 128)));
 static_assert(sm90_ctas_fit(decode_smem_bytes(kDecodeFp8, 128, 16, decode_tma_tiling(kDecodeFp8)), 2) &&
               sm90_ctas_fit(decode_smem_bytes(kDecodeFp8, 256, 16, decode_tma_tiling(kDecodeFp8)), 2));
 static_assert(decode_ctas_fit(kDecodeFp8, 128) && decode_ctas_fit(kDecodeFp8, 256));

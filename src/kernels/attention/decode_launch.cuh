@@ -61,6 +61,7 @@ bool launch_rows(const AttnParams& p, cudaStream_t stream) {
 }  // namespace flashserve::kernels::decode
 
 namespace flashserve::kernels {
-// decode_fwd_tma.cu: the TMA form's launch for p's (K, V, D) (launch_rows' return).
-bool launch_decode_tma(const AttnParams& p, cudaStream_t stream);
+// decode_fwd_tma.cu: the TMA form's launch for p's (K, V, D), 16-row CTAs or (wide) 32-row ones
+// (launch_rows' return).
+bool launch_decode_tma(const AttnParams& p, bool wide, cudaStream_t stream);
 }  // namespace flashserve::kernels
