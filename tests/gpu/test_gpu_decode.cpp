@@ -162,8 +162,8 @@ TEST(GpuDecode, GqaLayoutsAndBlockSizes) {
       }
 }
 
-// The long tiling's TMA form (decode_config.hpp: decode_tma_tiling; sm_90a, 16-bit K/V, or fp8
-// K/V at D >= 128): pages of 16 x k keys (48 included: fp8's 32-key tiles then span two page
+// The long tiling's TMA form (decode_config.hpp: decode_tma_tiling; sm_90a, D = 128 here: 16-bit
+// or fp8 K/V): pages of 16 x k keys (48 included: fp8's 32-key tiles then span two page
 // segments of different pages) and contiguous caches, NHD and HND, lengths off the tiles (the
 // tail tile by cp.async on the same barriers), 1 or 3 splits, GQA 1 / 4 / 8 (causal verify rows
 // past one query row: 4 and 32 packed rows), bf16 and fp8 (e4m3, e5m2; bf16 or fp8 q) caches: the cp.async ring by

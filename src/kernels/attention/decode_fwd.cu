@@ -45,7 +45,7 @@ bool decode_tma_form(const AttnParams& p, const DeviceProps& dev) {
   if (!(forced >= 0 ? forced == 1 : kDecodeTmaDefault)) return false;
   if (!FLASHSERVE_SM90A || dev.cc_major != 9 || dev.cc_minor != 0) return false;
   if (p.v.dtype != p.k.dtype || p.head_dim != p.head_dim_v || !(is_half(p.k.dtype) || is_fp8(p.k.dtype)) ||
-      p.head_dim * int64_t(kv_bytes(p.k.dtype)) < 128)  // 16-bit or fp8 rows in 128-byte column blocks
+      !decode_has_tma(decode_kv(p.k.dtype), int(p.head_dim)))  // 16-bit or fp8 rows in 128-byte column blocks
     return false;
   if (p.paged && p.kv_dim1 % kDecodeTileKeys != 0) return false;  // a tile from a 16-aligned row: one page
   return tma_mappable(p.k, p.kv_dim0, p.kv_dim1, p.num_kv_heads, p.head_dim) &&

@@ -20,7 +20,7 @@
 // 16 rows (decode_mma.cuh). The W warp states merge at the end (shared memory), then out (or
 // the split partial) and LSE; with the splits launched as one cluster (decode_fwd.cu), the split
 // partials stay in shared memory and the cluster merges them (cluster_merge.cuh), no combine.
-// The TMA form (sm_90a, 16-bit K/V or fp8 at D >= 128, long splits; decode_config.hpp:
+// The TMA form (sm_90a, 16-bit K/V at D <= 128 or fp8 at D = 128, long splits; decode_config.hpp:
 // decode_tma_tiling) keeps this structure: a warp's ring completes mbarriers instead of cp.async
 // groups, its tiles loaded as TMA boxes (one per 16-row page segment and 128-byte column block)
 // by a few lanes (issue_tma) where the cp.async ring issues 16 copies per lane and tile.
