@@ -14,6 +14,9 @@ cmake --build build/cuda-dev -j "$(nproc)" --target test_gpu_decode attn_bench >
 echo "build ok ($((SECONDS - t0)) s)"
 bin=build/cuda-dev/tests/gpu/test_gpu_decode
 FLASHSERVE_DECODE_TMA=1 timeout 300 $bin 2>&1 | grep -E "FAILED|PASSED|Failure|error" | head -20
+# with the splits merged in clusters too (the merge's partials in the TMA form's aligned area)
+FLASHSERVE_DECODE_TMA=1 FLASHSERVE_DECODE_CLUSTER=1 timeout 200 $bin \
+  --gtest_filter='*Cluster*:*LargeBatchLongKv*:*TmaForm*' 2>&1 | grep -E "FAILED|PASSED|Failure" | head -8
 san=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 for tool in memcheck racecheck; do
   FLASHSERVE_DECODE_TMA=1 timeout 200 "$san" --tool $tool --error-exitcode 9 $bin \
