@@ -55,9 +55,7 @@ bool decode_tma_form(const AttnParams& p, const DeviceProps& dev) {
 bool launch_decode_attention(const AttnParams& p, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   bool merged = false;
-  if (!dispatch_built<kDecodeConfigs>([&](const DecodeConfig& c) {
-                                        return c.kv == p.k.dtype && c.v == p.v.dtype && c.d == p.head_dim;
-                                      },
+  if (!dispatch_built<kDecodeConfigs>([&](const DecodeConfig& c) { return decode::config_serves(c, p); },
                                       [&]<size_t I>() { merged = launch_config<I>(p, s); }))
     throw RuntimeError(detail::cat("decode attention: no instantiation for K ", dtype_name(p.k.dtype), ", V ",
                                    dtype_name(p.v.dtype), " and D ",

@@ -9,7 +9,7 @@ namespace flashserve::kernels {
 bool launch_decode_tma(const AttnParams& p, bool wide, cudaStream_t stream) {
   bool merged = false;
   if (!dispatch_built<kDecodeConfigs>(
-          [&](const DecodeConfig& c) { return c.kv == p.k.dtype && c.v == p.v.dtype && c.d == p.head_dim; },
+          [&](const DecodeConfig& c) { return decode::config_serves(c, p); },
           [&]<size_t I>() {
             constexpr DecodeKv f = decode::kFmt<I>;
             constexpr int d = kDecodeConfigs[I].d;

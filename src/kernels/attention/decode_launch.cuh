@@ -17,6 +17,10 @@ namespace flashserve::kernels::decode {
 
 template <size_t I>
 constexpr DecodeKv kFmt = decode_kv(kDecodeConfigs[I].kv, kDecodeConfigs[I].v);
+// Whether configuration c is the instantiation for p's (K, V, D).
+inline bool config_serves(const DecodeConfig& c, const AttnParams& p) {
+  return c.kv == p.k.dtype && c.v == p.v.dtype && c.d == p.head_dim;
+}
 
 // kHeadsInX: the grid's x is (sequence x row CTA) x KV head, the head fastest, so the CTAs of one
 // sequence's heads start together and read the same pages (a token's heads lie side by side) at
