@@ -102,9 +102,10 @@ struct DecodeTiling {
 // Long splits: decode_tile_keys and decode_stages, two CTAs per SM (by shared memory).
 constexpr DecodeTiling decode_tiling(DecodeKv f) { return {decode_tile_keys(f), decode_stages(f), 2}; }
 // The TMA form of the long tiling (sm_90a; 16-bit K and V at D = 64 or 128, or fp8 K and V at
-// D = 128, whose rows fill 128-byte column blocks; launchers.hpp's decode_tma_form says where): a tile whose keys
-// are all in the cache, 16 rows per page segment (pages of 16 x k keys, or contiguous rows), is
-// one TMA box per segment and 128-byte column block of K and of V, issued by as many lanes,
+// D = 128, whose rows fill 128-byte column blocks; launchers.hpp's decode_tma_form says where): a
+// tile whose keys are all in the cache, 16 rows per page segment (pages of 16 x k keys, or
+// contiguous rows), is one TMA box per segment and 128-byte column block of K and of V, issued by
+// as many lanes,
 // completing the stage's full mbarrier, where the cp.async ring takes 512 16-byte copies per tile
 // and warp (ncu, bf16 B = 1 L = 32k: 27% of the stall samples wait for the block-table entries
 // queued behind them); other tiles (sequence tails, bad block ids) are copied with cp.async as
@@ -233,7 +234,8 @@ static_assert(decode_ctas_fit(kDecodeBf16, 128) && decode_ctas_fit(kDecodeBf16, 
 static_assert(sm90_ctas_fit(decode_smem_bytes(kDecodeBf16, 64, 16, decode_tma_tiling(kDecodeBf16)), 2) &&
               sm90_ctas_fit(decode_smem_bytes(kDecodeBf16, 128, 16, decode_tma_tiling(kDecodeBf16)), 2) &&
               decode_merge_fits(kDecodeBf16, 64, 16, decode_tma_tiling(kDecodeBf16)));
-static_assert(decode_wide_tma_tiling(kDecodeBf16, 128).stages == 3 && decode_wide_tiling(kDecodeBf16, 128).stages == 2 &&
+static_assert(decode_wide_tma_tiling(kDecodeBf16, 128).stages == 3 &&
+              decode_wide_tiling(kDecodeBf16, 128).stages == 2 &&
               decode_merge_fits(kDecodeBf16, 128, int(kDecodeWideRows), decode_wide_tma_tiling(kDecodeBf16, 128)));
 static_assert(sm90_ctas_fit(decode_smem_bytes(kDecodeFp8, 128, 16, decode_tma_tiling(kDecodeFp8)), 2));
 static_assert(decode_ctas_fit(kDecodeFp8, 128) && decode_ctas_fit(kDecodeFp8, 256));

@@ -36,9 +36,9 @@ bool launch_decode_attention(const AttnParams& p, void* stream);
 // Whether the decode kernel's long splits take its TMA form (decode_config.hpp: decode_tma_tiling)
 // for a call on `dev` (launch.cu sets p.decode_tma): where the device runs the build's sm_90a code,
 // for 16-bit K and V at D = 64 or 128, or fp8 ones at D = 128 (decode_has_tma), of views TMA can
-// map (common/tma_map.cuh),
-// contiguous or in pages of a multiple of 16 keys; by default where kDecodeTmaDefault says. FLASHSERVE_DECODE_TMA=0 or 1
-// forces it off or on within those bounds (A/B runs; the GPU tests' tma. entries).
+// map (common/tma_map.cuh), contiguous or in pages of a multiple of 16 keys; by default where
+// kDecodeTmaDefault says. FLASHSERVE_DECODE_TMA=0 or 1 forces it off or on within those bounds
+// (A/B runs; the GPU tests' tma. entries).
 // kDecodeTmaDefault: false until the form has run on a GPU (bench/pending/README.md).
 inline constexpr bool kDecodeTmaDefault = false;
 bool decode_tma_form(const AttnParams& p, const DeviceProps& dev);
