@@ -27,14 +27,14 @@ bool launch_config(const AttnParams& p, cudaStream_t stream) {
   const bool shrt = decode_launch_short(d, span, invariant ? 1 : p.num_splits);
   if constexpr (decode_has_wide(f)) {
     if (p.rows_per_cta == kDecodeWideRows && !shrt && !invariant) {
-      if (decode_has_tma(f, d) && p.decode_tma) return launch_decode_tma(p, true, stream);  // decode_fwd_tma.cu
+      if (p.decode_tma) return launch_decode_tma(p, true, stream);  // decode_fwd_tma.cu (decode_tma_form: its formats)
       return launch_rows<I, int(kDecodeWideRows), decode_wide_tiling(f, d), true>(p, stream);
     }
   }
   AttnParams q = p;  // 16-row CTAs: twice as many per 32-row CTA the plan counted
   if (p.rows_per_cta == kDecodeWideRows) q.row_ctas = 2 * p.row_ctas;
   if (shrt) return launch_rows<I, kDecodeRows, decode_short_tiling(f, d), false>(q, stream);
-  if (decode_has_tma(f, d) && p.decode_tma) return launch_decode_tma(q, false, stream);
+  if (p.decode_tma) return launch_decode_tma(q, false, stream);
   return launch_rows<I, kDecodeRows, decode_tiling(f), true>(q, stream);
 }
 
